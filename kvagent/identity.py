@@ -1,0 +1,371 @@
+"""Slot and cache-owner identity: BLAKE3 digests over framed canonical material, and their text forms.
+
+The exact bytes are documented in ``docs/identity.md``; the test vectors there are pinned by
+``tests/test_identity.py``.  Framing follows Dynamo's rules: ``framed(x)`` is a little-endian u32 length
+followed by ``x``, explicit maps are written in bytewise-sorted key order, and every material starts with a
+versioned domain tag naming both the id kind and its source.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+import struct
+from collections.abc import Mapping
+
+import attrs
+import blake3
+
+__all__ = [
+    "CacheOwnerId",
+    "CacheSemanticsId",
+    "DcId",
+    "IdentityError",
+    "IdentitySource",
+    "IndexerDomainId",
+    "KvStateAgentIdentity",
+    "PoolId",
+    "RoutingScopeId",
+    "StableDpSlotId",
+    "attachment_record_id",
+    "cache_owner_residency_key",
+    "derive_cache_owner_id",
+    "host_record_id",
+    "new_publisher_id",
+    "resolve_stable_dp_slot_id",
+    "worker_residency_key",
+]
+
+MAX_IDENTITY_ENTRIES = 32
+MAX_IDENTITY_KEY_BYTES = 128
+MAX_IDENTITY_VALUE_BYTES = 1024
+JSON_SAFE_MASK = (1 << 53) - 1
+
+STABLE_DP_SLOT_TAG = b"kvagent/stable-dp-slot/explicit/v1"
+CACHE_SEMANTICS_TAGS = {
+    True: b"dynamo/indexer-cache-semantics/explicit/v1",
+    False: b"dynamo/indexer-cache-semantics/default/v1",
+}
+ROUTING_SCOPE_TAGS = {
+    True: b"dynamo/indexer-routing-scope/explicit/v1",
+    False: b"dynamo/indexer-routing-scope/default/v1",
+}
+# kvagent defines: the default (non-explicit) material is the single value below, so that a deployment
+# that supplies nothing still gets a stable, documented id.
+DEFAULT_MATERIAL_VALUES = (b"kvagent-default",)
+# kvagent defines: event hash format 1 = XXH3-64 LocalBlockHash over u32-LE tokens (seed 1337).
+EVENT_HASH_FORMAT_XXH3_64_U32LE = 1
+
+WORKER_OWNER_TAG = b"dynamo/residency-owner/worker/v1"
+CACHE_OWNER_OWNER_TAG = b"dynamo/residency-owner/cache-owner/v1"
+ATTACHMENT_RECORD_TAG = b"dynamo/kv-state-attachment-record/v2"
+HOST_RECORD_TAG = b"dynamo/kv-state-host/v2"
+
+
+class IdentityError(ValueError):
+    """Identity material or text that cannot form a valid id."""
+
+
+class IdentitySource(enum.Enum):
+    DEFAULT_DERIVED = "default_derived"
+    EXPLICIT = "explicit"
+
+
+def framed(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def count(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def explicit_material(entries: Mapping[str, str]) -> bytes:
+    """Canonical bytes of an explicit identity map, validating Dynamo's limits."""
+    if not 1 <= len(entries) <= MAX_IDENTITY_ENTRIES:
+        raise IdentityError(
+            f"explicit identity map must have 1 to {MAX_IDENTITY_ENTRIES} entries, got {len(entries)}"
+        )
+    encoded: list[tuple[bytes, bytes]] = []
+    for key, value in entries.items():
+        key_bytes, value_bytes = key.encode(), value.encode()
+        if not key_bytes or len(key_bytes) > MAX_IDENTITY_KEY_BYTES:
+            raise IdentityError(
+                f"identity key {key!r} must be 1 to {MAX_IDENTITY_KEY_BYTES} UTF-8 bytes, got {len(key_bytes)}"
+            )
+        if not value_bytes or len(value_bytes) > MAX_IDENTITY_VALUE_BYTES:
+            raise IdentityError(
+                f"identity value for {key!r} must be 1 to {MAX_IDENTITY_VALUE_BYTES} UTF-8 bytes, "
+                f"got {len(value_bytes)}"
+            )
+        encoded.append((key_bytes, value_bytes))
+    encoded.sort()
+    return count(len(encoded)) + b"".join(framed(k) + framed(v) for k, v in encoded)
+
+
+def default_material(values: tuple[bytes, ...] = DEFAULT_MATERIAL_VALUES) -> bytes:
+    return count(len(values)) + b"".join(framed(v) for v in values)
+
+
+def digest16(material: bytes) -> bytes:
+    return blake3.blake3(material).digest()[:16]
+
+
+def _parse_hex(text: str, nbytes: int, what: str) -> bytes:
+    if len(text) != 2 * nbytes or not re.fullmatch(r"[0-9a-f]*", text):
+        raise IdentityError(f"{what} must be {2 * nbytes} lowercase hex characters, got {text!r}")
+    return bytes.fromhex(text)
+
+
+def _check_digest(instance: object, attribute: attrs.Attribute[bytes], value: bytes) -> None:
+    if not isinstance(value, bytes) or len(value) != 16:
+        raise IdentityError(f"{attribute.name} must be 16 bytes")
+
+
+@attrs.frozen(slots=True)
+class _DigestId:
+    """A 16-byte digest plus the source of its material; equality compares the digest only."""
+
+    digest: bytes = attrs.field(validator=_check_digest)
+    source: IdentitySource = attrs.field(default=IdentitySource.EXPLICIT, eq=False)
+
+    def __str__(self) -> str:
+        return self.digest.hex()
+
+    @property
+    def source_byte(self) -> bytes:
+        return b"\x01" if self.source is IdentitySource.EXPLICIT else b"\x00"
+
+
+@attrs.frozen(slots=True)
+class StableDpSlotId(_DigestId):
+    @classmethod
+    def parse(cls, text: str) -> StableDpSlotId:
+        return cls(_parse_hex(text, 16, "stable DP slot id"), IdentitySource.EXPLICIT)
+
+
+@attrs.frozen(slots=True)
+class CacheSemanticsId(_DigestId):
+    @classmethod
+    def parse(cls, text: str) -> CacheSemanticsId:
+        return cls(_parse_hex(text, 16, "cache semantics id"), IdentitySource.EXPLICIT)
+
+
+@attrs.frozen(slots=True)
+class RoutingScopeId(_DigestId):
+    @classmethod
+    def parse(cls, text: str) -> RoutingScopeId:
+        return cls(_parse_hex(text, 16, "routing scope id"), IdentitySource.EXPLICIT)
+
+
+@attrs.frozen(slots=True)
+class DcId:
+    value: int
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.value < 1 << 64:
+            raise IdentityError(f"dc id must be a u64, got {self.value}")
+
+    def __str__(self) -> str:
+        return f"{self.value:016x}"
+
+    @classmethod
+    def parse(cls, text: str) -> DcId:
+        return cls(int.from_bytes(_parse_hex(text, 8, "dc id"), "big"))
+
+
+@attrs.frozen(slots=True)
+class IndexerDomainId:
+    cache_semantics: CacheSemanticsId
+    routing_scope: RoutingScopeId
+
+    def __str__(self) -> str:
+        return f"{self.cache_semantics}:{self.routing_scope}"
+
+    @classmethod
+    def parse(cls, text: str) -> IndexerDomainId:
+        cache_semantics, sep, routing_scope = text.partition(":")
+        if not sep:
+            raise IdentityError(f"indexer domain id must be '<32 hex>:<32 hex>', got {text!r}")
+        return cls(CacheSemanticsId.parse(cache_semantics), RoutingScopeId.parse(routing_scope))
+
+
+@attrs.frozen(slots=True)
+class PoolId:
+    indexer_domain: IndexerDomainId
+    dc_id: DcId
+
+    def __str__(self) -> str:
+        return f"{self.indexer_domain}/{self.dc_id}"
+
+
+_CACHE_OWNER_RE = re.compile(r"[0-9a-f]{32}:[0-9a-f]{32}/[0-9a-f]{16}/[0-9a-f]{32}")
+
+
+@attrs.frozen(slots=True)
+class CacheOwnerId:
+    """The stable DP slot within its pool; canonical text ``<32hex>:<32hex>/<16hex>/<32hex>``."""
+
+    pool: PoolId
+    slot: StableDpSlotId
+
+    def __str__(self) -> str:
+        return f"{self.pool}/{self.slot}"
+
+    @classmethod
+    def parse(cls, text: str) -> CacheOwnerId:
+        if not isinstance(text, str) or not _CACHE_OWNER_RE.fullmatch(text):
+            raise IdentityError(
+                "cache owner id must be '<32 hex>:<32 hex>/<16 hex>/<32 hex>' in lowercase hex, "
+                f"got {text!r}"
+            )
+        domain_text, dc_text, slot_text = text.split("/")
+        pool = PoolId(IndexerDomainId.parse(domain_text), DcId.parse(dc_text))
+        return cls(pool, StableDpSlotId.parse(slot_text))
+
+    def to_structured(self) -> dict[str, object]:
+        """kvagent's structured form (the one place to change once Dynamo's is confirmed)."""
+        domain = self.pool.indexer_domain
+        return {
+            "pool": {
+                "indexer_domain": {
+                    "cache_semantics": {
+                        "digest": domain.cache_semantics.digest.hex(),
+                        "source": domain.cache_semantics.source.value,
+                    },
+                    "routing_scope": {
+                        "digest": domain.routing_scope.digest.hex(),
+                        "source": domain.routing_scope.source.value,
+                    },
+                },
+                "dc_id": self.pool.dc_id.value,
+            },
+            "slot": {"digest": self.slot.digest.hex(), "source": self.slot.source.value},
+        }
+
+
+@attrs.frozen(slots=True)
+class KvStateAgentIdentity:
+    cache_owner_id: CacheOwnerId
+    publisher_id: int
+    protocol_version: str = "v2"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "cache_owner_id": str(self.cache_owner_id),
+            "publisher_id": self.publisher_id,
+            "protocol_version": self.protocol_version,
+        }
+
+    @classmethod
+    def from_json(cls, value: object) -> KvStateAgentIdentity:
+        if not isinstance(value, dict):
+            raise IdentityError("identity must be an object")
+        try:
+            owner = CacheOwnerId.parse(value["cache_owner_id"])
+            publisher_id = value["publisher_id"]
+            version = value.get("protocol_version", "v2")
+        except KeyError as exc:
+            raise IdentityError(f"identity is missing {exc.args[0]!r}") from None
+        if not isinstance(publisher_id, int) or isinstance(publisher_id, bool) or publisher_id < 0:
+            raise IdentityError("identity.publisher_id must be a non-negative integer")
+        if not isinstance(version, str):
+            raise IdentityError("identity.protocol_version must be a string")
+        return cls(owner, publisher_id, version)
+
+
+def stable_dp_slot_material(name: str) -> bytes:
+    if not isinstance(name, str) or not name:
+        raise IdentityError("slot name must not be empty")
+    if len(name.encode()) > MAX_IDENTITY_VALUE_BYTES:
+        raise IdentityError(
+            f"slot name must be at most {MAX_IDENTITY_VALUE_BYTES} UTF-8 bytes, got {len(name.encode())}"
+        )
+    return framed(STABLE_DP_SLOT_TAG) + explicit_material({"slot": name})
+
+
+def resolve_stable_dp_slot_id(name: str) -> StableDpSlotId:
+    """The durable slot id for an operator-supplied slot name (independent of worker and publisher)."""
+    return StableDpSlotId(digest16(stable_dp_slot_material(name)), IdentitySource.EXPLICIT)
+
+
+def cache_semantics_material(
+    entries: Mapping[str, str] | None, kv_block_size: int, event_hash_format: int
+) -> bytes:
+    explicit = bool(entries)
+    material = explicit_material(entries) if entries else default_material()
+    return (
+        framed(CACHE_SEMANTICS_TAGS[explicit])
+        + material
+        + struct.pack("<I", kv_block_size)
+        + struct.pack("<H", event_hash_format)
+    )
+
+
+def routing_scope_material(entries: Mapping[str, str] | None) -> bytes:
+    explicit = bool(entries)
+    material = explicit_material(entries) if entries else default_material()
+    return framed(ROUTING_SCOPE_TAGS[explicit]) + material
+
+
+def _source(explicit: bool) -> IdentitySource:
+    return IdentitySource.EXPLICIT if explicit else IdentitySource.DEFAULT_DERIVED
+
+
+def derive_cache_owner_id(
+    slot_name: str,
+    *,
+    kv_block_size: int,
+    cache_semantics: Mapping[str, str] | None = None,
+    routing_scope: Mapping[str, str] | None = None,
+    dc_id: int = 0,
+    event_hash_format: int = EVENT_HASH_FORMAT_XXH3_64_U32LE,
+) -> CacheOwnerId:
+    """Derive a full CacheOwnerId from a slot name and optional explicit pool material."""
+    if kv_block_size <= 0:
+        raise IdentityError("kv_block_size cannot be zero")
+    semantics = CacheSemanticsId(
+        digest16(cache_semantics_material(cache_semantics, kv_block_size, event_hash_format)),
+        _source(bool(cache_semantics)),
+    )
+    scope = RoutingScopeId(digest16(routing_scope_material(routing_scope)), _source(bool(routing_scope)))
+    pool = PoolId(IndexerDomainId(semantics, scope), DcId(dc_id))
+    return CacheOwnerId(pool, resolve_stable_dp_slot_id(slot_name))
+
+
+def worker_residency_key(worker_id: int, dp_rank: int) -> bytes:
+    return blake3.blake3(WORKER_OWNER_TAG + struct.pack(">QI", worker_id, dp_rank)).digest()[:16]
+
+
+def cache_owner_residency_key(owner: CacheOwnerId) -> bytes:
+    domain = owner.pool.indexer_domain
+    material = (
+        CACHE_OWNER_OWNER_TAG
+        + domain.cache_semantics.digest
+        + domain.cache_semantics.source_byte
+        + domain.routing_scope.digest
+        + domain.routing_scope.source_byte
+        + struct.pack(">Q", owner.pool.dc_id.value)
+        + owner.slot.digest
+        + owner.slot.source_byte
+    )
+    return blake3.blake3(material).digest()[:16]
+
+
+def _record_id(tag: bytes, *values: int) -> int:
+    digest = blake3.blake3(tag + b"".join(struct.pack(">Q", v) for v in values)).digest()
+    record_id = int.from_bytes(digest[:8], "big") & JSON_SAFE_MASK
+    return record_id or 1
+
+
+def attachment_record_id(publisher_id: int, generation: int) -> int:
+    return _record_id(ATTACHMENT_RECORD_TAG, publisher_id, generation)
+
+
+def host_record_id(instance_id: int) -> int:
+    return _record_id(HOST_RECORD_TAG, instance_id)
+
+
+def new_publisher_id() -> int:
+    """A fresh, JSON-safe (< 2^53), non-zero publisher id for one agent incarnation."""
+    return (secrets.randbits(53) & JSON_SAFE_MASK) or 1

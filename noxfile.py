@@ -1,0 +1,48 @@
+"""Developer sessions: `nox -s lint typecheck tests`, plus `bench`, `fuzz` and `soak`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "kvagent", "tests", "examples", "bench", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install("-e", ".[dev,bench]")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    session.install("-e", ".[bench]")
+    session.run("python", "-m", "bench", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Long decoder/normalizer fuzz run (>= 1,000,000 inputs)."""
+    session.install("-e", ".[test]")
+    session.env["KVAGENT_FUZZ_INPUTS"] = session.posargs[0] if session.posargs else "1000000"
+    session.run("python", "-m", "tests.fuzz_decoder")
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Bounded soak: steady ingest with churn and periodic reattach; RSS must stay flat."""
+    session.install("-e", ".[test]")
+    session.env["KVAGENT_SOAK_SECONDS"] = session.posargs[0] if session.posargs else "600"
+    session.run("pytest", "-m", "slow", "tests/test_soak.py", "-s")
