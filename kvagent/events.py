@@ -245,3 +245,14 @@ class TreeDumpFailedAnswer:
 RangeAnswer: TypeAlias = (
     EventsAnswer | TreeDumpAnswer | TooNewAnswer | InvalidRangeAnswer | TreeDumpFailedAnswer
 )
+
+
+ResidencyOwner: TypeAlias = WorkerWithDpRank | CacheOwnerId
+"""Exact residency owner: the worker for Worker-domain residency, the CacheOwnerId for CacheOwner."""
+
+
+def residency_owner(event: RouterEvent) -> ResidencyOwner | None:
+    """The exact owner of an outbound event's residency, or None when a CacheOwner event has no source."""
+    if event.residency_domain is ResidencyDomain.WORKER:
+        return WorkerWithDpRank(event.worker_id, event.dp_rank)
+    return event.state_source
