@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Merge a config file (if any) with command-line options into one validated ServeConfig."""
-    data: dict[str, object] = {}
+    data: dict[str, Any] = {}
     if args.config:
         data = load_config_file(args.config).to_dict()
     slot_defaults: dict[str, object] = {}
@@ -117,11 +118,11 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             slots.append(slot)
         data["slots"] = slots
     elif slot_defaults and isinstance(data.get("slots"), list):
-        data["slots"] = [{**dict(s), **slot_defaults} for s in data["slots"]]  # type: ignore[union-attr]
+        data["slots"] = [{**dict(s), **slot_defaults} for s in data["slots"]]
     if args.simulate and isinstance(data.get("slots"), list):
         data["slots"] = [
             {**s, "simulate": True} if isinstance(s, dict) and not s.get("engine") else s
-            for s in data["slots"]  # type: ignore[union-attr]
+            for s in data["slots"]
         ]
     for option in ("listen", "discovery", "token_file", "publish", "metrics", "log_format"):
         value = getattr(args, option)

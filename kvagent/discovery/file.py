@@ -1,0 +1,187 @@
+"""Discovery in a shared directory: one JSON file per record at ``DIR/<topic>/<record_id>.json``.
+
+Several processes may share one directory.  A record file appears atomically and complete: it is written
+to a hidden temporary file in the same directory, closed, and then hard-linked into place, which fails if
+the name already exists (so two writers racing on one id cannot overwrite each other; the loser compares
+payloads instead).  Where hard links are unsupported it falls back to ``os.replace`` after a conflict check.
+Readers skip hidden files and anything that does not parse.  This is the control path, so the blocking
+file I/O runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import trio
+
+from kvagent.discovery.base import DiscoveryConflict, DiscoveryError, DiscoveryRecord, check_topic
+
+__all__ = ["FileDiscovery"]
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".json"
+
+
+def _encode(record: DiscoveryRecord) -> bytes:
+    return record.to_json().encode() + b"\n"
+
+
+def _read_record(path: Path) -> DiscoveryRecord | None:
+    """The record stored at ``path``; None if it vanished; raises DiscoveryError if it is unparsable."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        record = DiscoveryRecord.from_json(data)
+    except DiscoveryError as exc:
+        raise DiscoveryError(f"unparsable discovery record {path}: {exc}") from None
+    if path.parent.name != record.topic or path.name != f"{record.record_id}{SUFFIX}":
+        raise DiscoveryError(f"discovery record {path} names topic {record.topic!r} id {record.record_id}")
+    return record
+
+
+def _write_temp(directory: Path, record: DiscoveryRecord) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f".{record.record_id}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            # No fsync: readers never see the file before it is complete (it is linked in only after the
+            # write), and advertisements are hints from one incarnation, useless after a host crash anyway.
+            file.write(_encode(record))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    return Path(name)
+
+
+def _check_same(existing: DiscoveryRecord, record: DiscoveryRecord) -> None:
+    if existing != record:
+        raise DiscoveryConflict(
+            f"record {record.record_id} on topic {record.topic!r} is already registered with a different payload"
+        )
+
+
+def _register_sync(root: Path, record: DiscoveryRecord) -> None:
+    directory = root / record.topic
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"{record.record_id}{SUFFIX}"
+    temp = _write_temp(directory, record)
+    try:
+        try:
+            os.link(temp, target)
+            return
+        except FileExistsError:
+            existing = _read_record(target)
+            if existing is None:  # withdrawn between our link attempt and the read: try once more
+                try:
+                    os.link(temp, target)
+                    return
+                except FileExistsError:
+                    existing = _read_record(target)
+            if existing is None:
+                raise DiscoveryError(f"record file {target} keeps changing; register again") from None
+            _check_same(existing, record)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+                raise
+        # No hard links here: check, then atomically move into place (a concurrent different writer
+        # could still win this narrow race; hard-link capable filesystems do not have it).
+        existing = _read_record(target)
+        if existing is not None:
+            _check_same(existing, record)
+            return
+        os.replace(temp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+
+
+def _unregister_sync(root: Path, topic: str, record_id: int) -> None:
+    (root / topic / f"{record_id}{SUFFIX}").unlink(missing_ok=True)
+
+
+def _record_id_of(name: str) -> int | None:
+    stem = name[: -len(SUFFIX)]
+    return int(stem) if name.endswith(SUFFIX) and stem.isdigit() else None
+
+
+def _list_sync(root: Path, topic: str | None) -> list[DiscoveryRecord]:
+    if topic is not None:
+        directories = [root / topic]
+    else:
+        try:
+            directories = [
+                entry for entry in root.iterdir() if entry.is_dir() and not entry.name.startswith(".")
+            ]
+        except FileNotFoundError:
+            return []
+    records: list[DiscoveryRecord] = []
+    for directory in directories:
+        try:
+            names = os.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            if name.startswith(".") or _record_id_of(name) is None:
+                continue  # temporary files of in-flight writes, and strays
+            try:
+                record = _read_record(directory / name)
+            except DiscoveryError as exc:
+                log.warning("skipping discovery record file: %s", exc)
+                continue
+            except OSError as exc:
+                log.warning("skipping unreadable discovery record file %s: %s", directory / name, exc)
+                continue
+            if record is not None:
+                records.append(record)
+    records.sort(key=lambda record: record.key)
+    return records
+
+
+class FileDiscovery:
+    """Discovery records as files under ``directory`` (created if missing)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory).expanduser()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DiscoveryError("file discovery is closed")
+
+    async def register(self, record: DiscoveryRecord) -> None:
+        self._check_open()
+        try:
+            await trio.to_thread.run_sync(_register_sync, self.directory, record)
+        except OSError as exc:
+            raise DiscoveryError(
+                f"could not register record {record.record_id} in {self.directory}: {exc}"
+            ) from exc
+
+    async def unregister(self, topic: str, record_id: int) -> None:
+        self._check_open()
+        check_topic(topic)
+        try:
+            await trio.to_thread.run_sync(_unregister_sync, self.directory, topic, record_id)
+        except OSError as exc:
+            raise DiscoveryError(
+                f"could not unregister record {record_id} in {self.directory}: {exc}"
+            ) from exc
+
+    async def list(self, topic: str | None = None) -> list[DiscoveryRecord]:
+        self._check_open()
+        if topic is not None:
+            check_topic(topic)
+        return await trio.to_thread.run_sync(_list_sync, self.directory, topic)
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._closed = True
