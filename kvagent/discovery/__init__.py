@@ -46,8 +46,8 @@ def check_discovery_url(url: str) -> None:
     """Raise ValueError unless ``url`` has a known discovery scheme (does not connect)."""
     if url == "memory" or file_discovery_directory(url) is not None:
         return
-    if url.startswith("etcd://"):
-        if not url[len("etcd://") :].split("/", 1)[0]:
+    if url.startswith(("etcd://", "etcds://")):
+        if not url.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError(f"discovery URL {url!r} names no etcd endpoint")
         return
     raise ValueError(f"unknown discovery URL {url!r} (expected {DISCOVERY_URL_FORMS})")
@@ -57,7 +57,7 @@ def check_discovery_url(url: str) -> None:
 async def open_discovery(url: str, **options: Any) -> AsyncIterator[Discovery]:
     """Open the backend named by ``url`` for the duration of the block, closing it on exit."""
     check_discovery_url(url)
-    if url.startswith("etcd://"):
+    if url.startswith(("etcd://", "etcds://")):
         # Imported lazily: the etcd backend pulls in an HTTP client and is owned by its own module.
         etcd_module = importlib.import_module("kvagent.discovery.etcd")
         opened: Any = etcd_module.open_etcd_discovery(url, **options)

@@ -89,8 +89,8 @@ def _stored_value(kv: Mapping[str, Any]) -> _StoredValue:
 
 
 def _encode_record(record: DiscoveryRecord) -> bytes:
-    # Canonical bytes, so an identical payload always stores the identical value.
-    return json.dumps(record.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    # to_json() is canonical, so an identical payload always stores the identical value.
+    return record.to_json().encode()
 
 
 class EtcdDiscovery:
@@ -405,8 +405,8 @@ class EtcdDiscovery:
         if parsed is None:
             return None
         try:
-            record = DiscoveryRecord.from_json(json.loads(value))
-        except (ValueError, DiscoveryError) as error:
+            record = DiscoveryRecord.from_json(value)
+        except DiscoveryError as error:
             log.warning("undecodable etcd discovery record", key=key, error=repr(error))
             return None
         if record.key != parsed:
