@@ -23,7 +23,8 @@ import attrs
 import trio
 import zmq
 
-from kvagent.coordinator import CoordinatorHandle, SlotCoordinator, open_coordinator
+from kvagent.coordinator import SlotCoordinator
+from kvagent.coordinator_task import CoordinatorHandle, open_coordinator
 from kvagent.discovery.ads import attachment_advertisement, source_advertisement
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.errors import KvAgentError

@@ -1,0 +1,322 @@
+"""The slot's local recovery index (agent-semantics.md 4; Dynamo's ``LocalKvIndexer``).
+
+It keeps the full resident state per exact (residency owner, storage tier) and a ring of the last outbound
+RouterEvents, and answers range queries with either the buffered tail or a tree dump.  Everything is
+synchronous: the coordinator applies an event and, on return, the state (a ``Cleared`` included) is final.
+Filtering answers per requester (5.3) is the recovery server's job, not the index's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from kvagent.codec import mm_extra_info_to_wire, state_source_to_wire
+from kvagent.events import (
+    RESET_ALL,
+    Cleared,
+    EventsAnswer,
+    InvalidRangeAnswer,
+    RangeAnswer,
+    Removed,
+    ResidencyDomain,
+    ResidencyOwner,
+    RouterEvent,
+    StorageTier,
+    Stored,
+    TooNewAnswer,
+    TreeDumpAnswer,
+    TreeDumpFailedAnswer,
+    WorkerWithDpRank,
+)
+from kvagent.identity import CacheOwnerId
+from kvagent.index_store import BlockStore
+
+__all__ = ["IndexApplyError", "RecoveryIndex"]
+
+log = logging.getLogger(__name__)
+
+U64_MAX = (1 << 64) - 1
+DEFAULT_RING_CAPACITY = 1024  # Dynamo's WORKER_KV_INDEXER_BUFFER_SIZE
+
+StoreKey = tuple[ResidencyOwner, StorageTier]
+
+
+class IndexApplyError(RuntimeError):
+    """An event the index refuses; nothing of it was applied or buffered."""
+
+
+def _check_u64(values: tuple[int, ...], what: str) -> None:
+    if values and (min(values) < 0 or max(values) > U64_MAX):
+        raise IndexApplyError(f"{what} must be u64 values")
+
+
+def _validate_stored(data: Stored) -> None:
+    count = len(data.block_hashes)
+    if len(data.tokens_hashes) != count:
+        raise IndexApplyError(
+            f"stored event has {count} block hashes but {len(data.tokens_hashes)} tokens hashes"
+        )
+    if data.mm_extra_infos is not None and len(data.mm_extra_infos) != count:
+        raise IndexApplyError(
+            f"stored event has {count} block hashes but {len(data.mm_extra_infos)} mm_extra_infos"
+        )
+    _check_u64(data.block_hashes, "block hashes")
+    _check_u64(data.tokens_hashes, "tokens hashes")
+    if data.parent_hash is not None and not 0 <= data.parent_hash <= U64_MAX:
+        raise IndexApplyError("parent hash must be a u64 value")
+
+
+class RecoveryIndex:
+    """Resident blocks per (owner, tier), the outbound event ring, range answers and tree dumps."""
+
+    def __init__(self, kv_block_size: int, ring_capacity: int = DEFAULT_RING_CAPACITY) -> None:
+        if kv_block_size <= 0:
+            raise ValueError(f"kv_block_size must be positive, got {kv_block_size}")
+        if ring_capacity <= 0:
+            raise ValueError(f"ring_capacity must be positive, got {ring_capacity}")
+        self.kv_block_size = kv_block_size
+        self.ring_capacity = ring_capacity
+        self._ring: deque[RouterEvent] = deque(maxlen=ring_capacity)
+        self._stores: dict[StoreKey, BlockStore] = {}
+        # The (worker_id, dp_rank) of the newest event that touched each CacheOwner: dump entries carry it.
+        self._cache_owner_workers: dict[CacheOwnerId, tuple[int, int]] = {}
+        self._subscribers: dict[object, Callable[[RouterEvent], None]] = {}
+        self._subscriber_snapshot: tuple[Callable[[RouterEvent], None], ...] = ()
+        self._dump_cache: TreeDumpAnswer | None = None
+
+    # --- apply -------------------------------------------------------------------------------------
+
+    def apply(self, event: RouterEvent) -> None:
+        """Apply, buffer and announce one event; raises IndexApplyError (changing nothing) if invalid."""
+        owner = self._resolve(event)
+        data = event.data
+        ring = self._ring
+        if ring:
+            newest = ring[-1].event_id
+            if event.event_id <= newest:
+                # Ids only grow (3.10); a smaller one would break the ring's binary search.
+                raise IndexApplyError(
+                    f"KV event id {event.event_id} does not follow newest buffered id {newest}"
+                )
+            if event.event_id != newest + 1:
+                log.warning(
+                    "Non-consecutive KV event id",
+                    extra={"expected_event_id": newest + 1, "event_id": event.event_id},
+                )
+
+        if isinstance(data, Stored):
+            _validate_stored(data)
+            key: StoreKey = (owner, event.storage_tier)
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = BlockStore()
+            store.store(data.parent_hash, data.block_hashes, data.tokens_hashes, data.mm_extra_infos)
+        elif isinstance(data, Removed):
+            key = (owner, event.storage_tier)
+            store = self._stores.get(key)
+            if store is not None:
+                store.remove(data.block_hashes)
+                if not store:
+                    del self._stores[key]
+        else:
+            self._clear(event, owner)
+
+        if isinstance(owner, CacheOwnerId):
+            self._cache_owner_workers[owner] = (event.worker_id, event.dp_rank)
+        ring.append(event)
+        self._dump_cache = None
+        for callback in self._subscriber_snapshot:
+            try:
+                callback(event)
+            except Exception:
+                # The event is applied; a broken follower must not make the coordinator treat it as failed.
+                log.exception("recovery index subscriber failed", extra={"event_id": event.event_id})
+
+    def _resolve(self, event: RouterEvent) -> ResidencyOwner:
+        if not isinstance(event, RouterEvent):
+            raise IndexApplyError(f"expected a RouterEvent, got {type(event).__name__}")
+        if not isinstance(event.storage_tier, StorageTier):
+            raise IndexApplyError(f"unknown storage tier {event.storage_tier!r}")
+        if not isinstance(event.data, Stored | Removed | Cleared):
+            raise IndexApplyError(f"unknown event data {type(event.data).__name__}")
+        if not 0 <= event.event_id <= U64_MAX:
+            raise IndexApplyError(f"event id {event.event_id} is not a u64")
+        domain = event.residency_domain
+        if domain is ResidencyDomain.WORKER:
+            return WorkerWithDpRank(event.worker_id, event.dp_rank)
+        if domain is ResidencyDomain.CACHE_OWNER:
+            if event.state_source is None:
+                raise IndexApplyError("CacheOwner residency event has no state_source")
+            if event.storage_tier is StorageTier.DEVICE and not isinstance(event.data, Cleared):
+                raise IndexApplyError("CacheOwner residency cannot target the Device tier")
+            return event.state_source
+        raise IndexApplyError(f"unsupported residency domain {domain!r}")
+
+    def _clear(self, event: RouterEvent, owner: ResidencyOwner) -> None:
+        """A Worker clear drops every Worker owner of the event's rank; a CacheOwner clear drops that owner."""
+        if isinstance(owner, WorkerWithDpRank):
+            rank = owner.dp_rank
+            doomed = [
+                key for key in self._stores if isinstance(key[0], WorkerWithDpRank) and key[0].dp_rank == rank
+            ]
+        else:
+            doomed = [key for key in self._stores if key[0] == owner]
+        for key in doomed:
+            del self._stores[key]
+
+    # --- subscribers -------------------------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[RouterEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` synchronously after every successful apply; returns an idempotent unsubscribe."""
+        token = object()
+        self._subscribers[token] = callback
+        self._subscriber_snapshot = tuple(self._subscribers.values())
+
+        def unsubscribe() -> None:
+            if self._subscribers.pop(token, None) is not None:
+                self._subscriber_snapshot = tuple(self._subscribers.values())
+
+        return unsubscribe
+
+    # --- ring queries ------------------------------------------------------------------------------
+
+    def current_event_id(self) -> int:
+        return self._ring[-1].event_id if self._ring else 0
+
+    def oldest_buffered_id(self) -> int | None:
+        return self._ring[0].event_id if self._ring else None
+
+    def events_in_range(self, start: int | None, end: int | None) -> RangeAnswer:
+        """4.4, checked in order: InvalidRange, TreeDump, TooNew, Events (start through newest)."""
+        if start is not None and end is not None and end < start:
+            return InvalidRangeAnswer(start, end)
+        ring = self._ring
+        if start is None or not ring or start < ring[0].event_id:
+            try:
+                return self.tree_dump()
+            except Exception as exc:  # 4.5: any failure becomes TreeDumpFailed, never an empty dump
+                log.exception("recovery index tree dump failed")
+                return TreeDumpFailedAnswer(self.current_event_id(), str(exc))
+        newest = ring[-1].event_id
+        if start > newest:
+            return TooNewAnswer(start, end, newest)
+        first = bisect.bisect_left(ring, start, key=_event_id)
+        return EventsAnswer(tuple(itertools.islice(ring, first, None)), newest)
+
+    # --- state views -------------------------------------------------------------------------------
+
+    def resident_blocks(self) -> frozenset[tuple[ResidencyOwner, StorageTier, int]]:
+        return frozenset(
+            (owner, tier, block_hash)
+            for (owner, tier), store in self._stores.items()
+            for block_hash in store.hashes()
+        )
+
+    @property
+    def resident_block_count(self) -> int:
+        return sum(len(store) for store in self._stores.values())
+
+    # --- tree dumps --------------------------------------------------------------------------------
+
+    def tree_dump(self) -> TreeDumpAnswer:
+        """Every resident block as a one-block Stored event, parents first; reset scope All (4.5).
+
+        The dump is cached until the next apply.
+        """
+        cached = self._dump_cache
+        if cached is None:
+            events: list[RouterEvent] = []
+            append = events.append
+            event_id = 0
+            with _gc_paused():
+                for worker_id, tier, domain, dp_rank, source, store in self._dump_groups():
+                    for block, parent, tokens, mm in store.replay_order():
+                        data = Stored(parent, (block,), (tokens,), None if mm is None else (mm,))
+                        append(RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, source))
+                        event_id += 1
+            cached = self._dump_cache = TreeDumpAnswer(tuple(events), self.current_event_id(), RESET_ALL)
+        return cached
+
+    def iter_tree_dump_wire(self, chunk_events: int) -> Iterator[list[dict[str, object]]]:
+        """The tree dump straight to kvagent.codec's wire-form maps, ``chunk_events`` maps per list.
+
+        It skips building RouterEvent objects, for servers streaming big dumps.  The iterator reads live
+        state, so consume each chunk without applying events in between; the last_event_id of the dump is
+        ``current_event_id()`` read before iterating.
+        """
+        if chunk_events <= 0:
+            raise ValueError(f"chunk_events must be positive, got {chunk_events}")
+        chunk: list[dict[str, object]] = []
+        event_id = 0
+        for worker_id, tier, domain, dp_rank, source, store in self._dump_groups():
+            tier_text, domain_text = tier.value, domain.value
+            source_text = None if source is None else state_source_to_wire(source)
+            for block, parent, tokens, mm in store.replay_order():
+                wire: dict[str, object] = {
+                    "worker_id": worker_id,
+                    "storage_tier": tier_text,
+                    "residency_domain": domain_text,
+                    "event": {
+                        "event_id": event_id,
+                        "data": {
+                            "stored": {
+                                "parent_hash": parent,
+                                "start_position": None,
+                                "blocks": [
+                                    {
+                                        "block_hash": block,
+                                        "tokens_hash": tokens,
+                                        "mm_extra_info": mm_extra_info_to_wire(mm),
+                                    }
+                                ],
+                            }
+                        },
+                        "dp_rank": dp_rank,
+                    },
+                }
+                if source_text is not None:
+                    wire["state_source"] = source_text
+                chunk.append(wire)
+                event_id += 1
+                if len(chunk) >= chunk_events:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+
+    def _dump_groups(
+        self,
+    ) -> Iterator[tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, BlockStore]]:
+        """(worker_id, tier, domain, dp_rank, state_source, store) for each (owner, tier)."""
+        for (owner, tier), store in list(self._stores.items()):
+            if isinstance(owner, WorkerWithDpRank):
+                yield owner.worker_id, tier, ResidencyDomain.WORKER, owner.dp_rank, None, store
+            else:
+                worker_id, dp_rank = self._cache_owner_workers[owner]
+                yield worker_id, tier, ResidencyDomain.CACHE_OWNER, dp_rank, owner, store
+
+
+def _event_id(event: RouterEvent) -> int:
+    return event.event_id
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building a dump.
+
+    A dump allocates millions of small acyclic objects; each allocation burst would otherwise trigger
+    collections that traverse every live tracked object, which costs more than building the dump itself.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,96 @@
+"""pyzmq on Trio: a socket owned by one task, waiting on ``zmq.FD`` the way libzmq requires.
+
+Rules (landscape.md §3, verified): ``zmq.FD`` is edge-triggered relative to ``zmq.EVENTS`` — any libzmq
+call can consume the notification — so ``zmq.EVENTS`` is re-read immediately before every wait and every
+wakeup drains until ``zmq.Again``.  Receives are batched per checkpoint (a checkpoint per message costs about
+half the throughput).  Only one task may wait on a socket (two raise ``trio.BusyResourceError``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import zmq
+
+__all__ = ["TrioSocket"]
+
+
+class TrioSocket:
+    """Non-blocking wrapper around a ``zmq.Socket`` for use by a single owner task."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.socket = sock
+        self._fd: int = sock.getsockopt(zmq.FD)
+        self._closed = False
+
+    async def _wait(self, flag: int) -> None:
+        # Re-read EVENTS right before waiting: a previous call may already have consumed the edge.
+        while not self.socket.getsockopt(zmq.EVENTS) & flag:
+            if flag == zmq.POLLIN:
+                await trio.lowlevel.wait_readable(self._fd)
+            else:
+                await trio.lowlevel.wait_writable(self._fd)
+
+    async def recv_multipart(self) -> list[bytes]:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                frames: list[bytes] = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await self._wait(zmq.POLLIN)
+                continue
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return frames
+
+    async def recv_multipart_batch(self, max_messages: int = 256) -> list[list[bytes]]:
+        """At least one message, and every message already queued up to ``max_messages``."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        batch: list[list[bytes]] = []
+        recv = self.socket.recv_multipart
+        while True:
+            try:
+                while len(batch) < max_messages:
+                    batch.append(recv(zmq.NOBLOCK))
+            except zmq.Again:
+                pass
+            if batch:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return batch
+            await self._wait(zmq.POLLIN)
+
+    async def send_multipart(self, frames: list[bytes]) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                self.socket.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                await self._wait(zmq.POLLOUT)
+                continue
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+
+    def send_multipart_nowait(self, frames: list[bytes]) -> bool:
+        """Send without waiting; False when the socket would block (for PUB: the HWM dropped it)."""
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Wake any task still waiting on the FD before libzmq closes it (only possible inside a run).
+        try:
+            trio.lowlevel.notify_closing(self._fd)
+        except RuntimeError:
+            pass
+        self.socket.close(linger=0)
+
+    def __enter__(self) -> TrioSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
