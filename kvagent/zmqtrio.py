@@ -8,7 +8,8 @@ half the throughput).  Only one task may wait on a socket (two raise ``trio.Busy
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, cast
 
 import trio
 import zmq
@@ -21,12 +22,12 @@ class TrioSocket:
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self.socket = sock
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._closed = False
 
     async def _wait(self, flag: int) -> None:
         # Re-read EVENTS right before waiting: a previous call may already have consumed the edge.
-        while not self.socket.getsockopt(zmq.EVENTS) & flag:
+        while not cast(int, self.socket.getsockopt(zmq.EVENTS)) & flag:
             if flag == zmq.POLLIN:
                 await trio.lowlevel.wait_readable(self._fd)
             else:
@@ -83,10 +84,8 @@ class TrioSocket:
             return
         self._closed = True
         # Wake any task still waiting on the FD before libzmq closes it (only possible inside a run).
-        try:
+        with contextlib.suppress(RuntimeError):
             trio.lowlevel.notify_closing(self._fd)
-        except RuntimeError:
-            pass
         self.socket.close(linger=0)
 
     def __enter__(self) -> TrioSocket:
