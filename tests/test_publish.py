@@ -1,0 +1,151 @@
+"""The outbound ZMQ event plane: real PUB/SUB on loopback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import zmq
+
+from kvagent.codec import encode_router_events
+from kvagent.events import CLEARED, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
+from kvagent.index import RecoveryIndex
+from kvagent.publish import ZmqEventPlane, decode_event_plane_message, split_publication
+from kvagent.zmqtrio import TrioSocket
+
+GOLDEN_HEX = (
+    "9384a9776f726b65725f696407ac73746f726167655f74696572a6646576696365b07265736964656e63795f646f6d61696ea6776f726b6572"
+    "a56576656e7483a86576656e745f696401a46461746181a673746f72656483ab706172656e745f68617368cd0100ae73746172745f706f7369"
+    "74696f6e10a6626c6f636b739283aa626c6f636b5f68617368cf0123456789abcdefab746f6b656e735f6861736811ad6d6d5f6578747261"
+    "5f696e666fc083aa626c6f636b5f686173680cab746f6b656e735f6861736816ad6d6d5f65787472615f696e666fc0a764705f72616e6b00"
+    "84a9776f726b65725f696407ac73746f726167655f74696572ab686f73745f70696e6e6564b07265736964656e63795f646f6d61696ea677"
+    "6f726b6572a56576656e7483a86576656e745f696402a46461746181a772656d6f76656481ac626c6f636b5f6861736865739201cf012345"
+    "6789abcdefa764705f72616e6b0185a9776f726b65725f696407ac73746f726167655f74696572a6646576696365b07265736964656e6379"
+    "5f646f6d61696ea6776f726b6572a56576656e7483a86576656e745f696403a464617461a7636c6561726564a764705f72616e6b00aa7365"
+    "7373696f6e5f6964a5732d303031"
+)
+
+
+def golden_events() -> list[RouterEvent]:
+    return [
+        RouterEvent(
+            7,
+            StorageTier.DEVICE,
+            ResidencyDomain.WORKER,
+            1,
+            Stored(256, (0x0123456789ABCDEF, 12), (17, 22), None, 16),
+            0,
+        ),
+        RouterEvent(
+            7, StorageTier.HOST_PINNED, ResidencyDomain.WORKER, 2, Removed((1, 0x0123456789ABCDEF)), 1
+        ),
+        RouterEvent(7, StorageTier.DEVICE, ResidencyDomain.WORKER, 3, CLEARED, 0, session_id="s-001"),
+    ]
+
+
+def store(event_id: int, block_hash: int, blocks: int = 1) -> RouterEvent:
+    hashes = tuple(range(block_hash, block_hash + blocks))
+    return RouterEvent(
+        9, StorageTier.DEVICE, ResidencyDomain.WORKER, event_id, Stored(None, hashes, hashes), 0
+    )
+
+
+@pytest.fixture
+def context() -> Any:
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def subscriber(context: zmq.Context[Any], plane: ZmqEventPlane, rcvhwm: int = 0) -> TrioSocket:
+    sock = context.socket(zmq.SUB)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(plane.last_endpoint)
+    sub = TrioSocket(sock)
+    # Slow joiner: publish probes (id 0 never occurs on the plane) until one arrives.
+    while True:
+        plane.publish(1, [store(0, 0)])
+        with trio.move_on_after(0.05):
+            await sub.recv_multipart()
+            break
+    with trio.move_on_after(0.05):
+        while True:
+            await sub.recv_multipart()  # drain further probes
+    return sub
+
+
+def test_golden_payload_encoding() -> None:
+    assert encode_router_events(golden_events()) == bytes.fromhex(GOLDEN_HEX)
+    assert len(bytes.fromhex(GOLDEN_HEX)) == 464
+
+
+async def test_pub_sends_the_golden_bytes(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", context=context)
+    with trio.fail_after(10):
+        sub = await subscriber(context, plane)
+        plane.publish(41, golden_events())
+        frames = await sub.recv_multipart()
+    assert frames[0] == b"kv-state-events-v2"
+    assert int.from_bytes(frames[1], "big") == 41 and int.from_bytes(frames[2], "big") == 1
+    assert frames[3] == bytes.fromhex(GOLDEN_HEX)
+    assert decode_event_plane_message(frames) == (41, 1, golden_events())
+    sub.close()
+    plane.close()
+
+
+def test_split_at_event_and_block_bounds() -> None:
+    events = [store(i + 1, i * 10) for i in range(300)]
+    assert [len(b) for b in split_publication(events)] == [128, 128, 44]
+    big = [store(1, 0, 5000), store(2, 10_000, 5000), store(3, 20_000, 9000), store(4, 40_000, 1)]
+    assert [[e.event_id for e in b] for b in split_publication(big)] == [[1], [2], [3], [4]]
+
+
+def test_absent_subscriber_never_blocks_and_drops_are_counted(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
+    stuck = context.socket(zmq.SUB)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    stuck.connect(plane.last_endpoint)
+    for i in range(10_000):
+        plane.publish(1, [store(i + 1, i)])
+    counters = plane.counters
+    assert counters.messages_sent + counters.dropped_messages == 10_000
+    plane.close()
+
+
+async def test_subscriber_repairs_dropped_messages_from_the_index(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
+    index = RecoveryIndex(16, ring_capacity=4096)
+    with trio.fail_after(20):
+        sub = await subscriber(context, plane, rcvhwm=1)
+        received: dict[int, RouterEvent] = {}
+        for i in range(1, 2001):
+            event = (
+                store(i, 100 * i)
+                if i % 7
+                else RouterEvent(
+                    9, StorageTier.DEVICE, ResidencyDomain.WORKER, i, Removed((100 * (i - 1),)), 0
+                )
+            )
+            index.apply(event)
+            plane.publish(5, [event])
+            if i % 500 == 0:  # a slow reader: read only now and then
+                with trio.move_on_after(0.1):
+                    while True:
+                        for frames in await sub.recv_multipart_batch():
+                            for e in decode_event_plane_message(frames)[2]:
+                                received[e.event_id] = e
+        assert plane.counters.dropped_messages > 0
+        missing = [i for i in range(1, 2001) if i not in received]
+        assert missing
+        answer = index.events_in_range(missing[0], None)
+        for e in getattr(answer, "events", ()):
+            received.setdefault(e.event_id, e)
+    replica = RecoveryIndex(16, ring_capacity=4096)
+    for event_id in sorted(received):
+        replica.apply(received[event_id])
+    assert replica.resident_blocks() == index.resident_blocks()
+    sub.close()
+    plane.close()
