@@ -1,0 +1,382 @@
+"""Raw vLLM events → placement events (agent-semantics.md §2), plus bounded ingress chunking.
+
+One :class:`AttachmentNormalizer` per attachment holds two residency normalizers — one for Framework
+events, one for KVCR events — so learned attention groups and cache namespaces never mix between the two
+ownerships. Faults are recorded first-of-each-kind; the rest of the batch always survives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from kvagent.events import (
+    CLEARED,
+    MAX_CHUNK_BLOCKS,
+    MAX_CHUNK_EVENTS,
+    EventData,
+    IngressChunk,
+    IngressProtocol,
+    MmExtraInfo,
+    MmObject,
+    PlacementEvent,
+    Removed,
+    ResidencyDomain,
+    StorageTier,
+    Stored,
+    WorkerWithDpRank,
+    block_count,
+)
+from kvagent.hashing import BASE_SEED, block_hash_seed, local_block_hash, mm_block_hash
+from kvagent.vllm.wire import (
+    RawAllBlocksCleared,
+    RawBatch,
+    RawBlockRemoved,
+    RawBlockStored,
+    RawEvent,
+    RawIgnored,
+)
+
+__all__ = [
+    "AttachmentNormalizer",
+    "ChunkingError",
+    "NormalizedBatch",
+    "ResidencyNormalizer",
+    "bounded_ingress_chunks",
+    "build_ingress_chunks",
+    "preprocess_legacy",
+]
+
+FAULT_UNKNOWN_OWNERSHIP = "unknown raw event ownership"
+FAULT_KVCR_ON_FRAMEWORK = "KVCR event on framework-only raw protocol"
+FAULT_KVCR_MEDIUM = "KVCR ownership has an unsupported storage medium"
+FAULT_KVCR_BLOCK_SIZE = "KVCR block size is incompatible"
+FAULT_KVCR_ENRICHMENT = "KVCR event enrichment failed"
+FAULT_KVCR_CANONICALIZATION = "KVCR event canonicalization failed"
+FAULT_KVCR_TIER = "unsupported KVCR storage medium"
+
+KVCR_MEDIA = frozenset({"CPU", "CPU_PINNED", "STORAGE", "DISK"})
+MAIN_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+NON_MAIN_ATTENTION_KINDS = frozenset(
+    {
+        "sliding_window",
+        "sliding_window_mla",
+        "mamba",
+        "chunked_local_attention",
+        "encoder_only_attention",
+        "cross_attention",
+    }
+)
+CACHE_SALT_PREFIX = "dynamo-cache-salt:"
+MAX_BLOCK_WARNINGS = 3
+_AMBIGUOUS = object()
+
+
+class ChunkingError(ValueError):
+    """A raw batch that cannot be split into bounded ingress chunks; it terminates the listener."""
+
+
+@attrs.define
+class NormalizedBatch:
+    events: list[PlacementEvent]
+    source_fault: str | None = None
+    cache_owner_fault: str | None = None
+    filtered: dict[str, int] = attrs.Factory(dict)
+    unpublished_blocks: int = 0
+
+
+def _ownership(event: RawEvent) -> str | None:
+    return None if isinstance(event, RawIgnored) else event.ownership
+
+
+def _medium(event: RawEvent) -> str | None:
+    medium = None if isinstance(event, RawIgnored) else event.medium
+    return medium or None  # Dynamo reads an empty medium as absent
+
+
+def preprocess_legacy(event: RawEvent) -> str | None:
+    """Dynamo's legacy framework-only preprocessing: the reason an event is rejected, or None."""
+    ownership = _ownership(event)
+    if ownership is None:
+        return None
+    return "unsupported_ownership" if ownership == "kvcr" else "unknown_ownership"
+
+
+def _mm_hash(entry: object) -> int | None:
+    """Dynamo's rule: an MM hash only from a 64-char string of 16 hex digits then 48 zeros."""
+    if isinstance(entry, list | tuple) and entry:
+        entry = entry[0]
+    if isinstance(entry, str) and len(entry) == 64 and entry[16:] == "0" * 48:
+        try:
+            return int(entry[:16], 16)
+        except ValueError:
+            return None
+    return None
+
+
+def _namespace(event: RawBlockStored) -> str | None:
+    if event.cache_salt:
+        return event.cache_salt
+    if not event.extra_keys:
+        return None
+    skipped_lora = False
+    for keys in event.extra_keys:
+        for entry in keys if isinstance(keys, list | tuple) else (keys,):
+            if not isinstance(entry, str):
+                continue
+            if not skipped_lora and event.lora_name and entry == event.lora_name:
+                skipped_lora = True
+                continue
+            if entry.startswith(CACHE_SALT_PREFIX) and len(entry) > len(CACHE_SALT_PREFIX):
+                return entry[len(CACHE_SALT_PREFIX) :]
+    return None
+
+
+class ResidencyNormalizer:
+    """Dynamo's ``ZmqEventNormalizer`` for one ownership: preprocessing (2.4) and conversion (2.5)."""
+
+    def __init__(self, kv_block_size: int) -> None:
+        self.kv_block_size = kv_block_size
+        self._groups: dict[tuple[int, int], tuple[str, int | None]] = {}
+        self._namespaces: dict[int, object] = {}
+        self._seeds: dict[tuple[str | None, str | None], int] = {(None, None): BASE_SEED}
+        self.block_warnings = 0
+
+    def preprocess(self, event: RawEvent, dp_rank: int) -> tuple[str | None, str | None]:
+        """(rejection reason or None, the cache namespace to hash with)."""
+        if isinstance(event, RawIgnored):
+            return "ignored_event", None
+        if isinstance(event, RawAllBlocksCleared) and _medium(event) is not None:
+            return "ambiguous_scoped_clear", None
+        if event.locality is not None and event.locality != "LOCAL":
+            return "non_local_locality", None
+        medium = _medium(event)
+        if medium is not None:
+            tier = StorageTier.from_medium(medium)
+            if tier is None:
+                return "unknown_medium", None
+            if tier in (StorageTier.DISK, StorageTier.EXTERNAL):
+                return None, None  # hash-only lower tiers: no group learning, filtering or namespaces
+        if isinstance(event, RawAllBlocksCleared):
+            self._namespaces.clear()
+            return None, None
+        if isinstance(event, RawBlockStored) and event.group_idx is not None and event.kv_cache_spec_kind:
+            self._groups[(dp_rank, event.group_idx)] = (
+                event.kv_cache_spec_kind,
+                event.kv_cache_spec_sliding_window,
+            )
+        reason = self._group_filter(event.kv_cache_spec_kind, event.group_idx, dp_rank)
+        if reason is not None:
+            return reason, None
+        if isinstance(event, RawBlockRemoved):
+            for block_hash in event.block_hashes:
+                if self._namespaces.get(block_hash, None) is not _AMBIGUOUS:
+                    self._namespaces.pop(block_hash, None)
+            return None, None
+        return self._propagate_namespace(event)
+
+    def _group_filter(self, kind: str | None, group_idx: int | None, dp_rank: int) -> str | None:
+        if kind:
+            if kind in MAIN_ATTENTION_KINDS:
+                return None
+            return "non_main_attention_kind" if kind in NON_MAIN_ATTENTION_KINDS else "unknown_kind"
+        if group_idx is None:
+            return None
+        learned = self._groups.get((dp_rank, group_idx))
+        if learned is None:
+            return None if group_idx == 0 else "unlearned_group_idx"
+        if learned[0] in MAIN_ATTENTION_KINDS:
+            return None
+        return "non_main_attention_group" if learned[0] in NON_MAIN_ATTENTION_KINDS else "unknown_kind"
+
+    def _propagate_namespace(self, event: RawBlockStored) -> tuple[str | None, str | None]:
+        own = _namespace(event)
+        parent_state = (
+            None if event.parent_block_hash is None else self._namespaces.get(event.parent_block_hash)
+        )
+        if own is not None:
+            namespace = parent_state if isinstance(parent_state, str) else own
+        elif parent_state is _AMBIGUOUS:
+            return "ambiguous_cache_namespace", None
+        elif isinstance(parent_state, str):
+            namespace = parent_state
+        else:
+            for block_hash in event.block_hashes:  # unsalted: existing namespaced entries become ambiguous
+                if block_hash in self._namespaces:
+                    self._namespaces[block_hash] = _AMBIGUOUS
+            return None, None
+        for block_hash in event.block_hashes:
+            existing = self._namespaces.get(block_hash)
+            self._namespaces[block_hash] = namespace if existing in (None, namespace) else _AMBIGUOUS
+        return None, namespace
+
+    def _seed(self, lora_name: str | None, namespace: str | None) -> int:
+        key = (lora_name or None, namespace or None)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = block_hash_seed(*key)
+        return seed
+
+    def convert(
+        self, event: RawEvent, namespace: str | None, dp_rank: int
+    ) -> tuple[EventData, StorageTier, int] | None:
+        """(data, tier, unpublished block count), or None when conversion yields nothing."""
+        if isinstance(event, RawIgnored):
+            return None
+        tier = StorageTier.from_medium(_medium(event))
+        if tier is None or (event.locality is not None and event.locality != "LOCAL"):
+            return None
+        if isinstance(event, RawAllBlocksCleared):
+            return CLEARED, tier, 0
+        if isinstance(event, RawBlockRemoved):
+            return Removed(event.block_hashes), tier, 0
+        hashes = event.block_hashes
+        parent = event.parent_block_hash
+        if len(set(hashes)) != len(hashes) or (parent is not None and parent in hashes):
+            return Removed(()), tier, 0  # duplicate hash: a no-op that still occupies an event slot
+        block_size = self.kv_block_size
+        if event.block_size != block_size:
+            return Stored(parent, (), (), None), tier, len(hashes)
+        tokens = event.token_ids
+        extra = 1 if event.is_eagle else 0
+        seed = self._seed(event.lora_name, namespace)
+        extra_keys = event.extra_keys
+        published: list[int] = []
+        tokens_hashes: list[int] = []
+        mm_infos: list[MmExtraInfo | None] | None = None
+        for i, block_hash in enumerate(hashes):
+            start = i * block_size
+            end = start + block_size + extra
+            if end > len(tokens):
+                break
+            block_tokens = tokens[start:end]
+            mm_hashes: list[int] = []
+            if extra_keys is not None and i < len(extra_keys) and isinstance(extra_keys[i], list | tuple):
+                mm_hashes = [h for h in (_mm_hash(e) for e in extra_keys[i]) if h is not None]  # type: ignore[union-attr]
+            if mm_hashes:
+                tokens_hashes.append(mm_block_hash(block_tokens, mm_hashes, seed))
+                if mm_infos is None:
+                    mm_infos = [None] * i
+                mm_infos.append(MmExtraInfo(tuple(MmObject(h, ()) for h in mm_hashes)))
+            else:
+                tokens_hashes.append(local_block_hash(block_tokens, seed))
+                if mm_infos is not None:
+                    mm_infos.append(None)
+            published.append(block_hash)
+        return (
+            Stored(
+                parent, tuple(published), tuple(tokens_hashes), None if mm_infos is None else tuple(mm_infos)
+            ),
+            tier,
+            len(hashes) - len(published),
+        )
+
+
+class AttachmentNormalizer:
+    """Both normalizers of one attachment; ``normalize`` never raises."""
+
+    def __init__(
+        self,
+        *,
+        kv_block_size: int,
+        worker: WorkerWithDpRank,
+        ingress_protocol: IngressProtocol = IngressProtocol.VLLM_RESIDENCY_V1,
+        image_token_id: int | None = None,
+        video_token_id: int | None = None,
+    ) -> None:
+        self.kv_block_size = kv_block_size
+        self.worker = worker
+        self.ingress_protocol = ingress_protocol
+        # Image/video pad normalization is not implemented; MM blocks hash natively (documented).
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.framework = ResidencyNormalizer(kv_block_size)
+        self.kvcr = ResidencyNormalizer(kv_block_size)
+
+    def normalize(self, batch: RawBatch) -> NormalizedBatch:
+        out = NormalizedBatch([])
+        rank = self.worker.dp_rank
+        filtered = out.filtered
+        for event in batch.events:
+            ownership = _ownership(event)
+            if ownership is None:
+                kvcr = False
+            elif ownership == "kvcr":
+                kvcr = True
+            else:
+                out.source_fault = out.source_fault or FAULT_UNKNOWN_OWNERSHIP
+                continue
+            if kvcr:
+                if self.ingress_protocol is not IngressProtocol.VLLM_RESIDENCY_V1:
+                    out.source_fault = out.source_fault or FAULT_KVCR_ON_FRAMEWORK
+                    continue
+                if not isinstance(event, RawAllBlocksCleared) and _medium(event) not in KVCR_MEDIA:
+                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_MEDIUM
+                    continue
+                if isinstance(event, RawBlockStored) and event.block_size != self.kv_block_size:
+                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_BLOCK_SIZE
+                    continue
+            normalizer = self.kvcr if kvcr else self.framework
+            reason, namespace = normalizer.preprocess(event, rank)
+            if reason is not None:
+                filtered[reason] = filtered.get(reason, 0) + 1
+                if kvcr:
+                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_ENRICHMENT
+                continue
+            converted = normalizer.convert(event, namespace, rank)
+            if converted is None:
+                if kvcr:
+                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_CANONICALIZATION
+                continue
+            data, tier, unpublished = converted
+            out.unpublished_blocks += unpublished
+            if kvcr:
+                if data is not CLEARED and tier not in (StorageTier.HOST_PINNED, StorageTier.DISK):
+                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_TIER
+                    continue
+                domain = ResidencyDomain.CACHE_OWNER
+            else:
+                domain = ResidencyDomain.WORKER
+            session = event.session_id if isinstance(event, RawBlockStored) else None
+            out.events.append(PlacementEvent(data, tier, domain, rank, session))
+        return out
+
+
+def bounded_ingress_chunks(events: Sequence[PlacementEvent]) -> list[tuple[PlacementEvent, ...]]:
+    """At most 128 events and 8192 blocks per chunk; an empty list yields exactly one empty chunk."""
+    chunks: list[tuple[PlacementEvent, ...]] = []
+    current: list[PlacementEvent] = []
+    blocks = 0
+    for event in events:
+        size = block_count(event.data)
+        if size > MAX_CHUNK_BLOCKS:
+            raise ChunkingError("one ingress event exceeds the block bound")
+        if current and (len(current) >= MAX_CHUNK_EVENTS or blocks + size > MAX_CHUNK_BLOCKS):
+            chunks.append(tuple(current))
+            current, blocks = [], 0
+        current.append(event)
+        blocks += size
+    chunks.append(tuple(current))
+    return chunks
+
+
+def build_ingress_chunks(
+    generation: int, source_cursor: int, normalized: NormalizedBatch
+) -> list[IngressChunk]:
+    pieces = bounded_ingress_chunks(normalized.events)
+    if len(pieces) > 1 << 32:
+        raise ChunkingError("vLLM batch has too many chunks")
+    last = len(pieces) - 1
+    return [
+        IngressChunk(
+            generation,
+            source_cursor,
+            index,
+            index == last,
+            events,
+            normalized.source_fault if index == 0 else None,
+            normalized.cache_owner_fault if index == 0 else None,
+        )
+        for index, events in enumerate(pieces)
+    ]
