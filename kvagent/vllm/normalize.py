@@ -252,8 +252,9 @@ class ResidencyNormalizer:
                 break
             block_tokens = tokens[start:end]
             mm_hashes: list[int] = []
-            if extra_keys is not None and i < len(extra_keys) and isinstance(extra_keys[i], list | tuple):
-                mm_hashes = [h for h in (_mm_hash(e) for e in extra_keys[i]) if h is not None]  # type: ignore[union-attr]
+            block_keys = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+            if isinstance(block_keys, list | tuple):
+                mm_hashes = [h for h in (_mm_hash(e) for e in block_keys) if h is not None]
             if mm_hashes:
                 tokens_hashes.append(mm_block_hash(block_tokens, mm_hashes, seed))
                 if mm_infos is None:
