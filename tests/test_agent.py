@@ -38,10 +38,13 @@ TIMEOUT = 20
 class XpubEngine:
     """A vLLM-like publisher on an XPUB socket, so the test knows exactly when the agent has subscribed."""
 
-    def __init__(self, context: zmq.Context[Any], topic: bytes = b"kv-events") -> None:
+    def __init__(
+        self, context: zmq.Context[Any], topic: bytes = b"kv-events", endpoint: str = "tcp://127.0.0.1:0"
+    ) -> None:
         sock = context.socket(zmq.XPUB)
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.bind("tcp://127.0.0.1:0")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
         self.endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.socket = TrioSocket(sock)
         self.topic = topic
@@ -63,6 +66,16 @@ class XpubEngine:
 
     def close(self) -> None:
         self.socket.close()
+
+    @classmethod
+    async def rebind(cls, context: zmq.Context[Any], endpoint: str) -> XpubEngine:
+        """A new engine process on the same endpoint (libzmq releases the old port asynchronously)."""
+        with trio.fail_after(10):
+            while True:
+                try:
+                    return cls(context, endpoint=endpoint)
+                except zmq.ZMQError:
+                    await trio.sleep(0.05)
 
 
 def batch(events: list[dict[str, object]], rank: int = 0) -> bytes:
