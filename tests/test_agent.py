@@ -128,8 +128,8 @@ def is_store_of(block_hash: int) -> Callable[[RouterEvent], bool]:
 
 @asynccontextmanager
 async def running_agent(
-    discovery: MemoryDiscovery | None = None, sink: RecordingSink | None = None, block_size: int = 32
-) -> AsyncIterator[tuple[SlotAgent, MemoryDiscovery, RecordingSink, zmq.Context[Any]]]:
+    discovery: MemoryDiscovery | None = None, sink: Any = None, block_size: int = 32
+) -> AsyncIterator[tuple[SlotAgent, MemoryDiscovery, Any, zmq.Context[Any]]]:
     discovery = discovery or MemoryDiscovery()
     sink = sink or RecordingSink()
     context: zmq.Context[Any] = zmq.Context()
