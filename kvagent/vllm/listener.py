@@ -3,12 +3,20 @@
 Admission never waits on the coordinator (``CoordinatorHandle.admit`` is a non-blocking send on an
 unbounded channel; memory stays bounded because the coordinator drains much faster than one engine
 publishes, and the SUB's RCVHWM bounds what the engine can queue). If the listener ends on its own — an
-error, the stream ending, or the attachment no longer being ready — it quarantines its generation with
+error, or the attachment no longer being ready — it quarantines its generation with
 ``"framework listener terminated"``; cancelled from outside, it just stops.
+
+Sequence gaps (issue #6). With a replay endpoint, a gap is repaired before the live batch that exposed it
+is applied; live batches that arrive meanwhile wait in a bounded reorder buffer (``reorder_capacity``) so
+a late replayed ``Stored(A)`` can never resurrect a block a newer live ``Removed(A)`` deleted
+(vllm-wire.md §9.2). What cannot be repaired is reported to the coordinator as source loss and the stream
+continues (lossy, agent-semantics.md §3.5). On a cold attach the whole replay buffer is applied first, so
+blocks published before the SUB connected are not missing.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any
 
@@ -21,19 +29,24 @@ from kvagent.errors import KvAgentError
 from kvagent.events import MAX_RAW_PAYLOAD_BYTES
 from kvagent.status import Attachment, StatusCell
 from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, build_ingress_chunks
-from kvagent.vllm.replay import ReplayClient, SeqDecision, SequenceGate
+from kvagent.vllm.replay import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
 from kvagent.vllm.wire import RawMessage, WireDecodeError, decode_frames
 from kvagent.zmqtrio import TrioSocket
 
-__all__ = ["ListenerError", "ListenerOptions", "ListenerStats", "run_listener"]
+__all__ = ["LISTENER_TERMINATED", "ListenerError", "ListenerOptions", "ListenerStats", "run_listener"]
 
 log = logging.getLogger(__name__)
 
 LISTENER_TERMINATED = "framework listener terminated"
+QUARANTINE_TIMEOUT = 5.0
 
 
 class ListenerError(Exception):
     """A condition that ends the listener (and so quarantines its attachment)."""
+
+
+class _NotReady(Exception):
+    """The attachment is no longer ready: stop quietly (and still quarantine)."""
 
 
 @attrs.frozen(slots=True)
@@ -41,6 +54,7 @@ class ListenerOptions:
     rcvhwm: int = 1_000_000
     batch_messages: int = 256
     replay_timeout: float = 5.0
+    reorder_capacity: int = 4096
     cold_bootstrap: bool = True
     max_payload_bytes: int = MAX_RAW_PAYLOAD_BYTES
 
@@ -55,12 +69,13 @@ class ListenerStats:
     lost_batches: int = 0
     restarts_seen: int = 0
     duplicates: int = 0
+    reorder_overflows: int = 0
     filtered: dict[str, int] = attrs.Factory(dict)
     unpublished_blocks: int = 0
 
 
 class _Pipeline:
-    """Everything after the socket: sans-IO apart from the coordinator handle's non-blocking admit."""
+    """Everything after sequencing: sans-IO apart from the coordinator handle's non-blocking admit."""
 
     def __init__(
         self, attachment: Attachment, kv_block_size: int, coordinator: CoordinatorHandle, stats: ListenerStats
@@ -99,6 +114,142 @@ class _Pipeline:
             raise ListenerError(exc.message) from exc
 
 
+class _Listener:
+    def __init__(
+        self,
+        *,
+        attachment: Attachment,
+        kv_block_size: int,
+        coordinator: CoordinatorHandle,
+        status: StatusCell,
+        options: ListenerOptions,
+        stats: ListenerStats,
+        sub: TrioSocket,
+        replay: ReplayClient | None,
+    ) -> None:
+        self.generation = attachment.generation
+        self.coordinator = coordinator
+        self.status = status
+        self.options = options
+        self.stats = stats
+        self.sub = sub
+        self.replay = replay
+        self.pipeline = _Pipeline(attachment, kv_block_size, coordinator, stats)
+        self.gate = SequenceGate()
+        # Live frames received but not yet processed: the reorder buffer while a replay runs. Arrival order
+        # is seq order within one publisher process (and keeps an in-place restart recognisable).
+        self.pending: collections.deque[list[bytes]] = collections.deque()
+
+    async def run(self) -> None:
+        if self.replay is not None and self.options.cold_bootstrap:
+            await self._bootstrap()
+        while True:
+            if not self.pending:
+                self.pending.extend(await self.sub.recv_multipart_batch(self.options.batch_messages))
+            while self.pending:
+                await self._on_live(self.pending.popleft())
+
+    def _check_ready(self) -> None:
+        if not self.status.get().is_ready_generation(self.generation):
+            raise _NotReady()
+
+    def _apply(self, message: RawMessage) -> None:
+        self.pipeline.process(message)
+        self.gate.mark_applied(message.seq)
+
+    async def _lose(self, lost: int, why: str) -> None:
+        log.warning("vLLM KV source lost %d batches of generation %d (%s)", lost, self.generation, why)
+        self.stats.lost_batches += lost
+        try:
+            await self.coordinator.report_source_loss(self.generation, lost)
+        except KvAgentError as exc:
+            raise ListenerError(exc.message) from exc
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        self._check_ready()
+        self.stats.messages += 1
+        try:
+            message = decode_frames(frames, max_payload_bytes=self.options.max_payload_bytes)
+        except WireDecodeError as exc:
+            self.stats.decode_errors += 1
+            raise ListenerError(f"failed to decode framework KV event batch: {exc}") from exc
+        gate = self.gate
+        decision = gate.classify(message.seq)
+        if decision is SeqDecision.DUPLICATE:
+            self.stats.duplicates += 1
+            return
+        if decision is SeqDecision.RESTART:
+            # The coordinator sees the cursor regress and publishes its own reset barrier.
+            self.stats.restarts_seen += 1
+            log.warning("vLLM seq went back to %d: engine restarted in place", message.seq)
+        elif decision is SeqDecision.GAP:
+            expected = gate.expected()
+            assert expected is not None  # a gap needs something applied before it
+            self.stats.gaps += 1
+            if self.replay is not None:
+                await self._apply_replay(await self._fetch(expected))
+                if gate.classify_replayed(message.seq) is SeqDecision.DUPLICATE:
+                    self.stats.duplicates += 1  # the replay already carried this batch
+                    return
+            hole_start = gate.expected()
+            assert hole_start is not None
+            if hole_start < message.seq:
+                await self._lose(message.seq - hole_start, "unrepaired seq gap")
+                gate.expect(message.seq)
+        self._apply(message)
+
+    async def _bootstrap(self) -> None:
+        """Cold attach: apply the engine's whole replay buffer first."""
+        attempt = await self._fetch(0)
+        if attempt.messages or attempt.complete:
+            self.gate.expect(0)
+        else:
+            log.warning("cold-attach replay gave nothing (%s); starting from the live stream", attempt.error)
+        await self._apply_replay(attempt)
+
+    async def _apply_replay(self, attempt: ReplayAttempt) -> None:
+        gate = self.gate
+        for message in attempt.messages:
+            self._check_ready()
+            decision = gate.classify_replayed(message.seq)
+            if decision is SeqDecision.DUPLICATE:
+                continue
+            if decision is SeqDecision.GAP:
+                expected = gate.expected()
+                assert expected is not None
+                why = "replay started late" if message is attempt.messages[0] else "replay skipped batches"
+                await self._lose(message.seq - expected, why)
+            self._apply(message)
+            self.stats.repaired_batches += 1
+        if not attempt.complete:
+            log.warning("vLLM replay from seq %d incomplete: %s", attempt.start, attempt.error)
+
+    async def _fetch(self, start: int) -> ReplayAttempt:
+        """Run one replay request while live messages collect in the reorder buffer."""
+        replay = self.replay
+        assert replay is not None
+        attempt = ReplayAttempt(start)
+        capacity = self.options.reorder_capacity
+        async with trio.open_nursery() as nursery:
+
+            async def fetch() -> None:
+                await replay.fetch(attempt)
+                nursery.cancel_scope.cancel()
+
+            async def buffer_live() -> None:
+                # This task owns the SUB only while the replay runs; the listener task is waiting here.
+                while len(self.pending) < capacity:
+                    room = min(self.options.batch_messages, capacity - len(self.pending))
+                    self.pending.extend(await self.sub.recv_multipart_batch(room))
+                self.stats.reorder_overflows += 1
+                attempt.error = f"reorder buffer full ({capacity} live batches)"
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(fetch)
+            nursery.start_soon(buffer_live)
+        return attempt
+
+
 async def run_listener(
     *,
     attachment: Attachment,
@@ -117,51 +268,37 @@ async def run_listener(
     sub_socket = context.socket(zmq.SUB)
     sub_socket.setsockopt(zmq.RCVHWM, options.rcvhwm)
     sub_socket.setsockopt(zmq.LINGER, 0)
-    sub_socket.connect(source.endpoint)
-    sub_socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
     sub = TrioSocket(sub_socket)
     replay: ReplayClient | None = None
-    if source.replay_endpoint:
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(source.replay_endpoint)
-        replay = ReplayClient(
-            TrioSocket(dealer),
-            inactivity_timeout=options.replay_timeout,
-            max_payload_bytes=options.max_payload_bytes,
-        )
-    pipeline = _Pipeline(attachment, kv_block_size, coordinator, stats)
-    gate = SequenceGate()
+    try:
+        sub_socket.connect(source.endpoint)
+        sub_socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        if source.replay_endpoint:
+            replay = ReplayClient(
+                context,
+                source.replay_endpoint,
+                inactivity_timeout=options.replay_timeout,
+                max_payload_bytes=options.max_payload_bytes,
+            )
+    except BaseException:
+        sub.close()
+        raise
     task_status.started()
     error: str | None = None
     try:
-        if replay is not None and options.cold_bootstrap:
-            await _bootstrap(replay, pipeline, gate, coordinator, generation, stats)
-        while True:
-            messages = await sub.recv_multipart_batch(options.batch_messages)
-            for frames in messages:
-                if not status.get().is_ready_generation(generation):
-                    raise ListenerError("attachment is no longer ready")
-                stats.messages += 1
-                try:
-                    message = decode_frames(frames, max_payload_bytes=options.max_payload_bytes)
-                except WireDecodeError as exc:
-                    stats.decode_errors += 1
-                    raise ListenerError(f"failed to decode framework KV event batch: {exc}") from exc
-                decision = gate.classify(message.seq)
-                if decision is SeqDecision.DUPLICATE:
-                    stats.duplicates += 1
-                    continue
-                if decision is SeqDecision.RESTART:
-                    stats.restarts_seen += 1
-                    log.warning(
-                        "vLLM seq went back from %s to %d: engine restarted in place", gate.last, message.seq
-                    )
-                elif decision is SeqDecision.GAP:
-                    stats.gaps += 1
-                    await _repair_gap(replay, pipeline, gate, coordinator, generation, stats, message.seq)
-                pipeline.process(message)
-                gate.applied(message.seq)
+        listener = _Listener(
+            attachment=attachment,
+            kv_block_size=kv_block_size,
+            coordinator=coordinator,
+            status=status,
+            options=options,
+            stats=stats,
+            sub=sub,
+            replay=replay,
+        )
+        await listener.run()
+    except _NotReady:
+        log.info("vLLM KV listener for generation %d stopping: attachment no longer ready", generation)
     except ListenerError as exc:
         error = str(exc)
     except Exception as exc:  # any other failure still ends in a quarantine, never a silent stop
@@ -170,72 +307,11 @@ async def run_listener(
     finally:
         sub.close()
         if replay is not None:
-            replay.socket.close()
-    log.warning("vLLM KV listener failed (generation %d): %s", generation, error)
-    with trio.move_on_after(5, shield=True):
+            replay.close()
+    if error is not None:
+        log.warning("vLLM KV listener failed (generation %d): %s", generation, error)
+    with trio.move_on_after(QUARANTINE_TIMEOUT, shield=True):
         try:
             await coordinator.quarantine(generation, LISTENER_TERMINATED)
         except KvAgentError as exc:
             log.warning("listener could not quarantine generation %d: %s", generation, exc)
-
-
-async def _bootstrap(
-    replay: ReplayClient,
-    pipeline: _Pipeline,
-    gate: SequenceGate,
-    coordinator: CoordinatorHandle,
-    generation: int,
-    stats: ListenerStats,
-) -> None:
-    """Cold attach: apply the engine's whole replay buffer first, so earlier blocks are not missing."""
-    outcome = await replay.fetch(0)
-    if not outcome.complete and not outcome.messages:
-        log.warning("cold-attach replay gave nothing (%s); starting from the live stream", outcome.error)
-        return
-    for message in outcome.messages:
-        pipeline.process(message)
-        gate.applied(message.seq)
-        stats.repaired_batches += 1
-    if outcome.messages:
-        gate.replayed_through(outcome.messages[-1].seq)
-    if outcome.first_seq is not None and outcome.first_seq > 0:
-        stats.lost_batches += outcome.first_seq
-        await coordinator.report_source_loss(generation, outcome.first_seq)
-
-
-async def _repair_gap(
-    replay: ReplayClient | None,
-    pipeline: _Pipeline,
-    gate: SequenceGate,
-    coordinator: CoordinatorHandle,
-    generation: int,
-    stats: ListenerStats,
-    seq: int,
-) -> None:
-    expected = gate.expected()
-    assert expected is not None
-    missing = seq - expected
-    repaired = 0
-    if replay is not None:
-        outcome = await replay.fetch(expected, stop_before=seq)
-        next_seq = expected
-        for message in outcome.messages:
-            if message.seq != next_seq:
-                break  # only a contiguous prefix can be applied in order
-            pipeline.process(message)
-            gate.applied(message.seq)
-            next_seq += 1
-            repaired += 1
-        stats.repaired_batches += repaired
-        if repaired < missing:
-            log.warning(
-                "replay repaired %d of %d missing vLLM batches from seq %d (%s)",
-                repaired,
-                missing,
-                expected,
-                outcome.error or "replay started late",
-            )
-    lost = missing - repaired
-    if lost:
-        stats.lost_batches += lost
-        await coordinator.report_source_loss(generation, lost)

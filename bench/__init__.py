@@ -1,0 +1,1 @@
+"""kvagent benchmark suite: ``python -m bench [names...] [--quick]`` (see docs/performance.md)."""

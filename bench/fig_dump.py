@@ -1,0 +1,90 @@
+"""Figure 2: tree dump of 10k / 100k / 1M resident blocks, in-process and through the real websocket server."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+import msgpack
+import trio
+
+from bench.harness import FigureResult, Row, median
+from bench.slot_fixture import BenchSlot, build_index
+
+NAME = "dump"
+TITLE = "Tree dump: websocket client receives the whole dump"
+
+
+def _invalidate(index: Any) -> None:
+    """Apply a no-op remove so the next dump is built from scratch (dumps are cached until an apply)."""
+    from bench.agent_run import WORKER_ID
+    from kvagent.events import Removed, ResidencyDomain, RouterEvent, StorageTier
+
+    event_id = index.current_event_id() + 1
+    index.apply(RouterEvent(WORKER_ID, StorageTier.DEVICE, ResidencyDomain.WORKER, event_id, Removed((1,)), 0))
+
+
+async def _client_dumps(index: Any, repetitions: int) -> list[float]:
+    from kvagent.recovery.client import connect_slot
+    from kvagent.recovery.server import SlotRegistry, serve_recovery
+
+    registry = SlotRegistry()
+    registry.add(BenchSlot(index))
+    seconds: list[float] = []
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(partial(serve_recovery, registry, host="127.0.0.1", port=0))
+        async with connect_slot(f"ws://127.0.0.1:{info.port}", "bench", encoding="msgpack") as client:
+            for _ in range(repetitions):
+                _invalidate(index)
+                started = time.perf_counter()
+                answer = await client.recover(None)
+                seconds.append(time.perf_counter() - started)
+                if len(answer.events) != index.resident_block_count:
+                    raise AssertionError(f"dump had {len(answer.events)} events for {index.resident_block_count} blocks")
+        nursery.cancel_scope.cancel()
+    return seconds
+
+
+def _baseline(blocks: int, repetitions: int) -> list[float]:
+    """msgpack-encode ``blocks`` plain block dicts: the floor for any dump encoding."""
+    import random
+
+    rng = random.Random(3)
+    dicts = [{"block_hash": rng.getrandbits(64), "parent_hash": rng.getrandbits(64),
+              "tokens_hash": rng.getrandbits(64)} for _ in range(blocks)]
+    seconds = []
+    for _ in range(repetitions):
+        started = time.perf_counter()
+        msgpack.packb(dicts)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def run(result: FigureResult, *, quick: bool) -> None:
+    sizes = [10_000, 100_000] if quick else [10_000, 100_000, 1_000_000]
+    result.params["sizes"] = sizes
+    for blocks in sizes:
+        repetitions = 3 if blocks < 1_000_000 else 2
+        index = build_index(blocks)
+        in_process = []
+        for _ in range(repetitions):
+            _invalidate(index)
+            started = time.perf_counter()
+            index.tree_dump()
+            in_process.append(time.perf_counter() - started)
+        base = _baseline(blocks, repetitions)
+        try:
+            client = trio.run(_client_dumps, index, repetitions)
+        except Exception as exc:
+            result.rows.append(Row(f"ws dump {blocks:,}", None, "s", note=f"error: {type(exc).__name__}: {exc}"))
+            client = []
+        label = f"{blocks // 1000}k" if blocks < 1_000_000 else f"{blocks // 1_000_000}M"
+        target = "<= 1 s" if blocks == 1_000_000 else ""
+        if client:
+            result.rows.append(Row(f"ws dump {label}", median(client), "s", "msgpack encode of block dicts",
+                                   median(base), target=target, higher_is_better=False, samples=client,
+                                   baseline_samples=base))
+        result.rows.append(Row(f"tree_dump() {label}", median(in_process), "s", "msgpack encode of block dicts",
+                               median(base), higher_is_better=False, samples=in_process, baseline_samples=base))
+        del index

@@ -1,0 +1,287 @@
+"""A Trio client for the websocket recovery protocol v1 (``kvagent query``, routers, tests).
+
+One client owns one connection and sends one request at a time; a streamed answer (``"more": true``
+frames) is reassembled by :meth:`RecoveryClient.recover`, while :meth:`RecoveryClient.follow` yields frame by
+frame so a large backlog never has to sit in memory whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import msgpack
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+from kvagent.codec import CodecError, router_event_from_json
+from kvagent.events import RouterEvent, WorkerWithDpRank
+from kvagent.identity import IdentityError, KvStateAgentIdentity
+from kvagent.status import AgentStatus, AttachmentStatus
+
+__all__ = [
+    "FollowItem",
+    "FollowOverrun",
+    "RecoverResult",
+    "RecoveryClient",
+    "RecoveryClientError",
+    "agent_status_from_json",
+    "connect_slot",
+]
+
+CLIENT_MAX_MESSAGE_BYTES = 4 << 20  # the server sends frames of at most 1 MiB; leave headroom
+
+
+class RecoveryClientError(Exception):
+    """An error response (``code`` is the protocol's error code) or an unusable server answer."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class FollowOverrun(Exception):
+    """The server dropped this follower for falling behind; resume with ``follow(last_sent)``."""
+
+    def __init__(self, last_sent: int) -> None:
+        super().__init__(f"follower overrun; resume from {last_sent}")
+        self.last_sent = last_sent
+
+
+@attrs.frozen(slots=True)
+class RecoverResult:
+    """A reassembled ``recover`` answer; ``raw`` is the merged response without its events."""
+
+    kind: str
+    events: tuple[RouterEvent, ...]
+    raw: Mapping[str, Any]
+
+    @property
+    def last_event_id(self) -> int | None:
+        value = self.raw.get("last_event_id")
+        return value if isinstance(value, int) else None
+
+    @property
+    def receipt(self) -> Mapping[str, Any] | None:
+        return self.raw.get("receipt")
+
+    @property
+    def reset_scope(self) -> object:
+        return self.raw.get("reset_scope")
+
+    def to_json(self) -> dict[str, Any]:
+        from kvagent.codec import router_event_to_json
+
+        return {**self.raw, "events": [router_event_to_json(event) for event in self.events]}
+
+
+@attrs.frozen(slots=True)
+class FollowItem:
+    """One follow frame: backlog (``events`` / ``tree_dump``; ``more`` until its last frame) or ``live``."""
+
+    kind: str
+    events: tuple[RouterEvent, ...]
+    last_event_id: int | None = None
+    more: bool = False
+    reset_scope: object = None
+
+
+def agent_status_from_json(value: object) -> AgentStatus:
+    """The inverse of ``AgentStatus.to_json``."""
+    try:
+        assert isinstance(value, dict)
+        identity = KvStateAgentIdentity.from_json(value["identity"])
+        raw_attachment = value["attachment"]
+        attachment = None
+        if raw_attachment is not None:
+            worker = raw_attachment["worker"]
+            attachment = AttachmentStatus(
+                int(raw_attachment["generation"]),
+                WorkerWithDpRank(int(worker["worker_id"]), int(worker["dp_rank"])),
+                bool(raw_attachment["ready"]),
+                int(raw_attachment["ready_at_outbound_cursor"]),
+            )
+        return AgentStatus(
+            identity, attachment, bool(value["cache_owner_ready"]), int(value["outbound_cursor"])
+        )
+    except (AssertionError, KeyError, TypeError, ValueError, IdentityError) as exc:
+        raise RecoveryClientError("bad_response", f"malformed status: {exc!r}") from None
+
+
+def _events(frame: Mapping[str, Any]) -> list[RouterEvent]:
+    try:
+        return [router_event_from_json(event) for event in frame.get("events") or ()]
+    except CodecError as exc:
+        raise RecoveryClientError("bad_response", f"malformed event: {exc}") from None
+
+
+class RecoveryClient:
+    def __init__(self, ws: WebSocketConnection, *, encoding: str = "json", token: str | None = None) -> None:
+        if encoding not in ("json", "msgpack"):
+            raise ValueError(f"encoding must be 'json' or 'msgpack', got {encoding!r}")
+        self.ws = ws
+        self.binary = encoding == "msgpack"
+        self._token = token  # only sent in control requests, never logged
+        self._next_id = 0
+
+    async def _send(self, op: str, fields: Mapping[str, Any]) -> int:
+        self._next_id += 1
+        request = {"id": self._next_id, "op": op, **fields}
+        message = msgpack.packb(request, use_bin_type=True) if self.binary else json.dumps(request)
+        await self.ws.send_message(message)
+        return self._next_id
+
+    async def _frame(self, request_id: int) -> dict[str, Any]:
+        """The next frame answering ``request_id``; an error response raises RecoveryClientError."""
+        while True:
+            message = await self.ws.get_message()
+            try:
+                if isinstance(message, bytes):
+                    value = msgpack.unpackb(message, raw=False, strict_map_key=False)
+                else:
+                    value = json.loads(message)
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise RecoveryClientError("bad_response", f"undecodable frame: {exc!r}") from None
+            if not isinstance(value, dict):
+                raise RecoveryClientError("bad_response", "frame is not an object")
+            if value.get("id") != request_id:
+                continue  # not ours (e.g. a refusal of a stray request)
+            if value.get("ok") is not True:
+                error = value.get("error") or {}
+                raise RecoveryClientError(str(error.get("code", "internal")), str(error.get("message", "")))
+            return value
+
+    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request and its (possibly streamed) answer, events concatenated as raw JSON objects."""
+        request_id = await self._send(op, fields)
+        merged = await self._frame(request_id)
+        events = list(merged.get("events") or ())
+        while merged.pop("more", False):
+            frame = await self._frame(request_id)
+            events.extend(frame.get("events") or ())
+            merged.update(frame)
+        if "events" in merged:
+            merged["events"] = events
+        return merged
+
+    async def status(
+        self, *, expected_identity: KvStateAgentIdentity | None = None, generation: int | None = None
+    ) -> AgentStatus:
+        fields = _fence_fields(expected_identity, generation)
+        return agent_status_from_json((await self.request("status", **fields))["status"])
+
+    async def list_slots(self) -> list[dict[str, Any]]:
+        return list((await self.request("list"))["slots"])
+
+    async def recover(
+        self,
+        start: int | None = None,
+        end: int | None = None,
+        expected_identity: KvStateAgentIdentity | None = None,
+        generation: int | None = None,
+        *,
+        worker_id: int | None = None,
+        dp_rank: int | None = None,
+    ) -> RecoverResult:
+        fields: dict[str, Any] = {"start": start, "end": end, **_fence_fields(expected_identity, generation)}
+        if worker_id is not None:
+            fields["worker_id"] = worker_id
+        if dp_rank is not None:
+            fields["dp_rank"] = dp_rank
+        raw = await self.request("recover", **fields)
+        events = tuple(_events(raw))
+        raw.pop("events", None)
+        for key in ("id", "ok", "more"):
+            raw.pop(key, None)
+        return RecoverResult(str(raw.get("kind")), events, raw)
+
+    async def follow(self, from_: int | None = None) -> AsyncIterator[FollowItem]:
+        """Backlog frames, then live frames, until the server ends the stream.
+
+        Raises FollowOverrun on overrun and RecoveryClientError("too_new") when ``from_`` is ahead of the
+        server (it restarted, or the cursor belongs to another publisher).
+        """
+        request_id = await self._send("follow", {"from": from_})
+        while True:
+            frame = await self._frame(request_id)
+            kind = frame.get("kind")
+            if kind == "overrun":
+                raise FollowOverrun(int(frame["last_sent"]))
+            if kind == "too_new":
+                raise RecoveryClientError(
+                    "too_new", f"cursor {from_} is newer than the newest id {frame.get('newest_available')}"
+                )
+            if kind not in ("events", "tree_dump", "live"):
+                raise RecoveryClientError("bad_response", f"unexpected follow frame kind {kind!r}")
+            yield FollowItem(
+                kind,
+                tuple(_events(frame)),
+                frame.get("last_event_id"),
+                bool(frame.get("more", False)),
+                frame.get("reset_scope"),
+            )
+
+    def _control(self, fields: dict[str, Any]) -> dict[str, Any]:
+        return {**fields, "token": self._token} if self._token is not None else fields
+
+    async def attach(
+        self,
+        *,
+        worker_id: int,
+        dp_rank: int,
+        endpoint: str,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+    ) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "worker_id": worker_id,
+            "dp_rank": dp_rank,
+            "endpoint": endpoint,
+            "topic": topic,
+            "replay_endpoint": replay_endpoint,
+        }
+        return dict((await self.request("attach", **self._control(fields)))["attachment"])
+
+    async def detach(self, generation: int) -> int:
+        return int((await self.request("detach", **self._control({"generation": generation})))["cursor"])
+
+    async def quarantine(self, generation: int, reason: str) -> None:
+        await self.request("quarantine", **self._control({"generation": generation, "reason": reason}))
+
+
+def _fence_fields(expected_identity: KvStateAgentIdentity | None, generation: int | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if expected_identity is not None:
+        fields["expected_identity"] = expected_identity.to_json()
+    if generation is not None:
+        fields["generation"] = generation
+    return fields
+
+
+def slot_url(url: str, slot: str | None) -> str:
+    """``<url>/v1/slots/<slot>``, or ``<url>/v1/slots`` when slot is None or ``-``; accepts either as url."""
+    base = url.rstrip("/")
+    if "/v1/slots" not in base:
+        base = f"{base}/v1/slots"
+    if slot in (None, "-") or base.endswith(f"/{slot}"):
+        return base
+    return f"{base}/{slot}"
+
+
+@asynccontextmanager
+async def connect_slot(
+    url: str,
+    slot: str | None,
+    *,
+    token: str | None = None,
+    encoding: str = "json",
+) -> AsyncIterator[RecoveryClient]:
+    """Open a connection to one slot (or to ``/v1/slots`` for ``list``); the token goes in the header."""
+    headers = [(b"Authorization", f"Bearer {token}".encode())] if token is not None else None
+    async with open_websocket_url(
+        slot_url(url, slot), extra_headers=headers, max_message_size=CLIENT_MAX_MESSAGE_BYTES
+    ) as ws:
+        yield RecoveryClient(ws, encoding=encoding)

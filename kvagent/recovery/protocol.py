@@ -1,0 +1,312 @@
+"""Recovery/control protocol v1: frame encoding, request validation, fencing and answer framing (sans-IO).
+
+Text frames carry JSON, binary frames carry msgpack; a response uses the encoding of its request.  Event
+lists are framed by hand from individually encoded events so a large answer is split into frames of at most
+:data:`MAX_FRAME_BYTES` without encoding anything twice (one event is never split).  docs/protocol.md is the
+normative description.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import msgpack
+
+from kvagent.codec import router_event_to_wire
+from kvagent.errors import KvAgentError
+from kvagent.events import (
+    RESET_ALL,
+    EventsAnswer,
+    RangeAnswer,
+    ResetScope,
+    ResidencyDomain,
+    RouterEvent,
+    TreeDumpAnswer,
+)
+from kvagent.identity import IdentityError, KvStateAgentIdentity
+from kvagent.status import AgentStatus
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "CACHE_OWNER_INCREMENTAL_UNSUPPORTED",
+    "CHANGED_DURING_RECOVERY",
+    "Encoding",
+    "Fence",
+    "check_recovery_fence",
+    "check_status_fence",
+    "decode_frame",
+    "encode_event",
+    "encode_frame",
+    "error_frame",
+    "event_frames",
+    "filter_answer",
+    "optional_uint",
+    "parse_fence",
+    "post_check",
+    "required_str",
+    "required_uint",
+]
+
+MAX_FRAME_BYTES = 1 << 20  # trio-websocket's default receive limit: every frame we send must fit it
+U64_MAX = (1 << 64) - 1
+U32_MAX = (1 << 32) - 1
+
+CACHE_OWNER_INCREMENTAL_UNSUPPORTED = (
+    "CacheOwner-only incremental recovery is unsupported; request a full state-agent snapshot"
+)
+CHANGED_DURING_RECOVERY = "KV state-agent identity, readiness or generation changed during recovery"
+STATUS_IDENTITY_MISMATCH = "KV state-agent status identity mismatch"
+
+
+class Encoding(enum.Enum):
+    JSON = "json"
+    MSGPACK = "msgpack"
+
+
+# --- frames -----------------------------------------------------------------------------------------
+
+
+def decode_frame(message: str | bytes) -> tuple[Encoding, object]:
+    """The frame's encoding and decoded value; KvAgentError(bad_request) when it does not parse."""
+    if isinstance(message, str):
+        try:
+            return Encoding.JSON, json.loads(message)
+        except ValueError:
+            raise KvAgentError("request is not valid JSON", code="bad_request") from None
+    try:
+        return Encoding.MSGPACK, msgpack.unpackb(message, raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types for malformed input
+        raise KvAgentError("request is not valid msgpack", code="bad_request") from None
+
+
+def encode_frame(encoding: Encoding, value: Mapping[str, object]) -> str | bytes:
+    if encoding is Encoding.JSON:
+        return json.dumps(value, separators=(",", ":"))
+    return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def error_frame(encoding: Encoding, request_id: int | None, code: str, message: str) -> str | bytes:
+    return encode_frame(
+        encoding, {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+    )
+
+
+def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
+    """One event in the frame's encoding, ready to be spliced into an ``events`` list."""
+    wire = router_event_to_wire(event)
+    if encoding is Encoding.JSON:
+        return json.dumps(wire, separators=(",", ":"))
+    return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _assemble(
+    encoding: Encoding, header: Mapping[str, object], parts: Sequence[str | bytes], more: bool | None
+) -> str | bytes:
+    if encoding is Encoding.JSON:
+        head = json.dumps(header, separators=(",", ":"))
+        tail = "" if more is None else (',"more":true' if more else ',"more":false')
+        return f'{head[:-1]},"events":[{",".join(parts)}]{tail}}}'  # type: ignore[arg-type]
+    packer = msgpack.Packer(use_bin_type=True)
+    pieces = [packer.pack_map_header(len(header) + (1 if more is None else 2))]
+    for key, value in header.items():
+        pieces.append(packer.pack(key))
+        pieces.append(packer.pack(value))
+    pieces.append(packer.pack("events"))
+    pieces.append(packer.pack_array_header(len(parts)))
+    pieces.extend(parts)
+    if more is not None:
+        pieces.append(packer.pack("more"))
+        pieces.append(packer.pack(more))
+    return b"".join(pieces)
+
+
+def event_frames(
+    encoding: Encoding,
+    header: Mapping[str, object],
+    encoded_events: Iterable[str | bytes],
+    *,
+    more_flag: bool = True,
+    limit: int = MAX_FRAME_BYTES,
+) -> Iterator[str | bytes]:
+    """Frames ``header + events [+ more]``, each at most ``limit`` long; always at least one frame.
+
+    ``more`` is true on all frames but the last (when ``more_flag``).  A single event too large for a frame
+    raises KvAgentError(too_large): sending it would make a default client close with 1009.
+    """
+    # Fixed cost of a frame: the header and the empty list (with the longer "more" value), plus room for a
+    # msgpack array header (at most 5 bytes).
+    overhead = len(_assemble(encoding, header, (), False if more_flag else None)) + 5
+    budget = limit - overhead
+    pending: list[str | bytes] = []
+    pending_size = 0
+    sent_any = False
+    for part in encoded_events:
+        size = len(part) + 1  # the JSON comma; msgpack needs none, the header allowance covers it
+        if size > budget:
+            raise KvAgentError(
+                f"one event needs {size} bytes, more than the {limit}-byte frame limit", code="too_large"
+            )
+        if pending and pending_size + size > budget:
+            yield _assemble(encoding, header, pending, True if more_flag else None)
+            sent_any = True
+            pending = []
+            pending_size = 0
+        pending.append(part)
+        pending_size += size
+    if pending or not sent_any:
+        yield _assemble(encoding, header, pending, False if more_flag else None)
+
+
+# --- request fields ---------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def optional_uint(request: Mapping[str, Any], key: str, maximum: int = U64_MAX) -> int | None:
+    value = request.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= maximum:
+        raise KvAgentError(f"{key} must be null or an integer in [0, {maximum}]", code="bad_request")
+    return int(value)
+
+
+def required_uint(request: Mapping[str, Any], key: str, maximum: int = U64_MAX) -> int:
+    value = optional_uint(request, key, maximum)
+    if value is None:
+        raise KvAgentError(f"{key} is required", code="bad_request")
+    return value
+
+
+def required_str(request: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = request.get(key, default)
+    if not isinstance(value, str):
+        raise KvAgentError(f"{key} must be a string", code="bad_request")
+    return value
+
+
+# --- fencing (agent-semantics.md 5.2, 5.3) ----------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class Fence:
+    """What a request asked to be checked; ``fenced`` is False for the operator's unfenced full view."""
+
+    expected_identity: KvStateAgentIdentity | None
+    generation: int | None
+    worker_id: int | None
+    dp_rank: int | None
+
+    @property
+    def fenced(self) -> bool:
+        return self.expected_identity is not None or self.generation is not None
+
+
+def parse_fence(request: Mapping[str, Any]) -> Fence:
+    raw_identity = request.get("expected_identity")
+    identity = None
+    if raw_identity is not None:
+        try:
+            identity = KvStateAgentIdentity.from_json(raw_identity)
+        except (IdentityError, TypeError) as exc:
+            raise KvAgentError(f"expected_identity: {exc}", code="bad_request") from None
+    return Fence(
+        identity,
+        optional_uint(request, "generation"),
+        optional_uint(request, "worker_id"),
+        optional_uint(request, "dp_rank", U32_MAX),
+    )
+
+
+def check_status_fence(status: AgentStatus, fence: Fence) -> None:
+    if fence.expected_identity is not None and status.identity != fence.expected_identity:
+        raise KvAgentError(STATUS_IDENTITY_MISMATCH, code="identity_mismatch")
+    if fence.generation is not None:
+        if status.attachment is None:
+            raise KvAgentError(
+                "KV state-agent status has no attachment for the expected generation",
+                code="generation_mismatch",
+            )
+        if status.attachment.generation != fence.generation:
+            raise KvAgentError(
+                "KV state-agent status attachment generation mismatch", code="generation_mismatch"
+            )
+
+
+def check_recovery_fence(status: AgentStatus, fence: Fence, slot_rank: int) -> None:
+    """5.3 identity and generation fencing; does nothing for an unfenced request."""
+    if not fence.fenced:
+        return
+    if fence.expected_identity is not None and status.identity != fence.expected_identity:
+        raise KvAgentError("KV state-agent recovery identity mismatch", code="identity_mismatch")
+    if not status.cache_owner_ready:
+        raise KvAgentError("KV state-agent CacheOwner domain is not ready", code="not_ready")
+    if fence.generation is None:
+        if fence.dp_rank is not None and fence.dp_rank != slot_rank:
+            raise KvAgentError(
+                "KV state-agent recovery dp_rank does not match the slot's rank", code="bad_request"
+            )
+        return
+    attachment = status.attachment
+    if attachment is None:
+        raise KvAgentError("KV state-agent recovery has no attachment", code="generation_mismatch")
+    if attachment.generation != fence.generation:
+        raise KvAgentError(
+            "KV state-agent recovery attachment generation mismatch", code="generation_mismatch"
+        )
+    if not attachment.ready:
+        raise KvAgentError("KV state-agent recovery attachment is not ready", code="not_ready")
+    if (fence.worker_id is not None and fence.worker_id != attachment.worker.worker_id) or (
+        fence.dp_rank is not None and fence.dp_rank != attachment.worker.dp_rank
+    ):
+        raise KvAgentError(
+            "KV state-agent recovery worker does not match the attachment", code="generation_mismatch"
+        )
+
+
+def _fence_view(status: AgentStatus) -> tuple[object, ...]:
+    attachment = status.attachment
+    return (
+        status.identity,
+        status.cache_owner_ready,
+        None if attachment is None else (attachment.generation, attachment.ready),
+    )
+
+
+def post_check(before: AgentStatus, after: AgentStatus, fence: Fence) -> None:
+    """5.3 post-check: a fenced answer is void if identity, readiness or generation moved meanwhile."""
+    if fence.fenced and _fence_view(before) != _fence_view(after):
+        raise KvAgentError(CHANGED_DURING_RECOVERY, code="not_ready")
+
+
+CACHE_OWNER_SCOPE = ResetScope(ResidencyDomain.CACHE_OWNER)
+
+
+def filter_answer(answer: RangeAnswer, status: AgentStatus, fence: Fence) -> RangeAnswer:
+    """5.3 filtering: unfenced = full view; with a generation = Worker + own CacheOwner; else CacheOwner-only."""
+    if not fence.fenced or not isinstance(answer, EventsAnswer | TreeDumpAnswer):
+        return answer
+    owner = status.identity.cache_owner_id
+
+    def own_cache_owner(event: RouterEvent) -> bool:
+        return event.residency_domain is ResidencyDomain.CACHE_OWNER and event.state_source == owner
+
+    if fence.generation is not None:
+        kept = tuple(
+            event
+            for event in answer.events
+            if event.residency_domain is ResidencyDomain.WORKER or own_cache_owner(event)
+        )
+        if isinstance(answer, EventsAnswer):
+            return EventsAnswer(kept, answer.last_event_id)
+        return TreeDumpAnswer(kept, answer.last_event_id, RESET_ALL)
+    if isinstance(answer, EventsAnswer):
+        raise KvAgentError(CACHE_OWNER_INCREMENTAL_UNSUPPORTED, code="bad_request")
+    kept = tuple(event for event in answer.events if own_cache_owner(event))
+    return TreeDumpAnswer(kept, answer.last_event_id, CACHE_OWNER_SCOPE)
