@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgpack  # type: ignore[import-untyped]  # no stubs; the lead may add it to mypy overrides
+import msgpack
 
 from kvagent.events import (
     CLEARED,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+import trio
 
 from kvagent.codec import router_event_to_json
 from kvagent.recovery.client import FollowOverrun, RecoveryClientError, connect_slot
@@ -18,7 +19,7 @@ def _emit(value: object) -> None:
 
 
 async def run_query(args: argparse.Namespace) -> int:
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    token = (await trio.Path(args.token_file).read_text()).strip() if args.token_file else None
     encoding = "msgpack" if args.msgpack else "json"
     try:
         async with connect_slot(args.url, args.slot, token=token, encoding=encoding) as client:

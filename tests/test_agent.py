@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -79,7 +79,8 @@ class XpubEngine:
 
 
 def batch(events: list[dict[str, object]], rank: int = 0) -> bytes:
-    return msgpack.packb([1.0, events, rank])
+    payload: bytes = msgpack.packb([1.0, events, rank])
+    return payload
 
 
 def gpu_store(hashes: list[int], parent: int | None = None, block_size: int = 32) -> dict[str, object]:
@@ -162,7 +163,8 @@ async def test_live_capture_end_to_end_detach_and_reattach() -> None:
             engine = XpubEngine(context)
             generation = await attach(agent, engine)
             assert generation == 1
-            assert agent.status().attachment is not None and agent.status().attachment.ready
+            attached = agent.status().attachment
+            assert attached is not None and attached.ready
             assert len(attachment_ads(discovery)) == 1
             for frames in sub_messages:
                 await engine.send_frames(frames)
@@ -250,7 +252,7 @@ async def test_each_fault_class_quarantines_and_withdraws(payload: bytes, expect
             engine.close()
 
 
-def attachment_ads_of(records: dict[tuple[str, int], object]) -> list[int]:
+def attachment_ads_of(records: Mapping[tuple[str, int], object]) -> list[int]:
     return [record_id for (topic, record_id) in records if topic == KV_STATE_ATTACHMENTS_TOPIC]
 
 
@@ -327,9 +329,8 @@ async def test_withdrawal_retried_until_discovery_recovers() -> None:
             await discovery.wait_for(lambda records: not attachment_ads_of(records))
             failures = [a for a in discovery.attempts if a.operation == "unregister" and a.failed]
             assert len(failures) == 3
-            assert (
-                agent.status().attachment is not None and agent.status().attachment.generation == generation
-            )
+            current = agent.status().attachment
+            assert current is not None and current.generation == generation
             engine.close()
 
 

@@ -43,7 +43,7 @@ async def test_soak_memory_stays_flat() -> None:
             next_reattach = start + REATTACH_EVERY
             sentinel = 1 << 40
             while trio.current_time() - start < SOAK_SECONDS:
-                events = []
+                events: list[dict[str, object]] = []
                 for _ in range(8):
                     block = rng.randrange(1, POOL)
                     if block in resident:

@@ -21,7 +21,14 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvagent.errors import KvAgentError
-from kvagent.events import EventsAnswer, RangeAnswer, RouterEvent, TooNewAnswer, TreeDumpAnswer
+from kvagent.events import (
+    EventsAnswer,
+    RangeAnswer,
+    RouterEvent,
+    TooNewAnswer,
+    TreeDumpAnswer,
+    TreeDumpFailedAnswer,
+)
 from kvagent.index import RecoveryIndex
 from kvagent.recovery.protocol import Encoding, encode_event, encode_frame, error_frame, event_frames
 
@@ -132,11 +139,13 @@ async def _send_backlog_and_live(
             )
         )
         return
-    if not isinstance(answer, EventsAnswer | TreeDumpAnswer):
-        # TreeDumpFailed (InvalidRange cannot happen: there is no end bound): never an empty dump.
-        message = f"worker tree dump failed: {answer.message}" if hasattr(answer, "message") else "no backlog"
+    if isinstance(answer, TreeDumpFailedAnswer):
+        # Never an empty dump in its place: the follower's cursor must not advance.
+        message = f"worker tree dump failed: {answer.message}"
         await ws.send_message(error_frame(encoding, request_id, "internal", message))
         return
+    if not isinstance(answer, EventsAnswer | TreeDumpAnswer):  # InvalidRange: impossible without an end
+        raise KvAgentError(f"unexpected follow backlog {type(answer).__name__}", code="internal")
     header = backlog_header(request_id, answer)
     for frame in event_frames(encoding, header, (encode_event(encoding, event) for event in answer.events)):
         await ws.send_message(frame)
