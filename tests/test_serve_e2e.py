@@ -266,3 +266,39 @@ async def test_bad_configuration_is_a_clear_error(tmp_path: Path, argv: list[str
     )
     assert result.returncode == 2
     assert b"kvagent serve:" in result.stderr
+
+
+@pytest.mark.parametrize("moment", ["attach", "dump", "follow"])
+async def test_sigterm_mid_operation_exits_zero_and_withdraws_ads(tmp_path: Path, moment: str) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    engine = XpubEngine(context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with serve(tmp_path, "--slot", "waiting", "--block-size", "32") as agent:
+                async with client(agent.url, "waiting") as c:
+                    attached = await c.request(
+                        "attach", worker_id=5, dp_rank=0, endpoint=engine.endpoint, topic="", token=agent.token
+                    )
+                    assert attached["ok"], attached
+                    await engine.wait_subscribed()
+                    for i in range(200):
+                        await engine.send_payload(batch([gpu_store([5000 + i, 9000 + i])]))
+                    await engine.send_payload(batch([gpu_store([0xFEED])]))
+                    await follow_until(c, 0xFEED, None)
+                async with client(agent.url, "waiting") as c:
+                    if moment == "attach":
+                        await c.send("detach", generation=1, token=agent.token)
+                        await c.send("attach", worker_id=6, dp_rank=0, endpoint=engine.endpoint, token=agent.token)
+                    elif moment == "dump":
+                        await c.send("recover", start=None, end=None)
+                    else:
+                        await c.send("follow", **{"from": None})
+                        await c.frame()
+                    agent.process.send_signal(signal.SIGTERM)
+                    with trio.fail_after(20):
+                        returncode = await agent.process.wait()
+                assert returncode == 0, "\n".join(agent.stderr_lines)
+                assert agent.discovery_files() == []
+    finally:
+        engine.close()
+        context.destroy(linger=0)
