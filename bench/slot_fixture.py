@@ -23,7 +23,10 @@ class BenchSlot:
         self._status = AgentStatus(KvStateAgentIdentity(owner(), 42))
 
     def status(self) -> Any:
-        return self._status
+        import attrs
+
+        # The index is the whole slot here, so its newest id is the slot's outbound cursor.
+        return attrs.evolve(self._status, outbound_cursor=self.index.current_event_id())
 
     async def control_attach(self, **_: Any) -> Any:
         raise RuntimeError("the bench slot has no engine")
@@ -51,10 +54,10 @@ def stored_events(blocks: int, *, first_id: int = 1, seed: int = 1) -> Iterator[
         event_id += 1
 
 
-def build_index(blocks: int) -> Any:
+def build_index(blocks: int, ring_capacity: int = 1024) -> Any:
     from kvagent.index import RecoveryIndex
 
-    index = RecoveryIndex(16)
+    index = RecoveryIndex(16, ring_capacity)
     for event in stored_events(blocks):
         index.apply(event)
     return index

@@ -116,6 +116,13 @@ async def wait_for_event(agent: SlotAgent, predicate: Callable[[RouterEvent], bo
             arrived.set()
 
     unsubscribe = agent.index.subscribe(on_event)
+    # The event may already have been applied (the sender's checkpoint can let the agent run first):
+    # look through the ring buffer too, in the same synchronous step as the subscription.
+    oldest = agent.index.oldest_buffered_id()
+    if oldest is not None and not seen:
+        answer = agent.index.events_in_range(oldest, None)
+        for event in getattr(answer, "events", ()):
+            on_event(event)
     try:
         await arrived.wait()
     finally:

@@ -58,18 +58,21 @@ async def test_soak_memory_stays_flat() -> None:
                     # Pace to the agent: wait until this batch is indexed (never sleeps blindly).
                     sentinel += 1
                     await engine.send_payload(batch([gpu_store([sentinel])]))
-                    await wait_for_event(agent, is_store_of(sentinel))
+                    with trio.fail_after(30):
+                        await wait_for_event(agent, is_store_of(sentinel))
                     resident.add(sentinel)
                     gc.collect()
                     current, _peak = tracemalloc.get_traced_memory()
                     samples.append((trio.current_time() - start, rss_bytes(), current))
                 if trio.current_time() >= next_reattach:
-                    await agent.detach(generation)
+                    with trio.fail_after(30):
+                        await agent.detach(generation)
                     engine.close()
                     resident.clear()  # a new engine incarnation starts empty (the detach barrier reset it)
                     engine = XpubEngine(context)
                     worker_id += 1
-                    generation = await attach(agent, engine, worker_id=worker_id)
+                    with trio.fail_after(30):
+                        generation = await attach(agent, engine, worker_id=worker_id)
                     next_reattach = trio.current_time() + REATTACH_EVERY
             engine.close()
             assert agent.core.counters.dropped_events == 0

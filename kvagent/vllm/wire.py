@@ -333,8 +333,12 @@ def _decode_event(event: object, index: int, accept_bytes: bool) -> RawEvent:
             return RawAllBlocksCleared(None, _optional_str(ownership, "AllBlocksCleared.ownership"))
     else:
         raise WireDecodeError(f"events[{index}]: expected an array or a map, got {_type_name(event)}")
+    if not isinstance(tag, str):
+        if tag is None and type(event) is dict:
+            raise WireDecodeError(f"events[{index}].type: required field is missing")
+        raise WireDecodeError(f"events[{index}]: event tag must be a string, got {_type_name(tag)}")
     if tag in _IGNORED_TAGS:
-        return RawIgnored(str(tag))
+        return RawIgnored(tag)
     if tag is None:
         raise WireDecodeError(f"events[{index}].type: required field is missing")
     raise WireDecodeError(f"events[{index}]: unknown event tag {tag!r}")
