@@ -200,8 +200,8 @@ def test_live_capture_decodes_completely() -> None:
     assert sorted(payload_by_seq) == list(range(68))
     assert is_replay_end_marker(replay[-1]) and decode_replay_reply(replay[-1]) is None
     for frames in replay[:-1]:
-        message = decode_replay_reply(frames)
-        assert message is not None and frames[3] == payload_by_seq[message.seq]
+        replayed = decode_replay_reply(frames)
+        assert replayed is not None and frames[3] == payload_by_seq[replayed.seq]
 
 
 def test_malformed_replay_replies_are_typed_errors() -> None:
