@@ -19,7 +19,7 @@ from kvagent.events import (
 )
 from kvagent.identity import CacheOwnerId
 from kvagent.index import RecoveryIndex
-from kvagent.vllm.wire import RawBlockRemoved, RawBlockStored, decode_frames, decode_replay_reply
+from kvagent.vllm.wire import RawBlockRemoved, RawBlockStored, RawMessage, decode_frames, decode_replay_reply
 from tests.vectors import load_live
 
 OWNER = CacheOwnerId.parse(
@@ -170,10 +170,10 @@ def test_dump_then_tail_reproduces_live_state(
     assert replica.resident_blocks() == live.resident_blocks()
 
 
-def apply_raw(index: RecoveryIndex, messages: list[object], first_id: int) -> int:
+def apply_raw(index: RecoveryIndex, messages: list[RawMessage], first_id: int) -> int:
     event_id = first_id
     for message in messages:
-        for raw in message.batch.events:  # type: ignore[attr-defined]
+        for raw in message.batch.events:
             if isinstance(raw, RawBlockStored):
                 index.apply(store(event_id, raw.block_hashes, raw.parent_block_hash))
             elif isinstance(raw, RawBlockRemoved):
