@@ -28,6 +28,8 @@ from kvagent.events import (
     WorkerWithDpRank,
     block_count,
 )
+import xxhash
+
 from kvagent.hashing import BASE_SEED, block_hash_seed, local_block_hash, mm_block_hash
 from kvagent.vllm.wire import (
     RawAllBlocksCleared,
@@ -70,6 +72,7 @@ NON_MAIN_ATTENTION_KINDS = frozenset(
 )
 CACHE_SALT_PREFIX = "dynamo-cache-salt:"
 MAX_BLOCK_WARNINGS = 3
+xxh3 = xxhash.xxh3_64_intdigest
 _AMBIGUOUS = object()
 
 
@@ -239,6 +242,7 @@ class ResidencyNormalizer:
         if event.block_size != block_size:
             return Stored(parent, (), (), None), tier, len(hashes)
         tokens = event.token_ids
+        token_bytes = event.token_bytes if len(event.token_bytes) == 4 * len(tokens) else b""
         extra = 1 if event.is_eagle else 0
         seed = self._seed(event.lora_name, namespace)
         extra_keys = event.extra_keys
@@ -250,18 +254,20 @@ class ResidencyNormalizer:
             end = start + block_size + extra
             if end > len(tokens):
                 break
-            block_tokens = tokens[start:end]
             mm_hashes: list[int] = []
             block_keys = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
             if isinstance(block_keys, list | tuple):
                 mm_hashes = [h for h in (_mm_hash(e) for e in block_keys) if h is not None]
             if mm_hashes:
-                tokens_hashes.append(mm_block_hash(block_tokens, mm_hashes, seed))
+                tokens_hashes.append(mm_block_hash(tokens[start:end], mm_hashes, seed))
                 if mm_infos is None:
                     mm_infos = [None] * i
                 mm_infos.append(MmExtraInfo(tuple(MmObject(h, ()) for h in mm_hashes)))
             else:
-                tokens_hashes.append(local_block_hash(block_tokens, seed))
+                if token_bytes:
+                    tokens_hashes.append(xxh3(token_bytes[4 * start : 4 * end], seed))
+                else:
+                    tokens_hashes.append(local_block_hash(tokens[start:end], seed))
                 if mm_infos is not None:
                     mm_infos.append(None)
             published.append(block_hash)

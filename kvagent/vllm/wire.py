@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
+import struct
+
 import attrs
 import msgpack
 
@@ -71,6 +73,8 @@ class RawBlockStored:
     session_id: str | None = None
     is_eagle: bool = False
     cache_salt: str | None = None
+    # The tokens as u32 little-endian bytes, packed once at decode (C speed) for LocalBlockHash slices.
+    token_bytes: bytes = attrs.field(default=b"", eq=False, repr=False)
 
 
 @attrs.frozen(slots=True)
@@ -165,16 +169,23 @@ def _optional_str(value: object, field: str) -> str | None:
     raise WireDecodeError(f"{field}: expected a string, got {_type_name(value)}")
 
 
-def _tokens(value: object, field: str) -> tuple[tuple[int, ...], bool]:
-    """Token ids, and whether they came in SGLang's EAGLE bigram form ([u32, u32] pairs)."""
+def _tokens(value: object, field: str) -> tuple[tuple[int, ...], bool, bytes]:
+    """Token ids, whether they came in SGLang's EAGLE bigram form ([u32, u32] pairs), and their u32-LE bytes."""
     if type(value) is not list:
         raise WireDecodeError(f"{field}: expected a list, got {_type_name(value)}")
-    if all(type(t) is int and 0 <= t <= U32 for t in value):
-        return tuple(value), False
+    try:
+        # struct validates every token (an int in u32 range) in C; bools are the only ints it lets through.
+        packed = struct.pack(f"<{len(value)}I", *value)
+    except struct.error:
+        packed = b""
+    if packed and not any(type(t) is bool for t in value):
+        return tuple(value), False, packed
     if value and all(type(p) is list and len(p) == 2 for p in value):
         flat = [p[0] for p in value] + [value[-1][1]]
         if all(type(t) is int and 0 <= t <= U32 for t in flat):
-            return tuple(flat), True
+            return tuple(flat), True, struct.pack(f"<{len(flat)}I", *flat)
+    if not value:
+        return (), False, b""
     for i, token in enumerate(value):
         if type(token) is not int or not 0 <= token <= U32:
             raise WireDecodeError(f"{field}[{i}]: expected a u32 token id, got {token!r}")
@@ -201,7 +212,7 @@ def _required(event: dict[Any, Any], key: str, tag: str) -> object:
 
 def _stored_from_map(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStored:
     tag = "BlockStored"
-    tokens, eagle = _tokens(_required(event, "token_ids", tag), f"{tag}.token_ids")
+    tokens, eagle, token_bytes = _tokens(_required(event, "token_ids", tag), f"{tag}.token_ids")
     get = event.get
     return RawBlockStored(
         _hashes(_required(event, "block_hashes", tag), f"{tag}.block_hashes", accept_bytes),
@@ -220,6 +231,7 @@ def _stored_from_map(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStore
         _optional_str(get("session_id"), f"{tag}.session_id"),
         eagle,
         _optional_str(get("cache_salt"), f"{tag}.cache_salt"),
+        token_bytes,
     )
 
 
@@ -238,7 +250,7 @@ def _stored_from_array(event: list[Any], accept_bytes: bool) -> RawBlockStored:
     def at(i: int) -> object:
         return event[i] if i < len(event) else None
 
-    tokens, eagle = _tokens(event[3], f"{tag}.token_ids")
+    tokens, eagle, token_bytes = _tokens(event[3], f"{tag}.token_ids")
     group_idx = kind = sliding = locality = ownership = None
     trailing = event[9:]
     if _fits_dynamo_trailing(trailing):
@@ -270,6 +282,8 @@ def _stored_from_array(event: list[Any], accept_bytes: bool) -> RawBlockStored:
         ownership,
         None,
         eagle,
+        None,
+        token_bytes,
     )
 
 
