@@ -148,6 +148,8 @@ def fmt(value: float | None) -> str:
     if value is None:
         return "—"
     magnitude = abs(value)
+    if value == int(value) and magnitude < 1e4:
+        return str(int(value))
     if magnitude >= 1e6:
         return f"{value / 1e6:.2f}M"
     if magnitude >= 1e4:

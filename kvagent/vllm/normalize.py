@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import xxhash
 
 from kvagent.events import (
     CLEARED,
@@ -28,8 +29,6 @@ from kvagent.events import (
     WorkerWithDpRank,
     block_count,
 )
-import xxhash
-
 from kvagent.hashing import BASE_SEED, block_hash_seed, local_block_hash, mm_block_hash
 from kvagent.vllm.wire import (
     RawAllBlocksCleared,

@@ -18,10 +18,9 @@ Hash normalization to u64 (vllm-wire.md §7.1):
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any, TypeAlias
-
-import struct
 
 import attrs
 import msgpack
