@@ -9,11 +9,12 @@ them with the websocket ``recover`` op (``kvagent.client.subscribe`` does exactl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 import zmq
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvagent.codec import decode_router_events, encode_router_events
 from kvagent.events import MAX_CHUNK_BLOCKS, MAX_CHUNK_EVENTS, RouterEvent, block_count
@@ -99,6 +100,25 @@ class ZmqEventPlane:
             else:
                 self.counters.dropped_messages += 1
                 self.counters.dropped_events += len(batch)
+
+    def collect_metrics(self) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("kvagent_event_plane_messages_sent", "Event-plane messages sent", self.counters.messages_sent),
+            ("kvagent_event_plane_events_sent", "Events sent on the event plane", self.counters.events_sent),
+            (
+                "kvagent_event_plane_dropped_messages",
+                "Event-plane messages dropped at the HWM",
+                self.counters.dropped_messages,
+            ),
+            (
+                "kvagent_event_plane_dropped_events",
+                "Events dropped at the event-plane HWM",
+                self.counters.dropped_events,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
 
     def sink_for(self, slot_config: object = None) -> PlaneSink:
         return PlaneSink(self)

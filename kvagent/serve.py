@@ -21,7 +21,7 @@ from kvagent.discovery import open_discovery
 from kvagent.events import IngressProtocol
 from kvagent.host import Host, open_host
 from kvagent.logs import configure_logging
-from kvagent.recovery.server import SlotRegistry, serve_recovery
+from kvagent.recovery.server import ServerStats, SlotRegistry, serve_recovery
 from kvagent.sink import EventSink
 from kvagent.vllm.listener import ListenerOptions
 
@@ -79,7 +79,9 @@ async def _attach_configured_engine(
 ) -> None:
     if slot.engine is not None:
         engine = slot.engine
-        worker_id = engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
+        worker_id = (
+            engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
+        )
         status = await agent.attach(
             AttachmentConfig(
                 worker_id=worker_id,
@@ -103,7 +105,9 @@ async def _attach_configured_engine(
             context=context,
         )
         await nursery.start(fake.run)
-        workload = SimulatedWorkload(seed=derive_worker_id(slot.name, "simulate"), block_size=slot.kv_block_size)
+        workload = SimulatedWorkload(
+            seed=derive_worker_id(slot.name, "simulate"), block_size=slot.kv_block_size
+        )
         nursery.start_soon(partial(run_simulated_engine, fake, workload))
         status = await agent.attach(
             AttachmentConfig(
@@ -154,13 +158,17 @@ async def run_serve(config: ServeConfig) -> int:
     token, generated = load_or_create_token(config.token_file)
     if generated and config.token_file is None:
         # Printed once on the console (not through logging, so it never reaches log sinks).
-        print(f"kvagent: control token (pass with --token-file or Authorization: Bearer): {token}", file=sys.stderr)
+        print(
+            f"kvagent: control token (pass with --token-file or Authorization: Bearer): {token}",
+            file=sys.stderr,
+        )
     listen_host, listen_port = _split_host_port(config.listen)
     context: zmq.Context[Any] = zmq.Context()
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_discovery(config.discovery) as discovery, trio.open_nursery() as nursery:
                 registry = SlotRegistry()
+                server_stats = ServerStats()
                 server = await nursery.start(
                     partial(
                         serve_recovery,
@@ -170,6 +178,7 @@ async def run_serve(config: ServeConfig) -> int:
                         token=token,
                         max_connections=config.max_connections,
                         max_message_size=config.max_message_bytes,
+                        stats=server_stats,
                     )
                 )
                 base_url = f"ws://{listen_host}:{server.port}"
@@ -188,7 +197,12 @@ async def run_serve(config: ServeConfig) -> int:
                     from kvagent.metrics import serve_metrics
 
                     metrics_host, metrics_port = _split_host_port(config.metrics)
-                    await nursery.start(partial(serve_metrics, registry, host=metrics_host, port=metrics_port))
+                    extra: list[Any] = [server_stats]
+                    if event_plane is not None:
+                        extra.append(event_plane)
+                    await nursery.start(
+                        partial(serve_metrics, registry, host=metrics_host, port=metrics_port, extra=extra)
+                    )
                 async with open_host(
                     discovery=discovery, registry=registry, sink_factory=sink_factory, zmq_context=context
                 ) as host:

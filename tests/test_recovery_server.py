@@ -14,6 +14,7 @@ import attrs
 import msgpack
 import pytest
 import trio
+import trio.testing
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from kvagent.codec import router_event_to_json
@@ -39,7 +40,7 @@ from kvagent.identity import (
 from kvagent.index import RecoveryIndex
 from kvagent.recovery.client import RecoveryClientError, connect_slot
 from kvagent.recovery.protocol import CACHE_OWNER_INCREMENTAL_UNSUPPORTED, MAX_FRAME_BYTES
-from kvagent.recovery.server import RecoveryServerInfo, SlotRegistry, serve_recovery
+from kvagent.recovery.server import RecoveryServerInfo, ServerStats, SlotRegistry, serve_recovery
 from kvagent.status import AgentStatus, AttachmentStatus, StatusCell
 
 OWNER = CacheOwnerId(
@@ -463,7 +464,7 @@ async def test_control_requires_token(
         with pytest.raises(ConnectionRejected) as rejected:
             async with open_websocket_url(f"{url}/v1/slots/a?token={TOKEN}"):
                 pass
-        assert rejected.value.status_code == 401
+        assert rejected.value.status_code == 403
 
         async with connect_slot(url, "a", token=TOKEN) as client:
             attachment = await client.attach(**attach)
@@ -510,6 +511,45 @@ async def test_control_disabled_without_server_token(nursery: trio.Nursery, slot
                 await client.detach(1)
     assert info.value.code == "unauthorized"
     assert slot.control_calls == []
+
+
+async def test_server_stats_count_connections_rejections_and_requests(
+    nursery: trio.Nursery, slot: FakeSlot
+) -> None:
+    stats = ServerStats()
+    url = await start_server(nursery, slot, stats=stats)
+    with trio.fail_after(10):
+        with pytest.raises(ConnectionRejected):
+            async with open_websocket_url(f"{url}/v1/nowhere"):
+                pass
+        with pytest.raises(ConnectionRejected):
+            async with open_websocket_url(f"{url}/v1/slots/a?token=x"):
+                pass
+        async with connect_slot(url, "a") as client:
+            assert stats.connections_open == 1
+            await client.status()
+            await client.recover()
+            with pytest.raises(RecoveryClientError):
+                await client.detach(1)
+        (frame,) = await raw_request(f"{url}/v1/slots/a", {"id": 1, "op": "made-up-op-name"})
+        assert frame["error"]["code"] == "unknown_op"
+        # The handler decrements connections_open after the close handshake; wait for it without sleeping.
+        while stats.connections_open:
+            await trio.testing.wait_all_tasks_blocked()
+    assert stats.connections_total == 2
+    assert stats.rejected == {404: 1, 403: 1}
+    assert stats.requests == {"status": 1, "recover": 1, "detach": 1, "invalid": 1}
+    assert stats.request_errors == {"unauthorized": 1, "unknown_op": 1}
+    assert stats.request_seconds_sum > 0
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in stats.collect_metrics()
+        for sample in family.samples
+    }
+    assert samples[("kvagent_recovery_connections_total", ())] == 2
+    assert samples[("kvagent_recovery_rejected_total", (("status", "403"),))] == 1
+    assert samples[("kvagent_recovery_requests_total", (("op", "invalid"),))] == 1
+    assert samples[("kvagent_recovery_connections_open", ())] == 0
 
 
 # --- kvagent.client.subscribe: event plane + websocket gap repair -------------------------------------

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
 from kvagent.errors import KvAgentError
@@ -51,12 +52,13 @@ from kvagent.recovery.protocol import (
 )
 from kvagent.status import AgentStatus, AttachmentStatus
 
-__all__ = ["RecoveryServerInfo", "SlotRegistry", "SlotSurface", "serve_recovery"]
+__all__ = ["RecoveryServerInfo", "ServerStats", "SlotRegistry", "SlotSurface", "serve_recovery"]
 
 log = logging.getLogger(__name__)
 
 CONTROL_OPS = frozenset({"attach", "detach", "quarantine"})
 SLOT_OPS = frozenset({"status", "recover", "follow"}) | CONTROL_OPS
+KNOWN_OPS = SLOT_OPS | {"list"}
 CLOSE_INTERNAL_ERROR = 1011
 HEARTBEAT_INTERVAL = 20.0
 HEARTBEAT_TIMEOUT = 20.0
@@ -108,10 +110,71 @@ class RecoveryServerInfo:
     port: int
 
 
+class ServerStats:
+    """Plain counters the server bumps in place; Prometheus reads them at scrape time (``collect_metrics``).
+
+    ``requests`` is keyed by op, with every op the server does not know counted under ``"invalid"`` so a
+    hostile client cannot grow the label set.  ``request_seconds_sum`` covers every op except ``follow``,
+    whose duration is the lifetime of a stream, not the cost of a request.
+    """
+
+    def __init__(self) -> None:
+        self.connections_open = 0
+        self.connections_total = 0
+        self.rejected: dict[int, int] = {}  # handshake rejections by HTTP status
+        self.requests: dict[str, int] = {}
+        self.request_errors: dict[str, int] = {}  # error responses by code
+        self.request_seconds_sum = 0.0
+
+    def count_rejected(self, status_code: int) -> None:
+        self.rejected[status_code] = self.rejected.get(status_code, 0) + 1
+
+    def count_request(self, op: str) -> None:
+        self.requests[op] = self.requests.get(op, 0) + 1
+
+    def count_error(self, code: str) -> None:
+        self.request_errors[code] = self.request_errors.get(code, 0) + 1
+
+    def collect_metrics(self) -> Iterator[Metric]:
+        """Metric families for kvagent.metrics (pass this object in its ``extra`` list)."""
+        yield GaugeMetricFamily(
+            "kvagent_recovery_connections_open",
+            "Open recovery websocket connections",
+            value=self.connections_open,
+        )
+        yield CounterMetricFamily(
+            "kvagent_recovery_connections",
+            "Accepted recovery websocket connections",
+            value=self.connections_total,
+        )
+        rejected = CounterMetricFamily(
+            "kvagent_recovery_rejected", "Refused recovery handshakes, by HTTP status", labels=["status"]
+        )
+        for status_code, count in sorted(self.rejected.items()):
+            rejected.add_metric([str(status_code)], count)
+        yield rejected
+        requests = CounterMetricFamily("kvagent_recovery_requests", "Recovery requests, by op", labels=["op"])
+        for op, count in sorted(self.requests.items()):
+            requests.add_metric([op], count)
+        yield requests
+        errors = CounterMetricFamily(
+            "kvagent_recovery_request_errors", "Recovery error responses, by code", labels=["code"]
+        )
+        for code, count in sorted(self.request_errors.items()):
+            errors.add_metric([code], count)
+        yield errors
+        yield CounterMetricFamily(
+            "kvagent_recovery_request_seconds",
+            "Seconds spent answering recovery requests (follow excluded)",
+            value=self.request_seconds_sum,
+        )
+
+
 @attrs.frozen(slots=True)
 class _ServerConfig:
     registry: SlotRegistry
     token: str | None
+    stats: ServerStats
     follow_buffer_events: int
     heartbeat_interval: float
 
@@ -149,22 +212,30 @@ async def _handle(config: _ServerConfig, limiter: trio.CapacityLimiter, request:
         if _query_carries_token(target.query):
             # Query strings end up in proxy and access logs; refuse rather than accept a leaked token.
             log.warning("refused a websocket handshake carrying a token in its URL query")
+            config.stats.count_rejected(403)
             await request.reject(
-                401, body=b"unauthorized: send the token as Authorization: Bearer, not in the URL"
+                403, body=b"forbidden: send the token as Authorization: Bearer, not in the URL"
             )
             return
         known, slot = _slot_from_path(target.path)
         if not known or (slot is not None and config.registry.get(slot) is None):
+            config.stats.count_rejected(404)
             await request.reject(404, body=b"unknown path: use /v1/slots or /v1/slots/<slot>")
             return
         try:
             limiter.acquire_on_behalf_of_nowait(request)
         except trio.WouldBlock:
+            config.stats.count_rejected(503)
             await request.reject(503, body=b"too many connections")
             return
         try:
             ws = await request.accept()
-            await _serve_connection(_Connection(ws, config, slot, _bearer_token(request)))
+            config.stats.connections_total += 1
+            config.stats.connections_open += 1
+            try:
+                await _serve_connection(_Connection(ws, config, slot, _bearer_token(request)))
+            finally:
+                config.stats.connections_open -= 1
         finally:
             limiter.release_on_behalf_of(request)
     except ConnectionClosed:
@@ -221,19 +292,30 @@ class _Connection:
         """Answer one request frame; only ConnectionClosed (and cancellation) escapes."""
         encoding = Encoding.MSGPACK if isinstance(message, bytes) else Encoding.JSON
         request_id: int | None = None
+        stats = self.config.stats
+        op_label = "invalid"
+        started = trio.current_time()
         try:
             encoding, request = decode_frame(message)
             request_id = _request_id(request)
             assert isinstance(request, dict)
-            await self.dispatch(request_id, _op(request), request, encoding)
+            op = _op(request)
+            op_label = op if op in KNOWN_OPS else "invalid"
+            stats.count_request(op_label)
+            await self.dispatch(request_id, op, request, encoding)
         except KvAgentError as exc:
             log.info("request failed", extra={"slot": self.slot, "code": exc.code})
+            stats.count_error(exc.code)
             await self.ws.send_message(error_frame(encoding, request_id, exc.code, exc.message))
         except ConnectionClosed:
             raise
         except Exception:
             log.exception("request failed unexpectedly", extra={"slot": self.slot})
+            stats.count_error("internal")
             await self.ws.send_message(error_frame(encoding, request_id, "internal", "internal error"))
+        finally:
+            if op_label != "follow":
+                stats.request_seconds_sum += trio.current_time() - started
 
     def surface(self) -> SlotSurface:
         surface = None if self.slot is None else self.config.registry.get(self.slot)
@@ -437,12 +519,18 @@ async def serve_recovery(
     max_message_size: int = 1 << 20,
     follow_buffer_events: int = 65536,
     heartbeat_interval: float = HEARTBEAT_INTERVAL,
+    stats: ServerStats | None = None,
     task_status: trio.TaskStatus[RecoveryServerInfo] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``/v1/slots`` and ``/v1/slots/<name>`` until cancelled; ``started`` gets the bound port."""
+    """Serve ``/v1/slots`` and ``/v1/slots/<name>`` until cancelled; ``started`` gets the bound port.
+
+    ``stats`` (optional) is bumped in place for the metrics endpoint; see :class:`ServerStats`.
+    """
     if follow_buffer_events <= 0:
         raise ValueError(f"follow_buffer_events must be positive, got {follow_buffer_events}")
-    config = _ServerConfig(registry, token, follow_buffer_events, heartbeat_interval)
+    config = _ServerConfig(
+        registry, token, ServerStats() if stats is None else stats, follow_buffer_events, heartbeat_interval
+    )
     limiter = trio.CapacityLimiter(max_connections)
     async with trio.open_nursery() as nursery:
         websocket_server = await nursery.start(
