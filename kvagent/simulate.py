@@ -17,7 +17,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, cast
 
 import msgpack
@@ -197,7 +197,7 @@ class FakeVllmEngine:
         block_size: int = 16,
         mode: Literal["map", "legacy"] = "map",
         buffer_steps: int = 10_000,
-        replay_layout: Literal["v0.26", "v0.25"] = "v0.26",
+        replay_layout: Literal["v0.26", "v0.25", "sglang"] = "v0.26",  # sglang: the 3-frame v0.25 form
         context: zmq.Context[Any] | None = None,
         *,
         replay_hwm: int | None = None,
@@ -349,6 +349,31 @@ class FakeVllmEngine:
         """Send raw frames on the live socket (malformed messages; nothing is buffered)."""
         await trio.lowlevel.checkpoint()
         self._send(list(frames))
+
+    publish_raw = publish_frames
+
+    async def send_payload(self, payload: bytes, *, seq: int | None = None) -> int:
+        """Publish an already-encoded batch payload under the next seq (or ``seq``) and buffer it."""
+        await trio.lowlevel.checkpoint()
+        if seq is None:
+            seq = self.next_seq
+        self.next_seq = seq + 1
+        self._send([self.topic, seq.to_bytes(8, "big"), payload])
+        self.buffer.append((seq, payload))
+        self.published += 1
+        return seq
+
+    async def publish_frames_sequence(self, messages: Sequence[Sequence[bytes]]) -> None:
+        """Send captured live messages verbatim (e.g. the ``sub`` lines of the 0.32.0 capture), in order."""
+        for frames in messages:
+            await self.publish_frames(frames)
+
+    def load_replay_buffer(self, pairs: Iterable[tuple[int, bytes]]) -> None:
+        """Serve replay from these ``(seq, payload)`` pairs (e.g. the capture's ``replay`` lines)."""
+        self.buffer.clear()
+        self.buffer.extend(pairs)
+        if self.buffer:
+            self.next_seq = max(self.next_seq, self.buffer[-1][0] + 1)
 
     def restart(self) -> None:
         """An in-place engine restart: seq back to 0, the replay buffer gone, no AllBlocksCleared."""

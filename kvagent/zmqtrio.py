@@ -9,12 +9,13 @@ half the throughput).  Only one task may wait on a socket (two raise ``trio.Busy
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import trio
 import zmq
 
-__all__ = ["TrioSocket"]
+__all__ = ["TrioSocket", "open_context"]
 
 
 class TrioSocket:
@@ -93,3 +94,17 @@ class TrioSocket:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def open_context(io_threads: int = 1) -> Iterator[zmq.Context[Any]]:
+    """A private ``zmq.Context`` destroyed with linger 0 on exit, so shutdown never waits on unsent frames.
+
+    ``destroy`` closes any socket still open; close sockets through :meth:`TrioSocket.close` first when a
+    task may be waiting on them, so Trio is told before the FD goes away.
+    """
+    context: zmq.Context[Any] = zmq.Context(io_threads)
+    try:
+        yield context
+    finally:
+        context.destroy(linger=0)

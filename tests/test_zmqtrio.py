@@ -8,7 +8,7 @@ import pytest
 import trio
 import zmq
 
-from kvagent.zmqtrio import TrioSocket
+from kvagent.zmqtrio import TrioSocket, open_context
 
 
 @pytest.fixture
@@ -18,16 +18,19 @@ def context() -> Any:
     ctx.destroy(linger=0)
 
 
-def pair(context: zmq.Context[Any]) -> tuple[TrioSocket, TrioSocket]:
+def pair(context: zmq.Context[Any], transport: str = "tcp") -> tuple[TrioSocket, TrioSocket]:
     pull = context.socket(zmq.PULL)
-    pull.bind("tcp://127.0.0.1:0")
+    pull.bind("tcp://127.0.0.1:0" if transport == "tcp" else f"inproc://pair-{id(pull)}")
     push = context.socket(zmq.PUSH)
     push.connect(pull.getsockopt_string(zmq.LAST_ENDPOINT))
     return TrioSocket(push), TrioSocket(pull)
 
 
-async def test_every_prequeued_message_is_received(context: zmq.Context[Any]) -> None:
-    sender, receiver = pair(context)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_every_prequeued_message_is_received(context: zmq.Context[Any], transport: str) -> None:
+    # inproc queues every message in the receiver's pipe before it first looks: a single FD edge for
+    # 1000 messages, the case a level-triggered wait loses (landscape.md §3).
+    sender, receiver = pair(context, transport)
     with trio.fail_after(10):
         for i in range(1000):
             await sender.send_multipart([b"m", i.to_bytes(4, "big")])
@@ -48,6 +51,23 @@ async def test_cancelled_wait_loses_nothing(context: zmq.Context[Any]) -> None:
     await sender.send_multipart([b"after-cancel"])
     with trio.fail_after(5):
         assert await receiver.recv_multipart() == [b"after-cancel"]
+    sender.close()
+    receiver.close()
+
+
+async def test_a_cancelled_batch_receive_takes_nothing(context: zmq.Context[Any]) -> None:
+    sender, receiver = pair(context, "inproc")
+    for i in range(300):
+        assert sender.send_multipart_nowait([i.to_bytes(4, "big")])
+    received: list[int] = []
+    with trio.fail_after(10):
+        while len(received) < 300:
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await receiver.recv_multipart_batch(7)  # cancelled before it takes a message
+            assert scope.cancelled_caught
+            received.extend(int.from_bytes(f[0], "big") for f in await receiver.recv_multipart_batch(7))
+    assert received == list(range(300))
     sender.close()
     receiver.close()
 
@@ -97,3 +117,12 @@ def test_nowait_send_reports_backpressure(context: zmq.Context[Any]) -> None:
     sock = TrioSocket(push)
     assert sock.send_multipart_nowait([b"x"]) is False
     sock.close()
+
+
+async def test_open_context_destroys_without_lingering() -> None:
+    with open_context() as ctx:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, -1)  # would block term() forever with the unsent frame below
+        push.connect("tcp://127.0.0.1:9")  # nobody listens: the frame can never leave
+        push.send(b"stuck")
+    assert ctx.closed and push.closed
