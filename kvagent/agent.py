@@ -174,6 +174,7 @@ class SlotAgent:
         self._listener_nursery = listener_nursery
         self._zmq_context = zmq_context
         self._lifecycle = trio.Lock()
+        self._closing = False
         self._attachment: Attachment | None = None
         self._listener: _ListenerTask | None = None
         self.listener_stats: ListenerStats | None = None
@@ -203,8 +204,13 @@ class SlotAgent:
         return self._holder.record
 
     # --- lifecycle -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closing:
+            raise KvAgentError("state-agent is shutting down", code="not_ready")
+
     async def attach(self, config: AttachmentConfig) -> AttachmentStatus:
         async with self._lifecycle:
+            self._check_open()
             if config.dp_rank != self.config.dp_rank:
                 raise KvAgentError(
                     "attachment DP rank does not match the stable state-agent slot", code="bad_request"
@@ -252,6 +258,7 @@ class SlotAgent:
 
     async def detach(self, generation: int) -> int:
         async with self._lifecycle:
+            self._check_open()
             await self._coordinator.begin_detach(generation)
             await self._withdraw_attachment_ad(generation)
             await self._stop_listener()
@@ -261,6 +268,7 @@ class SlotAgent:
 
     async def quarantine(self, generation: int, reason: str) -> None:
         async with self._lifecycle:
+            self._check_open()
             await self._coordinator.quarantine(generation, reason)
             await self._withdraw_attachment_ad(generation)
             await self._stop_listener()
@@ -360,7 +368,21 @@ class SlotAgent:
             log.error("%s: %s", context, exc)
 
     async def _shutdown_attachment(self) -> None:
-        """Shutdown steps 1–3: quarantine, withdraw the attachment ad (once), stop the listener."""
+        """Shutdown steps 1–3: quarantine, withdraw the attachment ad (once), stop the listener.
+
+        Lifecycle calls already running finish first (their ad must not appear after the withdrawal);
+        later ones are refused.
+        """
+        self._closing = True
+        with trio.move_on_after(2 * self.config.shutdown_step_timeout):
+            await self._lifecycle.acquire()
+        try:
+            await self._shutdown_attachment_locked()
+        finally:
+            if self._lifecycle.locked() and self._lifecycle.statistics().owner is trio.lowlevel.current_task():
+                self._lifecycle.release()
+
+    async def _shutdown_attachment_locked(self) -> None:
         current = self._status.get().attachment
         if current is not None:
             try:

@@ -39,6 +39,7 @@ class EventPlaneCounters:
     events_sent: int = 0
     dropped_messages: int = 0
     dropped_events: int = 0
+    subscriptions: int = 0  # subscribe notifications seen (first subscriber per topic prefix)
 
 
 def split_publication(
@@ -81,7 +82,33 @@ class ZmqEventPlane:
         self._socket = TrioSocket(sock)
         self.counters = EventPlaneCounters()
 
+    def poll_subscriptions(self) -> int:
+        """Take the XPUB's pending (un)subscribe notifications; returns ``counters.subscriptions``.
+
+        Called on every publish as well: libzmq queues these notifications without bound, so a socket
+        that never reads them grows with every subscriber that comes and goes.
+        """
+        sock = self._socket.socket
+        while True:
+            try:
+                note = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.counters.subscriptions
+            except zmq.ZMQError as exc:
+                raise SinkError(f"event plane receive failed: {exc}") from exc
+            if note[:1] == b"\x01":
+                self.counters.subscriptions += 1
+
+    async def wait_for_subscriber(self, count: int = 1) -> None:
+        """Return once ``count`` subscriptions have reached the PUB (tests: the slow-joiner window is over).
+
+        The caller becomes the one task waiting on the socket's FD; publishing never waits on it.
+        """
+        while self.poll_subscriptions() < count:
+            await self._socket.wait_readable()
+
     def publish(self, publisher_id: int, events: Sequence[RouterEvent]) -> None:
+        self.poll_subscriptions()
         prefix = publisher_id.to_bytes(8, "big")
         for batch in split_publication(events):
             frames = [

@@ -34,6 +34,10 @@ class TrioSocket:
             else:
                 await trio.lowlevel.wait_writable(self._fd)
 
+    async def wait_readable(self) -> None:
+        """Return once a receive would not block (EVENTS re-read before every wait)."""
+        await self._wait(zmq.POLLIN)
+
     async def recv_multipart(self) -> list[bytes]:
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:

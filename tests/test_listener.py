@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import msgpack
@@ -12,12 +12,14 @@ import trio
 
 from kvagent.coordinator import SlotCoordinator
 from kvagent.coordinator_task import open_coordinator
+from kvagent.events import IngressChunk, RouterEvent
 from kvagent.index import RecoveryIndex
 from kvagent.simulate import FakeVllmEngine, block_stored
 from kvagent.sink import RecordingSink
 from kvagent.status import AgentStatus, Attachment, StatusCell
 from kvagent.vllm.listener import LISTENER_TERMINATED, ListenerOptions, ListenerStats, run_listener
-from tests.fakes import IDENTITY, RecordingCoordinator, ReplayRouter, ready_attachment, status_for
+from kvagent.vllm.wire import REPLAY_END_SEQ
+from tests.fakes import IDENTITY, OWNER, RecordingCoordinator, ReplayRouter, ready_attachment, status_for
 from tests.vectors import load_live
 
 LIVE, REPLAY = load_live()
@@ -89,7 +91,7 @@ async def start_router(h: Harness, **options: object) -> ReplayRouter:
     return router
 
 
-def received_through(seq: int) -> object:
+def received_through(seq: int) -> Callable[[RecordingCoordinator], bool]:
     return lambda c: seq in c.cursors()
 
 
@@ -123,6 +125,57 @@ async def test_a_dropped_live_range_is_repaired_from_the_replay_socket() -> None
         assert h.stats.repaired_batches == 48  # the replay carries 20..67; the live copies are duplicates
         assert h.stats.duplicates == 38
     assert h.coordinator.quarantines == []
+
+
+def capture_replay_pairs() -> list[tuple[int, bytes]]:
+    """The capture's ``replay`` lines as the engine's buffer: ``[b"", topic, seq8, payload]`` each."""
+    return [(int.from_bytes(f[2], "big"), f[3]) for f in REPLAY if f[2] != REPLAY_END_SEQ]
+
+
+def resident_set(chunks: list[IngressChunk]) -> frozenset[object]:
+    """Replay admitted chunks into a fresh recovery index, as the coordinator would, and read what is resident."""
+    index = RecoveryIndex(32)
+    event_id = 0
+    for chunk in chunks:
+        for placement in chunk.events:
+            event_id += 1
+            index.apply(
+                RouterEvent(
+                    17,
+                    placement.tier,
+                    placement.domain,
+                    event_id,
+                    placement.data,
+                    placement.dp_rank,
+                    state_source=OWNER,
+                    session_id=placement.session_id,
+                )
+            )
+    return frozenset(index.resident_blocks())
+
+
+async def admitted_without_loss() -> list[IngressChunk]:
+    async with harness() as h:
+        await h.start_listener()
+        await h.engine.publish_frames_sequence(LIVE)
+        await h.coordinator.wait_for(received_through(67))
+        return list(h.coordinator.chunks)
+
+
+async def test_the_fake_engine_router_repairs_a_dropped_range_to_the_no_loss_state() -> None:
+    reference = await admitted_without_loss()
+    async with harness(replay_endpoint="tcp://127.0.0.1:0") as h:
+        h.engine.load_replay_buffer(capture_replay_pairs())
+        assert h.engine.replay_endpoint is not None
+        await h.start_listener(replay_endpoint=h.engine.replay_endpoint)
+        await h.engine.publish_frames_sequence([*LIVE[:12], *LIVE[40:]])  # 12..39 lost on the way
+        await h.coordinator.wait_for(received_through(67))
+        chunks = h.coordinator.chunks
+        assert h.coordinator.cursors() == list(range(68)), "each seq admitted once, in order"
+        assert h.engine.replay_requests == 1 and h.coordinator.losses == []
+        assert [c.events for c in chunks] == [c.events for c in reference]
+        resident = resident_set(chunks)
+        assert resident and resident == resident_set(reference)
 
 
 async def test_a_replay_that_starts_too_late_reports_the_missing_batches() -> None:
@@ -241,6 +294,36 @@ async def test_an_in_place_restart_passes_through_once() -> None:
         await h.coordinator.wait_for(lambda c: len(c.cursors()) == 5)
         assert h.coordinator.cursors() == [0, 1, 2, 0, 1]
         assert h.stats.restarts_seen == 1 and h.coordinator.losses == []
+
+
+async def restart_missing_its_first_batches(h: Harness) -> None:
+    """Seqs 0..3, then an in-place restart whose seqs 0 and 1 never reach the SUB (still buffered)."""
+    for n in range(4):
+        await h.engine.publish_batch([block_stored([n + 1], None, [n] * 32, 32)])
+    h.engine.restart()
+    for n in range(2):
+        await h.engine.publish_batch([block_stored([n + 7], None, [n] * 32, 32)], drop_live=True)
+    await h.engine.publish_batch([block_stored([9], None, [9] * 32, 32)])
+
+
+async def test_a_restart_seen_mid_stream_is_repaired_from_zero_of_the_new_incarnation() -> None:
+    async with harness(replay_endpoint="tcp://127.0.0.1:0") as h:
+        assert h.engine.replay_endpoint is not None
+        await h.start_listener(replay_endpoint=h.engine.replay_endpoint)
+        await restart_missing_its_first_batches(h)
+        await h.coordinator.wait_for(lambda c: len(c.cursors()) == 7)
+        assert h.coordinator.cursors() == [0, 1, 2, 3, 0, 1, 2]
+        assert h.stats.restarts_seen == 1 and h.coordinator.losses == []
+        assert h.engine.replay_requests == 1
+
+
+async def test_a_restart_seen_mid_stream_without_replay_reports_the_missed_batches() -> None:
+    async with harness() as h:
+        await h.start_listener()
+        await restart_missing_its_first_batches(h)
+        await h.coordinator.wait_for(lambda c: len(c.cursors()) == 5)
+        assert h.coordinator.cursors() == [0, 1, 2, 3, 2]
+        assert h.stats.restarts_seen == 1 and h.coordinator.losses == [(1, 2)]
 
 
 async def test_a_repeated_seq_is_dropped() -> None:

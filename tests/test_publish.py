@@ -63,17 +63,9 @@ async def subscriber(context: zmq.Context[Any], plane: ZmqEventPlane, rcvhwm: in
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(plane.last_endpoint)
-    sub = TrioSocket(sock)
-    # Slow joiner: publish probes (id 0 never occurs on the plane) until one arrives.
-    while True:
-        plane.publish(1, [store(0, 0)])
-        with trio.move_on_after(0.05):
-            await sub.recv_multipart()
-            break
-    with trio.move_on_after(0.05):
-        while True:
-            await sub.recv_multipart()  # drain further probes
-    return sub
+    # Slow joiner: once the subscription has reached the XPUB, everything published after reaches the SUB.
+    await plane.wait_for_subscriber()
+    return TrioSocket(sock)
 
 
 def test_golden_payload_encoding() -> None:
@@ -102,16 +94,34 @@ def test_split_at_event_and_block_bounds() -> None:
     assert [[e.event_id for e in b] for b in split_publication(big)] == [[1], [2], [3], [4]]
 
 
-def test_absent_subscriber_never_blocks_and_drops_are_counted(context: zmq.Context[Any]) -> None:
+async def test_a_subscriber_that_never_reads_never_blocks_publish(context: zmq.Context[Any]) -> None:
     plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
     stuck = context.socket(zmq.SUB)
     stuck.setsockopt(zmq.RCVHWM, 1)
+    # A fixed kernel buffer: no receive-window autotuning to absorb the whole burst.
+    stuck.setsockopt(zmq.RCVBUF, 65536)
     stuck.setsockopt(zmq.SUBSCRIBE, b"")
     stuck.connect(plane.last_endpoint)
-    for i in range(10_000):
-        plane.publish(1, [store(i + 1, i)])
+    with trio.fail_after(10):
+        await plane.wait_for_subscriber()
+    # ~6.5 KiB per message: 4000 of them (26 MB) are far more than the loopback socket buffers hold.
+    started = trio.current_time()
+    for i in range(4000):
+        plane.publish(1, [store(i * 1000 + 1, i * 1000, blocks=150)])
     counters = plane.counters
-    assert counters.messages_sent + counters.dropped_messages == 10_000
+    assert counters.messages_sent + counters.dropped_messages == 4000
+    assert counters.dropped_messages > 0 and counters.dropped_events == counters.dropped_messages
+    assert counters.messages_sent > 0
+    assert trio.current_time() - started < 5, "publish must never wait for the subscriber"
+    stuck.close(linger=0)
+    plane.close()
+
+
+def test_without_any_subscriber_publish_is_a_no_op_that_succeeds(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
+    for i in range(100):
+        plane.publish(1, [store(i + 1, i)])
+    assert plane.counters.messages_sent == 100 and plane.counters.dropped_messages == 0
     plane.close()
 
 

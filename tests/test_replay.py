@@ -91,7 +91,7 @@ async def test_fetch_from_the_captured_replay() -> None:
             nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("layout", ["v0.26", "v0.25"])
+@pytest.mark.parametrize("layout", ["v0.26", "v0.25", "sglang"])
 async def test_fetch_from_the_fake_engine_in_both_layouts(layout: str) -> None:
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:

@@ -187,3 +187,26 @@ async def test_fault_injection_shapes_the_live_stream_and_the_replay_buffer() ->
             engine.restart()
             assert engine.buffer == collections.deque() and await engine.publish_batch(event) == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_capture_frames_and_a_loaded_replay_buffer_are_served_verbatim() -> None:
+    pairs = [(int.from_bytes(f[2], "big"), f[3]) for f in REPLAY[:-1]]
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", topic=LIVE[0][0])
+            await nursery.start(engine.run)
+            engine.load_replay_buffer(pairs)
+            assert engine.replay_replies(65) == [*REPLAY[65:68], REPLAY[-1]], "byte-identical to the capture"
+            sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(engine.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            with TrioSocket(sub) as sock:
+                await engine.wait_for_subscriber()
+                await engine.publish_frames_sequence(LIVE[:3])
+                assert await engine.send_payload(LIVE[3][2]) == 68, "the next seq follows the loaded buffer"
+                received = [await sock.recv_multipart() for _ in range(4)]
+            assert received[:3] == LIVE[:3]
+            assert received[3] == [LIVE[0][0], (68).to_bytes(8, "big"), LIVE[3][2]]
+            assert engine.buffer[-1] == (68, LIVE[3][2])
+            nursery.cancel_scope.cancel()

@@ -11,7 +11,9 @@ is applied; live batches that arrive meanwhile wait in a bounded reorder buffer 
 a late replayed ``Stored(A)`` can never resurrect a block a newer live ``Removed(A)`` deleted
 (vllm-wire.md §9.2). What cannot be repaired is reported to the coordinator as source loss and the stream
 continues (lossy, agent-semantics.md §3.5). On a cold attach the whole replay buffer is applied first, so
-blocks published before the SUB connected are not missing.
+blocks published before the SUB connected are not missing. A seq going backwards (an in-place engine
+restart) is passed through for the coordinator's reset barrier; if it went back to n > 0, the new
+incarnation's seqs 0..n-1 are a gap like any other.
 """
 
 from __future__ import annotations
@@ -145,9 +147,15 @@ class _Listener:
             await self._bootstrap()
         while True:
             if not self.pending:
-                self.pending.extend(await self.sub.recv_multipart_batch(self.options.batch_messages))
+                self.pending.extend(await self._receive(self.options.batch_messages))
             while self.pending:
                 await self._on_live(self.pending.popleft())
+
+    async def _receive(self, max_messages: int) -> list[list[bytes]]:
+        try:
+            return await self.sub.recv_multipart_batch(max_messages)
+        except zmq.ZMQError as exc:
+            raise ListenerError(f"ZMQ receive failed: {exc}") from exc
 
     def _check_ready(self) -> None:
         if not self.status.get().is_ready_generation(self.generation):
@@ -182,7 +190,12 @@ class _Listener:
             # The coordinator sees the cursor regress and publishes its own reset barrier.
             self.stats.restarts_seen += 1
             log.warning("vLLM seq went back to %d: engine restarted in place", message.seq)
-        elif decision is SeqDecision.GAP:
+            if message.seq > 0:
+                # The new incarnation's first batches went by before the SUB reconnected: its history
+                # starts at 0, so that is a gap like any other (repaired from its fresh replay buffer).
+                gate.expect(0)
+                decision = SeqDecision.GAP
+        if decision is SeqDecision.GAP:
             expected = gate.expected()
             assert expected is not None  # a gap needs something applied before it
             self.stats.gaps += 1
@@ -230,23 +243,29 @@ class _Listener:
         assert replay is not None
         attempt = ReplayAttempt(start)
         capacity = self.options.reorder_capacity
-        async with trio.open_nursery() as nursery:
+        done = trio.CancelScope()  # whichever side finishes first ends the other
 
-            async def fetch() -> None:
-                await replay.fetch(attempt)
-                nursery.cancel_scope.cancel()
+        async def fetch() -> None:
+            await replay.fetch(attempt)
+            done.cancel()
 
-            async def buffer_live() -> None:
-                # This task owns the SUB only while the replay runs; the listener task is waiting here.
-                while len(self.pending) < capacity:
-                    room = min(self.options.batch_messages, capacity - len(self.pending))
-                    self.pending.extend(await self.sub.recv_multipart_batch(room))
-                self.stats.reorder_overflows += 1
-                attempt.error = f"reorder buffer full ({capacity} live batches)"
-                nursery.cancel_scope.cancel()
+        async def buffer_live() -> None:
+            # This task owns the SUB only while the replay runs; the listener task is waiting here.
+            while len(self.pending) < capacity:
+                room = min(self.options.batch_messages, capacity - len(self.pending))
+                self.pending.extend(await self._receive(room))
+            self.stats.reorder_overflows += 1
+            attempt.error = f"reorder buffer full ({capacity} live batches)"
+            done.cancel()
 
-            nursery.start_soon(fetch)
-            nursery.start_soon(buffer_live)
+        try:
+            with done:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(fetch)
+                    nursery.start_soon(buffer_live)
+        except* ListenerError as group:
+            # Only buffer_live raises it (a failed SUB receive): end the listener with that message.
+            raise group.exceptions[0] from None
         return attempt
 
 
