@@ -20,7 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvagent.events import EventsAnswer, RouterEvent, StorageTier, WorkerWithDpRank
+from kvagent.events import EventsAnswer, ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
 from kvagent.index import RecoveryIndex
 from kvagent.sink import RecordingSink
 from tests.test_agent import (
@@ -70,7 +70,7 @@ async def scenario(operations: list[tuple[Any, ...]]) -> None:
             worker_refs[sentinel] = worker_refs.get(sentinel, 0) + 1
 
         def check() -> None:
-            expected = {
+            expected: set[tuple[ResidencyOwner, StorageTier, int]] = {
                 (WorkerWithDpRank(worker_id, 0), StorageTier.DEVICE, h)
                 for h, n in worker_refs.items()
                 if n > 0
