@@ -30,7 +30,14 @@ from kvagent.events import (
     TreeDumpFailedAnswer,
 )
 from kvagent.index import RecoveryIndex
-from kvagent.recovery.protocol import Encoding, encode_event, encode_frame, error_frame, event_frames
+from kvagent.recovery.protocol import (
+    Encoding,
+    encode_event,
+    encode_frame,
+    error_frame,
+    event_frames,
+    too_new_response,
+)
 
 __all__ = [
     "CLOSE_TRY_AGAIN_LATER",
@@ -125,19 +132,7 @@ async def _send_backlog_and_live(
     answer = session.backlog
     buffer = session.buffer
     if isinstance(answer, TooNewAnswer):
-        await ws.send_message(
-            encode_frame(
-                encoding,
-                {
-                    "id": request_id,
-                    "ok": True,
-                    "kind": "too_new",
-                    "requested_start": answer.requested_start,
-                    "requested_end": answer.requested_end,
-                    "newest_available": answer.newest_available,
-                },
-            )
-        )
+        await ws.send_message(encode_frame(encoding, too_new_response(request_id, answer)))
         return
     if isinstance(answer, TreeDumpFailedAnswer):
         # Never an empty dump in its place: the follower's cursor must not advance.

@@ -25,6 +25,7 @@ from kvagent.events import (
     ResetScope,
     ResidencyDomain,
     RouterEvent,
+    TooNewAnswer,
     TreeDumpAnswer,
 )
 from kvagent.identity import IdentityError, KvStateAgentIdentity
@@ -93,6 +94,18 @@ def error_frame(encoding: Encoding, request_id: int | None, code: str, message: 
     return encode_frame(
         encoding, {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
     )
+
+
+def too_new_response(request_id: int, answer: TooNewAnswer) -> dict[str, object]:
+    """The single-frame answer to a range that starts after the newest buffered event."""
+    return {
+        "id": request_id,
+        "ok": True,
+        "kind": "too_new",
+        "requested_start": answer.requested_start,
+        "requested_end": answer.requested_end,
+        "newest_available": answer.newest_available,
+    }
 
 
 def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:

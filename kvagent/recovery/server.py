@@ -49,6 +49,7 @@ from kvagent.recovery.protocol import (
     post_check,
     required_str,
     required_uint,
+    too_new_response,
 )
 from kvagent.status import AgentStatus, AttachmentStatus
 
@@ -420,17 +421,7 @@ class _Connection:
         post_check(before, surface.status(), fence)
 
         if isinstance(answer, TooNewAnswer):
-            await self.send(
-                encoding,
-                {
-                    "id": request_id,
-                    "ok": True,
-                    "kind": "too_new",
-                    "requested_start": answer.requested_start,
-                    "requested_end": answer.requested_end,
-                    "newest_available": answer.newest_available,
-                },
-            )
+            await self.send(encoding, too_new_response(request_id, answer))
             return
         if isinstance(answer, InvalidRangeAnswer):
             await self.send(
