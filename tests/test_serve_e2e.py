@@ -252,7 +252,8 @@ async def test_simulated_demo_serves_a_ready_advancing_slot(tmp_path: Path) -> N
                 assert frame["id"] == request_id and frame["ok"]
                 if frame.get("kind") == "live" and frame["events"]:
                     break
-            later = (await c.request("status"))["status"]
+            async with client(agent.url, "demo") as other:  # a fresh connection: no follow frames interleave
+                later = (await other.request("status"))["status"]
             assert later["outbound_cursor"] > first["outbound_cursor"]
             agent.process.send_signal(signal.SIGINT)
             with trio.fail_after(20):
