@@ -101,7 +101,7 @@ class ReplayRouter:
     """A real ROUTER serving fixed replay replies (DEALER-side frames) like vLLM's replay socket.
 
     ``first_available`` pretends older batches were evicted from the buffer; ``silent`` never answers;
-    ``drop_seqs`` leaves some replies out (ROUTER HWM drops).
+    ``drop_seqs`` leaves some replies out (ROUTER HWM drops); ``hold`` delays every answer until it is set.
     """
 
     def __init__(
@@ -112,12 +112,14 @@ class ReplayRouter:
         first_available: int = 0,
         silent: bool = False,
         drop_seqs: frozenset[int] = frozenset(),
+        hold: trio.Event | None = None,
     ) -> None:
         self.replies = list(replies)
         self.context = context if context is not None else zmq.Context.instance()
         self.first_available = first_available
         self.silent = silent
         self.drop_seqs = drop_seqs
+        self.hold = hold
         self.requests: list[int] = []
         self.endpoint = ""
         self._changed = trio.Event()
@@ -148,6 +150,8 @@ class ReplayRouter:
                 self._changed = trio.Event()
                 if self.silent:
                     continue
+                if self.hold is not None:
+                    await self.hold.wait()
                 for reply in self.replies:
                     seq = self._seq(reply)
                     if seq is not None and (seq < max(start, self.first_available) or seq in self.drop_seqs):

@@ -224,17 +224,22 @@ async def test_without_a_replay_endpoint_a_gap_is_reported_as_loss() -> None:
         assert h.stats.gaps == 1 and h.stats.lost_batches == 3
 
 
-async def test_live_batches_wait_in_the_reorder_buffer_while_replay_runs() -> None:
+async def test_live_batches_behind_a_gap_are_applied_only_after_the_replay() -> None:
     async with harness() as h:
-        router = await start_router(h, silent=True)
-        await h.start_listener(
-            replay_endpoint=router.endpoint, options=ListenerOptions(cold_bootstrap=False, replay_timeout=2.0)
-        )
+        release = trio.Event()
+        router = await start_router(h, hold=release)
+        await h.start_listener(replay_endpoint=router.endpoint)
         await h.publish_live([0, 1, 5])
         await router.wait_for_requests(1)
         await h.publish_live([6, 7])
-        await h.coordinator.wait_for(lambda c: 7 in c.cursors())
-        assert h.coordinator.cursors() == [0, 1, 5, 6, 7]
+        assert h.coordinator.cursors() == [0, 1], "nothing past the gap is applied while the replay runs"
+        release.set()
+        await h.coordinator.wait_for(lambda c: 67 in c.cursors())
+        await h.engine.publish_frames([LIVE[0][0], (68).to_bytes(8, "big"), LIVE[0][2]])
+        await h.coordinator.wait_for(lambda c: 68 in c.cursors())
+        assert h.coordinator.cursors() == list(range(69))
+        assert router.requests == [2]
+        assert h.stats.duplicates == 3 and h.coordinator.losses == []
 
 
 async def test_a_full_reorder_buffer_abandons_the_replay() -> None:

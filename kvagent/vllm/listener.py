@@ -51,14 +51,18 @@ class _NotReady(Exception):
     """The attachment is no longer ready: stop quietly (and still quarantine)."""
 
 
+_positive = attrs.validators.gt(0)
+
+
 @attrs.frozen(slots=True)
 class ListenerOptions:
-    rcvhwm: int = 1_000_000
-    batch_messages: int = 256
-    replay_timeout: float = 5.0
-    reorder_capacity: int = 4096
+    rcvhwm: int = attrs.field(default=1_000_000, validator=attrs.validators.ge(0))  # 0: libzmq's "no limit"
+    batch_messages: int = attrs.field(default=256, validator=_positive)
+    # Inactivity timeout of one replay attempt, in seconds.
+    replay_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0.0))
+    reorder_capacity: int = attrs.field(default=4096, validator=_positive)  # live batches held during replay
     cold_bootstrap: bool = True
-    max_payload_bytes: int = MAX_RAW_PAYLOAD_BYTES
+    max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
 
 
 @attrs.define

@@ -7,9 +7,12 @@ ownerships. Faults are recorded first-of-each-kind; the rest of the batch always
 
 from __future__ import annotations
 
+import re
+import struct
 from collections.abc import Sequence
 
 import attrs
+import structlog
 import xxhash
 
 from kvagent.events import (
@@ -71,8 +74,12 @@ NON_MAIN_ATTENTION_KINDS = frozenset(
 )
 CACHE_SALT_PREFIX = "dynamo-cache-salt:"
 MAX_BLOCK_WARNINGS = 3
+MM_PAD_BASE = 1_000_000
+MM_PAD_MASK = (1 << 30) - 1
 xxh3 = xxhash.xxh3_64_intdigest
+log = structlog.get_logger(__name__)
 _AMBIGUOUS = object()
+_HEX16 = re.compile("[0-9a-fA-F]{16}")
 
 
 class ChunkingError(ValueError):
@@ -109,21 +116,24 @@ def _mm_hash(entry: object) -> int | None:
     """Dynamo's rule: an MM hash only from a 64-char string of 16 hex digits then 48 zeros."""
     if isinstance(entry, list | tuple) and entry:
         entry = entry[0]
-    if isinstance(entry, str) and len(entry) == 64 and entry[16:] == "0" * 48:
-        try:
-            return int(entry[:16], 16)
-        except ValueError:
-            return None
+    if (
+        isinstance(entry, str)
+        and len(entry) == 64
+        and entry[16:] == "0" * 48
+        and _HEX16.fullmatch(entry, 0, 16)
+    ):
+        return int(entry[:16], 16)
     return None
 
 
 def _namespace(event: RawBlockStored) -> str | None:
     if event.cache_salt:
         return event.cache_salt
-    if not event.extra_keys:
+    extra_keys = event.extra_keys
+    if not extra_keys or extra_keys.count(None) == len(extra_keys):  # live GPU stores: [nil, ...]
         return None
     skipped_lora = False
-    for keys in event.extra_keys:
+    for keys in extra_keys:
         for entry in keys if isinstance(keys, list | tuple) else (keys,):
             if not isinstance(entry, str):
                 continue
@@ -138,8 +148,12 @@ def _namespace(event: RawBlockStored) -> str | None:
 class ResidencyNormalizer:
     """Dynamo's ``ZmqEventNormalizer`` for one ownership: preprocessing (2.4) and conversion (2.5)."""
 
-    def __init__(self, kv_block_size: int) -> None:
+    def __init__(
+        self, kv_block_size: int, image_token_id: int | None = None, video_token_id: int | None = None
+    ) -> None:
         self.kv_block_size = kv_block_size
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self._groups: dict[tuple[int, int], tuple[str, int | None]] = {}
         self._namespaces: dict[int, object] = {}
         self._seeds: dict[tuple[str | None, str | None], int] = {(None, None): BASE_SEED}
@@ -194,6 +208,8 @@ class ResidencyNormalizer:
 
     def _propagate_namespace(self, event: RawBlockStored) -> tuple[str | None, str | None]:
         own = _namespace(event)
+        if own is None and not self._namespaces:
+            return None, None  # nothing namespaced yet: the parent is unknown and no entry can change
         parent_state = (
             None if event.parent_block_hash is None else self._namespaces.get(event.parent_block_hash)
         )
@@ -239,44 +255,104 @@ class ResidencyNormalizer:
             return Removed(()), tier, 0  # duplicate hash: a no-op that still occupies an event slot
         block_size = self.kv_block_size
         if event.block_size != block_size:
+            self._warn_unpublished(len(hashes))
             return Stored(parent, (), (), None), tier, len(hashes)
         tokens = event.token_ids
-        token_bytes = event.token_bytes if len(event.token_bytes) == 4 * len(tokens) else b""
         extra = 1 if event.is_eagle else 0
+        # Blocks whose tokens are all present: block i needs i*block_size + block_size + extra tokens.
+        count = min(len(hashes), max(len(tokens) - extra, 0) // block_size) if block_size > 0 else 0
         seed = self._seed(event.lora_name, namespace)
         extra_keys = event.extra_keys
-        published: list[int] = []
-        tokens_hashes: list[int] = []
-        mm_infos: list[MmExtraInfo | None] | None = None
-        for i, block_hash in enumerate(hashes):
-            start = i * block_size
-            end = start + block_size + extra
-            if end > len(tokens):
-                break
-            mm_hashes: list[int] = []
-            block_keys = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
-            if isinstance(block_keys, list | tuple):
-                mm_hashes = [h for h in (_mm_hash(e) for e in block_keys) if h is not None]
-            if mm_hashes:
-                tokens_hashes.append(mm_block_hash(tokens[start:end], mm_hashes, seed))
-                if mm_infos is None:
-                    mm_infos = [None] * i
-                mm_infos.append(MmExtraInfo(tuple(MmObject(h, ()) for h in mm_hashes)))
-            else:
-                if token_bytes:
-                    tokens_hashes.append(xxh3(token_bytes[4 * start : 4 * end], seed))
-                else:
-                    tokens_hashes.append(local_block_hash(tokens[start:end], seed))
-                if mm_infos is not None:
-                    mm_infos.append(None)
-            published.append(block_hash)
-        return (
-            Stored(
-                parent, tuple(published), tuple(tokens_hashes), None if mm_infos is None else tuple(mm_infos)
-            ),
-            tier,
-            len(hashes) - len(published),
+        token_bytes = event.token_bytes
+        if len(token_bytes) != 4 * len(tokens):
+            token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
+        stride, width = 4 * block_size, 4 * (block_size + extra)
+        mm_per_block = _mm_hashes_per_block(extra_keys, count)
+        if mm_per_block is None:  # the common case: plain blocks, one C-level slice + hash each
+            tokens_hashes = tuple(
+                [xxh3(token_bytes[i * stride : i * stride + width], seed) for i in range(count)]
+            )
+            mm_infos: tuple[MmExtraInfo | None, ...] | None = None
+        else:
+            plain: list[int] = []
+            infos: list[MmExtraInfo | None] = []
+            for i, mm_hashes in enumerate(mm_per_block):
+                start = i * block_size
+                if not mm_hashes:
+                    plain.append(xxh3(token_bytes[i * stride : i * stride + width], seed))
+                    infos.append(None)
+                    continue
+                block = tokens[start : start + block_size + extra]
+                plain.append(self._mm_tokens_hash(block, mm_hashes, seed))
+                infos.append(MmExtraInfo(tuple(MmObject(h, ()) for h in mm_hashes)))
+            tokens_hashes, mm_infos = tuple(plain), tuple(infos)
+        if count < len(hashes):
+            self._warn_unpublished(len(hashes) - count)
+        return Stored(parent, hashes[:count], tokens_hashes, mm_infos), tier, len(hashes) - count
+
+    def _warn_unpublished(self, blocks: int) -> None:
+        if self.block_warnings < MAX_BLOCK_WARNINGS:
+            self.block_warnings += 1
+            log.warning("Block not published", blocks=blocks)
+
+    def _mm_tokens_hash(self, block: Sequence[int], mm_hashes: Sequence[int], seed: int) -> int:
+        """LocalBlockHash of a block with MM objects: pad-normalized when configured, else native MM bytes.
+
+        Image pads apply whenever an image token id is configured (2.6), unless only the video token
+        appears. kvagent's reading of the "stricter" video variant: video runs are padded only when there
+        is exactly one run per MM object; anything else is ambiguous and hashes natively.
+        """
+        image, video = self.image_token_id, self.video_token_id
+        if image is not None and (image in block or video is None or video not in block):
+            return local_block_hash(_pad_runs(block, image, mm_hashes), seed)
+        if video is not None and _token_runs(block, video) == len(mm_hashes):
+            return local_block_hash(_pad_runs(block, video, mm_hashes), seed)
+        return mm_block_hash(block, mm_hashes, seed)
+
+
+def _mm_hashes_per_block(extra_keys: tuple[object, ...] | None, count: int) -> list[list[int]] | None:
+    """Each published block's MM hashes (Dynamo's rule), or None when no block carries any."""
+    if not extra_keys or extra_keys.count(None) == len(extra_keys):
+        return None
+    if not any(isinstance(keys, list | tuple) and keys for keys in extra_keys[:count]):
+        return None
+    per_block: list[list[int]] = []
+    found = False
+    for i in range(count):
+        keys = extra_keys[i] if i < len(extra_keys) else None
+        hashes = (
+            [h for h in (_mm_hash(entry) for entry in keys) if h is not None]
+            if isinstance(keys, list | tuple)
+            else []
         )
+        found = found or bool(hashes)
+        per_block.append(hashes)
+    return per_block if found else None
+
+
+def _token_runs(block: Sequence[int], token: int) -> int:
+    runs, previous = 0, None
+    for value in block:
+        if value == token and previous != token:
+            runs += 1
+        previous = value
+    return runs
+
+
+def _pad_runs(block: Sequence[int], token: int, mm_hashes: Sequence[int]) -> list[int]:
+    """Each run of ``token`` becomes 1_000_000 + (mm_hash_k & (2^30 - 1)); extra runs reuse the last object."""
+    out: list[int] = []
+    run = -1
+    previous = None
+    for value in block:
+        if value == token:
+            if previous != token:
+                run = min(run + 1, len(mm_hashes) - 1)
+            out.append(MM_PAD_BASE + (mm_hashes[run] & MM_PAD_MASK))
+        else:
+            out.append(value)
+        previous = value
+    return out
 
 
 class AttachmentNormalizer:
@@ -294,11 +370,10 @@ class AttachmentNormalizer:
         self.kv_block_size = kv_block_size
         self.worker = worker
         self.ingress_protocol = ingress_protocol
-        # Image/video pad normalization is not implemented; MM blocks hash natively (documented).
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
-        self.framework = ResidencyNormalizer(kv_block_size)
-        self.kvcr = ResidencyNormalizer(kv_block_size)
+        self.framework = ResidencyNormalizer(kv_block_size, image_token_id, video_token_id)
+        self.kvcr = ResidencyNormalizer(kv_block_size, image_token_id, video_token_id)
 
     def normalize(self, batch: RawBatch) -> NormalizedBatch:
         out = NormalizedBatch([])
@@ -328,6 +403,7 @@ class AttachmentNormalizer:
             if reason is not None:
                 filtered[reason] = filtered.get(reason, 0) + 1
                 if kvcr:
+                    log.warning(FAULT_KVCR_ENRICHMENT, reason=reason)
                     out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_ENRICHMENT
                 continue
             converted = normalizer.convert(event, namespace, rank)

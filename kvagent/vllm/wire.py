@@ -210,6 +210,75 @@ def _required(event: dict[Any, Any], key: str, tag: str) -> object:
 
 
 def _stored_from_map(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStored:
+    """The hot path (every GPU store of vLLM >= PR #42892): all checks inline, no helper calls.
+
+    Anything unusual (bytes or signed hashes, bigram tokens, a bad type) falls through to the checked
+    reader, which produces the same value or the error naming the field.
+    """
+    get = event.get
+    hashes = get("block_hashes")
+    parent = get("parent_block_hash")
+    tokens = get("token_ids")
+    block_size = get("block_size")
+    lora_id = get("lora_id")
+    medium = get("medium")
+    lora_name = get("lora_name")
+    extra_keys = get("extra_keys")
+    group_idx = get("group_idx")
+    kind = get("kv_cache_spec_kind")
+    sliding = get("kv_cache_spec_sliding_window")
+    locality = get("locality")
+    ownership = get("ownership")
+    session_id = get("session_id")
+    cache_salt = get("cache_salt")
+    if (
+        type(hashes) is list
+        and type(tokens) is list
+        and type(block_size) is int
+        and (parent is None or (type(parent) is int and 0 <= parent <= U64))
+        and (lora_id is None or type(lora_id) is int)
+        and (medium is None or type(medium) is str)
+        and (lora_name is None or type(lora_name) is str)
+        and (extra_keys is None or type(extra_keys) is list)
+        and (group_idx is None or type(group_idx) is int)
+        and (kind is None or type(kind) is str)
+        and (sliding is None or type(sliding) is int)
+        and (locality is None or type(locality) is str)
+        and (ownership is None or type(ownership) is str)
+        and (session_id is None or type(session_id) is str)
+        and (cache_salt is None or type(cache_salt) is str)
+        and all(type(h) is int and 0 <= h <= U64 for h in hashes)
+    ):
+        try:
+            # struct checks every token is an int in u32 range, in C; bools are the only other ints.
+            token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
+        except struct.error:
+            pass
+        else:
+            if bool not in set(map(type, tokens)):
+                return RawBlockStored(
+                    tuple(hashes),
+                    parent,
+                    tuple(tokens),
+                    block_size,
+                    lora_id,
+                    medium,
+                    lora_name,
+                    None if extra_keys is None else tuple(extra_keys),
+                    group_idx,
+                    kind,
+                    sliding,
+                    locality,
+                    ownership,
+                    session_id,
+                    False,
+                    cache_salt,
+                    token_bytes,
+                )
+    return _stored_from_map_checked(event, accept_bytes)
+
+
+def _stored_from_map_checked(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStored:
     tag = "BlockStored"
     tokens, eagle, token_bytes = _tokens(_required(event, "token_ids", tag), f"{tag}.token_ids")
     get = event.get
@@ -344,6 +413,8 @@ def _decode_event(event: object, index: int, accept_bytes: bool) -> RawEvent:
         if tag == "AllBlocksCleared":
             ownership = event[1] if len(event) > 1 else None
             return RawAllBlocksCleared(None, _optional_str(ownership, "AllBlocksCleared.ownership"))
+    elif type(event) is list:
+        raise WireDecodeError(f"events[{index}]: empty event array has no tag")
     else:
         raise WireDecodeError(f"events[{index}]: expected an array or a map, got {_type_name(event)}")
     if not isinstance(tag, str):
