@@ -89,6 +89,7 @@ class RecoveryIndex:
         self._subscribers: dict[object, Callable[[RouterEvent], None]] = {}
         self._subscriber_snapshot: tuple[Callable[[RouterEvent], None], ...] = ()
         self._dump_cache: TreeDumpAnswer | None = None
+        self._applied = 0  # successful applies, so a streaming dump can tell that state moved under it
 
     # --- apply -------------------------------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class RecoveryIndex:
         if isinstance(owner, CacheOwnerId):
             self._cache_owner_workers[owner] = (event.worker_id, event.dp_rank)
         ring.append(event)
+        self._applied += 1
         self._dump_cache = None
         for callback in self._subscriber_snapshot:
             try:
@@ -244,15 +246,26 @@ class RecoveryIndex:
         return cached
 
     def iter_tree_dump_wire(self, chunk_events: int) -> Iterator[list[dict[str, object]]]:
-        """The tree dump straight to kvagent.codec's wire-form maps, ``chunk_events`` maps per list.
+        """The tree dump as kvagent.codec wire-form maps, ``chunk_events`` maps per list.
 
-        It skips building RouterEvent objects, for servers streaming big dumps.  The iterator reads live
-        state, so consume each chunk without applying events in between; the last_event_id of the dump is
-        ``current_event_id()`` read before iterating.
+        Same events as :meth:`tree_dump` (whose ``last_event_id`` is ``current_event_id()`` read before
+        iterating) without building RouterEvent objects, for servers streaming big dumps.  It reads live
+        state: an apply between two chunks makes the next step raise ``RuntimeError`` (a failed dump).
         """
         if chunk_events <= 0:
             raise ValueError(f"chunk_events must be positive, got {chunk_events}")
-        chunk: list[dict[str, object]] = []
+        applied_at_start = self._applied
+        maps = self._iter_dump_wire_maps()
+        while True:
+            if self._applied != applied_at_start:
+                raise RuntimeError("recovery index changed during tree dump")
+            with _gc_paused():
+                chunk = list(itertools.islice(maps, chunk_events))
+            if not chunk:
+                return
+            yield chunk
+
+    def _iter_dump_wire_maps(self) -> Iterator[dict[str, object]]:
         event_id = 0
         for worker_id, tier, domain, dp_rank, source, store in self._dump_groups():
             tier_text, domain_text = tier.value, domain.value
@@ -282,13 +295,8 @@ class RecoveryIndex:
                 }
                 if source_text is not None:
                     wire["state_source"] = source_text
-                chunk.append(wire)
+                yield wire
                 event_id += 1
-                if len(chunk) >= chunk_events:
-                    yield chunk
-                    chunk = []
-        if chunk:
-            yield chunk
 
     def _dump_groups(
         self,
