@@ -12,9 +12,12 @@ from kvagent.identity import (
     IdentityError,
     IdentitySource,
     attachment_record_id,
+    cache_semantics_material,
     derive_cache_owner_id,
+    explicit_material,
     host_record_id,
     resolve_stable_dp_slot_id,
+    routing_scope_material,
     stable_dp_slot_material,
 )
 
@@ -83,6 +86,9 @@ def test_cache_owner_text_round_trip(semantics: bytes, scope: bytes, dc: int, sl
         SEED_OWNER + "0",
         SEED_OWNER.replace(":", "/"),
         SEED_OWNER.replace("/", ":", 1),
+        SEED_OWNER.replace(":", "").replace("/", ""),
+        SEED_OWNER.replace("/0000000000000003/", "/000000000000003/"),
+        " " + SEED_OWNER,
         "",
         "owner",
     ],
@@ -95,7 +101,11 @@ def test_malformed_owner_texts_are_rejected(text: str) -> None:
 def test_equality_ignores_the_source_flag() -> None:
     derived = derive_cache_owner_id("demo", kv_block_size=16)
     assert derived.pool.indexer_domain.cache_semantics.source is IdentitySource.DEFAULT_DERIVED
-    assert CacheOwnerId.parse(str(derived)) == derived
+    parsed = CacheOwnerId.parse(str(derived))
+    assert parsed == derived
+    domain = parsed.pool.indexer_domain
+    assert domain.cache_semantics.source is domain.routing_scope.source is parsed.slot.source
+    assert parsed.slot.source is IdentitySource.EXPLICIT
 
 
 def test_derivation_is_deterministic_and_sensitive() -> None:
@@ -119,3 +129,42 @@ def test_record_ids() -> None:
         record_id = attachment_record_id(2**53 - 1, generation)
         assert 0 < record_id < 2**53
     assert len({attachment_record_id(41, g) for g in range(1, 1000)}) == 999
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_record_id_properties(publisher_id: int, generation: int) -> None:
+    record_id = attachment_record_id(publisher_id, generation)
+    assert 0 < record_id < 2**53
+    assert attachment_record_id(publisher_id, generation) == record_id
+
+
+def test_default_materials_are_the_documented_bytes() -> None:
+    assert cache_semantics_material(None, 16, 1).hex() == (
+        "29000000" + b"dynamo/indexer-cache-semantics/default/v1".hex()
+        + "01000000" + "0f000000" + b"kvagent-default".hex()
+        + "10000000" + "0100"
+    )  # fmt: skip
+    assert routing_scope_material(None).hex() == (
+        "27000000" + b"dynamo/indexer-routing-scope/default/v1".hex() + "01000000" + "0f000000"
+        + b"kvagent-default".hex()
+    )  # fmt: skip
+    assert cache_semantics_material({"model": "m"}, 16, 1).hex() == (
+        "2a000000" + b"dynamo/indexer-cache-semantics/explicit/v1".hex()
+        + "01000000" + "05000000" + b"model".hex() + "01000000" + b"m".hex()
+        + "10000000" + "0100"
+    )  # fmt: skip
+
+
+def test_explicit_maps_sort_keys_bytewise_and_enforce_limits() -> None:
+    assert explicit_material({"b": "2", "a": "1"}) == explicit_material({"a": "1", "b": "2"})
+    assert explicit_material({"b": "2", "a": "1"}).hex() == "02000000" + "0100000061" + "0100000031" + (
+        "0100000062" + "0100000032"
+    )
+    with pytest.raises(IdentityError):
+        explicit_material({})
+    with pytest.raises(IdentityError):
+        explicit_material({str(i): "v" for i in range(33)})
+    with pytest.raises(IdentityError):
+        explicit_material({"k" * 129: "v"})
+    with pytest.raises(IdentityError):
+        explicit_material({"k": ""})

@@ -13,7 +13,19 @@ Hash normalization to u64 (vllm-wire.md §7.1):
 - ``bytes`` hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: 32-byte sha256 or 16-byte xxh3_128) are
   accepted by default and folded to their last 8 bytes read big-endian (``int.from_bytes(b, "big") &
   (2**64 - 1)``), which equals the int form vLLM would have sent. Pass ``accept_bytes_hashes=False`` to
-  reject them as Dynamo does.
+  reject them as Dynamo does. An empty ``bytes`` hash is rejected (it carries no value at all);
+- ints outside [-2^63, 2^64) are a :class:`WireDecodeError` (msgpack cannot carry them anyway).
+
+Decisions where the references leave a choice:
+
+- The envelope must be an array (2 or more elements, extras ignored), as Dynamo requires. The map
+  envelope of one unreleased vLLM branch is rejected, so kvagent and Dynamo agree on what a batch is.
+- ``TierBlocksCleared`` (newest Dynamo) and Dynamo's internal ``Ignored`` are known tags: they decode to
+  :class:`RawIgnored` and normalization filters them with reason ``ignored_event``. Any other unknown tag
+  fails the whole batch (Dynamo's default).
+- An unknown ``ownership`` string decodes; it is a source fault at normalization, never a decode error.
+- ``token_ids`` must be u32 ints (msgpack booleans are a type error), or SGLang's ``[u32, u32]`` bigram
+  pairs, which are flattened and mark the event ``is_eagle``.
 """
 
 from __future__ import annotations
@@ -209,6 +221,22 @@ def _required(event: dict[Any, Any], key: str, tag: str) -> object:
 # --- events ----------------------------------------------------------------------------------------
 
 
+def _u32_packer(count: int) -> struct.Struct:
+    packer = _U32_PACKERS.get(count)
+    if packer is None:
+        packer = struct.Struct(f"<{count}I")
+        if len(_U32_PACKERS) < 4096:  # token counts are few distinct values (blocks x block size)
+            _U32_PACKERS[count] = packer
+    return packer
+
+
+_U32_PACKERS: dict[int, struct.Struct] = {}
+_NONE = type(None)
+_OPTIONAL_INT = frozenset({int, _NONE})
+_OPTIONAL_STR = frozenset({str, _NONE})
+_OPTIONAL_LIST = frozenset({list, _NONE})
+
+
 def _stored_from_map(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStored:
     """The hot path (every GPU store of vLLM >= PR #42892): all checks inline, no helper calls.
 
@@ -231,27 +259,29 @@ def _stored_from_map(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStore
     ownership = get("ownership")
     session_id = get("session_id")
     cache_salt = get("cache_salt")
+    optional_str = _OPTIONAL_STR
+    optional_int = _OPTIONAL_INT
     if (
         type(hashes) is list
         and type(tokens) is list
         and type(block_size) is int
         and (parent is None or (type(parent) is int and 0 <= parent <= U64))
-        and (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (lora_name is None or type(lora_name) is str)
-        and (extra_keys is None or type(extra_keys) is list)
-        and (group_idx is None or type(group_idx) is int)
-        and (kind is None or type(kind) is str)
-        and (sliding is None or type(sliding) is int)
-        and (locality is None or type(locality) is str)
-        and (ownership is None or type(ownership) is str)
-        and (session_id is None or type(session_id) is str)
-        and (cache_salt is None or type(cache_salt) is str)
+        and type(extra_keys) in _OPTIONAL_LIST
+        and type(medium) in optional_str
+        and type(lora_name) in optional_str
+        and type(kind) in optional_str
+        and type(locality) in optional_str
+        and type(ownership) in optional_str
+        and type(session_id) in optional_str
+        and type(cache_salt) in optional_str
+        and type(lora_id) in optional_int
+        and type(group_idx) in optional_int
+        and type(sliding) in optional_int
         and all(type(h) is int and 0 <= h <= U64 for h in hashes)
     ):
         try:
             # struct checks every token is an int in u32 range, in C; bools are the only other ints.
-            token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
+            token_bytes = _u32_packer(len(tokens)).pack(*tokens)
         except struct.error:
             pass
         else:
