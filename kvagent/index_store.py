@@ -1,34 +1,66 @@
 """Compact resident-block storage for one (residency owner, storage tier) of the recovery index.
 
 A million resident blocks must fit in about 200 bytes each, so there is no Python object per block beyond
-the dict entry: ``slots`` maps a block hash to a row number, and the row's parent hash and tokens hash live in
-``array('Q')`` columns (8 bytes each) with a one-byte "has a parent" column.  Freed rows go on a free list and
-are reused; the columns are compacted when more than half of them are free.  Multimodal info is rare, so it
-is kept in a sparse dict keyed by row.
+the dict entry: ``slots`` maps a block hash to a row number, and the row's block hash, parent hash and tokens
+hash live in ``array('Q')`` columns (8 bytes each) with a one-byte flag column (root, has a parent, dead).
+Multimodal info is rare, so it is kept in a sparse dict keyed by row.
+
+Rows are append-only: a new block always gets a new row at the end and a removed block's row is zeroed and
+flagged dead (never reused); the columns are compacted (in order) when more than half of them are dead.  So
+row order is always the dict's insertion order, and a tree dump is a copy of the columns (C speed) once a
+C-speed check has confirmed that every resident parent sits in an earlier row; only when one does not (a
+re-stored parent, a reparenting) does the dump fall back to the per-block :meth:`BlockStore.replay_order`.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from array import array
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from kvagent.events import MmExtraInfo
 
-__all__ = ["BlockStore"]
+__all__ = ["FLAG_DEAD", "FLAG_PARENT", "FLAG_ROOT", "BlockStore", "StoreColumns"]
 
-# Below this many free rows compaction is not worth the rebuild.
+# Below this many dead rows compaction is not worth the rebuild.
 _COMPACT_MIN_FREE = 4096
+
+FLAG_ROOT = 0  # a resident block without a parent
+FLAG_PARENT = 1  # a resident block whose parent hash is in the parents column
+FLAG_DEAD = 2  # a removed block's row: all zeros, skipped by every reader
+
+# bytes.translate table turning the flag column into a 0/1 "row is live" mask for itertools.compress.
+_LIVE_MASK = bytes(0 if value == FLAG_DEAD else 1 for value in range(256))
+_HAS_PARENT = bytes(1 if value == FLAG_PARENT else 0 for value in range(256))
+_NONZERO = bytes(0 if value == 0 else 1 for value in range(256))
+
+
+class StoreColumns(NamedTuple):
+    """A consistent copy of one store in parent-first row order (dead rows flagged, to be skipped).
+
+    ``mm`` maps a row to its multimodal info.  ``live`` is the number of rows not flagged dead.
+    """
+
+    hashes: array[int]
+    parents: array[int]
+    tokens: array[int]
+    flags: bytes
+    mm: dict[int, MmExtraInfo]
+    live: int
 
 
 class BlockStore:
-    __slots__ = ("_free", "_has_parent", "_mm", "_parents", "_slots", "_tokens")
+    __slots__ = ("_dead", "_flags", "_hashes", "_mm", "_parents", "_slots", "_tokens")
 
     def __init__(self) -> None:
         self._slots: dict[int, int] = {}
+        self._hashes = array("Q")
         self._parents = array("Q")
         self._tokens = array("Q")
-        self._has_parent = bytearray()
-        self._free: list[int] = []
+        self._flags = bytearray()
+        self._dead = 0
         self._mm: dict[int, MmExtraInfo] = {}
 
     def __len__(self) -> int:
@@ -51,32 +83,29 @@ class BlockStore:
 
         The caller has validated lengths and u64 ranges, so nothing here can fail half-way.
         """
-        slots, parents, tokens, has_parent, free, mm = (
+        slots, hashes, parents, tokens, flags, mm = (
             self._slots,
+            self._hashes,
             self._parents,
             self._tokens,
-            self._has_parent,
-            self._free,
+            self._flags,
             self._mm,
         )
         parent = parent_hash
         for index, block_hash in enumerate(block_hashes):
             slot = slots.get(block_hash)
             if slot is None:
-                if free:
-                    slot = free.pop()
-                else:
-                    slot = len(parents)
-                    parents.append(0)
-                    tokens.append(0)
-                    has_parent.append(0)
-                slots[block_hash] = slot
+                slot = slots[block_hash] = len(hashes)
+                hashes.append(block_hash)
+                parents.append(0)
+                tokens.append(0)
+                flags.append(FLAG_ROOT)
             if parent is None:
                 parents[slot] = 0
-                has_parent[slot] = 0
+                flags[slot] = FLAG_ROOT
             else:
                 parents[slot] = parent
-                has_parent[slot] = 1
+                flags[slot] = FLAG_PARENT
             tokens[slot] = tokens_hashes[index]
             info = None if mm_extra_infos is None else mm_extra_infos[index]
             if info is None:
@@ -88,48 +117,118 @@ class BlockStore:
 
     def remove(self, block_hashes: tuple[int, ...]) -> None:
         """Delete the given hashes; unknown hashes are ignored."""
-        slots, free, mm = self._slots, self._free, self._mm
+        slots, hashes, parents, tokens, flags, mm = (
+            self._slots,
+            self._hashes,
+            self._parents,
+            self._tokens,
+            self._flags,
+            self._mm,
+        )
+        dead = self._dead
         for block_hash in block_hashes:
             slot = slots.pop(block_hash, None)
             if slot is not None:
-                free.append(slot)
+                # Zeroed so a dump never carries a removed block's data and the order check never
+                # follows a stale parent.
+                hashes[slot] = parents[slot] = tokens[slot] = 0
+                flags[slot] = FLAG_DEAD
+                dead += 1
                 if mm:
                     mm.pop(slot, None)
+        self._dead = dead
         if not slots:
-            # Drop the columns outright rather than keep a free list for an empty store.
-            self._parents, self._tokens, self._has_parent = array("Q"), array("Q"), bytearray()
-            self._slots, self._free, self._mm = {}, [], {}
-        elif len(free) > _COMPACT_MIN_FREE and len(free) > len(slots):
+            # Drop the columns outright rather than keep dead rows for an empty store.
+            self._hashes, self._parents, self._tokens = array("Q"), array("Q"), array("Q")
+            self._flags, self._slots, self._mm, self._dead = bytearray(), {}, {}, 0
+        elif dead > _COMPACT_MIN_FREE and dead > len(slots):
             self._compact()
 
     def _compact(self) -> None:
-        old_parents, old_tokens, old_has_parent, old_mm = (
-            self._parents,
-            self._tokens,
-            self._has_parent,
-            self._mm,
-        )
-        parents, tokens = array("Q"), array("Q")
-        has_parent = bytearray()
-        mm: dict[int, MmExtraInfo] = {}
-        slots: dict[int, int] = {}
-        for new_slot, (block_hash, slot) in enumerate(self._slots.items()):
-            slots[block_hash] = new_slot
-            parents.append(old_parents[slot])
-            tokens.append(old_tokens[slot])
-            has_parent.append(old_has_parent[slot])
-            if old_mm and slot in old_mm:
-                mm[new_slot] = old_mm[slot]
-        self._slots, self._parents, self._tokens, self._has_parent = slots, parents, tokens, has_parent
-        self._mm, self._free = mm, []
+        """Drop the dead rows, keeping row order (so it stays the dict's order)."""
+        live = self._flags.translate(_LIVE_MASK)
+        compress = itertools.compress
+        hashes = array("Q", compress(self._hashes, live))
+        old_rows = list(compress(range(len(live)), live))
+        self._parents = array("Q", compress(self._parents, live))
+        self._tokens = array("Q", compress(self._tokens, live))
+        self._flags = bytearray(compress(self._flags, live))
+        if self._mm:
+            new_row = dict(zip(old_rows, range(len(old_rows)), strict=True))
+            self._mm = {new_row[row]: info for row, info in self._mm.items()}
+        self._hashes = hashes
+        self._slots = dict(zip(hashes, range(len(hashes)), strict=True))
+        self._dead = 0
 
     def get(self, block_hash: int) -> tuple[int | None, int, MmExtraInfo | None] | None:
         """(parent hash, tokens hash, mm info) of a resident block, or None."""
         slot = self._slots.get(block_hash)
         if slot is None:
             return None
-        parent = self._parents[slot] if self._has_parent[slot] else None
+        parent = self._parents[slot] if self._flags[slot] == FLAG_PARENT else None
         return parent, self._tokens[slot], self._mm.get(slot)
+
+    def rows_parent_first(self) -> bool:
+        """True when every resident parent sits in an earlier row than its children, checked at C speed.
+
+        Most parents are the previous row (the chain stored in one go): those rows are found with a few
+        big-integer operations over the raw columns (parent XOR previous row's hash is zero), and only the
+        remaining rows with a parent (chain heads, overwrites) are looked up in the dict.
+        """
+        slots = self._slots
+        rows = len(self._flags)
+        if rows == 0:
+            return True
+        if 0 in slots:
+            # Dead and root rows hold 0 in both columns; a resident hash 0 would make them look linked.
+            return self._parents_before(bytes([1]) * rows)
+        width = 8 * (rows - 1)
+        hashes, parents = self._hashes.tobytes(), self._parents.tobytes()
+        diff = int.from_bytes(parents[8:], "little") ^ int.from_bytes(hashes[:-8], "little")
+        nonzero = int.from_bytes(diff.to_bytes(width, "little").translate(_NONZERO), "little")
+        # OR the 8 bytes of each word into its first byte (the bytes are 0/1, so no carries).
+        nonzero |= nonzero >> 8
+        nonzero |= nonzero >> 16
+        nonzero |= nonzero >> 32
+        unlinked = b"\x01" + nonzero.to_bytes(width, "little")[0::8]
+        has_parent = self._flags.translate(_HAS_PARENT)
+        need = (int.from_bytes(unlinked, "little") & int.from_bytes(has_parent, "little")).to_bytes(
+            rows, "little"
+        )
+        return not need.count(1) or self._parents_before(need)
+
+    def _parents_before(self, rows_to_check: bytes) -> bool:
+        """True when each flagged row's parent is not resident or sits in an earlier row."""
+        compress = itertools.compress
+        parent_rows = map(self._slots.get, compress(self._parents, rows_to_check), itertools.repeat(-1))
+        return not any(map(operator.ge, parent_rows, compress(range(len(rows_to_check)), rows_to_check)))
+
+    def columns(self) -> StoreColumns:
+        """A parent-first copy of the store: the columns themselves when already ordered, else rebuilt."""
+        if self.rows_parent_first():
+            return StoreColumns(
+                array("Q", self._hashes),
+                array("Q", self._parents),
+                array("Q", self._tokens),
+                bytes(self._flags),
+                dict(self._mm),
+                len(self._slots),
+            )
+        return self.replay_columns()
+
+    def replay_columns(self) -> StoreColumns:
+        """The exact (slow, per-block) reference order of :meth:`replay_order`, as columns."""
+        hashes, parents, tokens = array("Q"), array("Q"), array("Q")
+        flags = bytearray()
+        mm: dict[int, MmExtraInfo] = {}
+        for row, (block_hash, parent, tokens_hash, info) in enumerate(self.replay_order()):
+            hashes.append(block_hash)
+            parents.append(0 if parent is None else parent)
+            tokens.append(tokens_hash)
+            flags.append(FLAG_ROOT if parent is None else FLAG_PARENT)
+            if info is not None:
+                mm[row] = info
+        return StoreColumns(hashes, parents, tokens, bytes(flags), mm, len(hashes))
 
     def replay_order(self) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
         """Every block as (hash, parent, tokens hash, mm info), a resident parent before its children.
@@ -138,11 +237,11 @@ class BlockStore:
         whose resident parent comes later (re-stored parent, reparenting) pulls its unemitted ancestors out
         first.  A parent cycle (only possible with adversarial input) is cut at the block where it closes.
         """
-        slots, parents, tokens, has_parent, mm = (
+        slots, parents, tokens, flags, mm = (
             self._slots,
             self._parents,
             self._tokens,
-            self._has_parent,
+            self._flags,
             self._mm,
         )
         # 0 = not yet emitted, 1 = emitted, 2 = on the ancestor chain being resolved.
@@ -150,7 +249,7 @@ class BlockStore:
         for block_hash, slot in slots.items():
             if state[slot]:
                 continue
-            if has_parent[slot]:
+            if flags[slot] == FLAG_PARENT:
                 parent_hash = parents[slot]
                 parent_slot = slots.get(parent_hash)
                 if parent_slot is not None and not state[parent_slot]:
@@ -165,16 +264,16 @@ class BlockStore:
     def _emit_with_ancestors(
         self, block_hash: int, slot: int, state: bytearray
     ) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
-        slots, parents, tokens, has_parent, mm = (
+        slots, parents, tokens, flags, mm = (
             self._slots,
             self._parents,
             self._tokens,
-            self._has_parent,
+            self._flags,
             self._mm,
         )
         chain = [(block_hash, slot)]
         state[slot] = 2
-        while has_parent[slot]:
+        while flags[slot] == FLAG_PARENT:
             parent_hash = parents[slot]
             parent_slot = slots.get(parent_hash)
             if parent_slot is None or state[parent_slot]:
@@ -184,5 +283,5 @@ class BlockStore:
             slot = parent_slot
         for chain_hash, chain_slot in reversed(chain):
             state[chain_slot] = 1
-            parent = parents[chain_slot] if has_parent[chain_slot] else None
+            parent = parents[chain_slot] if flags[chain_slot] == FLAG_PARENT else None
             yield chain_hash, parent, tokens[chain_slot], mm.get(chain_slot) if mm else None

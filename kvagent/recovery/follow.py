@@ -22,6 +22,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvagent.errors import KvAgentError
 from kvagent.events import (
+    RESET_ALL,
     EventsAnswer,
     RangeAnswer,
     RouterEvent,
@@ -29,10 +30,16 @@ from kvagent.events import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
-from kvagent.index import RecoveryIndex
+from kvagent.index import DumpSnapshot, RecoveryIndex
+from kvagent.recovery.dumpwire import (
+    EncodedRing,
+    columns_frames,
+    encoded_ring,
+    legacy_dump_parts,
+    snapshot_header,
+)
 from kvagent.recovery.protocol import (
     Encoding,
-    encode_event,
     encode_frame,
     error_frame,
     event_frames,
@@ -94,7 +101,7 @@ class LiveBuffer:
 
 @attrs.frozen(slots=True)
 class FollowSession:
-    backlog: RangeAnswer
+    backlog: RangeAnswer | DumpSnapshot
     buffer: LiveBuffer
     unsubscribe: Callable[[], None]
 
@@ -102,11 +109,12 @@ class FollowSession:
 def open_follow(index: RecoveryIndex, from_cursor: int | None, capacity: int) -> FollowSession:
     """Backlog answer + live subscription, in one synchronous step (no checkpoint: see module docstring).
 
-    ``from_cursor`` is the last id the follower holds; the backlog is ``events_in_range(from + 1, None)``
-    (a tree dump when it is None or older than the ring), or an empty events answer when it is caught up.
+    ``from_cursor`` is the last id the follower holds; the backlog is ``range_or_snapshot(from + 1, None)``
+    (a dump snapshot when it is None or older than the ring), or an empty events answer when it is caught
+    up.  A dump snapshot is a copy, so it stays consistent while it is streamed and live events queue up.
     """
     start = None if from_cursor is None else from_cursor + 1
-    backlog = index.events_in_range(start, None)
+    backlog = index.range_or_snapshot(start, None)
     if isinstance(backlog, TooNewAnswer) and from_cursor == backlog.newest_available:
         backlog = EventsAnswer((), backlog.newest_available)
     buffer = LiveBuffer(capacity)
@@ -127,10 +135,27 @@ def backlog_header(request_id: int, answer: EventsAnswer | TreeDumpAnswer) -> di
 
 
 async def _send_backlog_and_live(
-    ws: WebSocketConnection, request_id: int, encoding: Encoding, session: FollowSession
+    ws: WebSocketConnection,
+    request_id: int,
+    encoding: Encoding,
+    session: FollowSession,
+    index: RecoveryIndex,
+    dump_format: str,
 ) -> None:
     answer = session.backlog
     buffer = session.buffer
+    ring = encoded_ring(index)
+    if isinstance(answer, DumpSnapshot):
+        header = {"id": request_id, "ok": True, **snapshot_header(answer, RESET_ALL)}
+        if dump_format == "columns":
+            frames = columns_frames(encoding, header, answer.groups)
+        else:
+            frames = event_frames(encoding, header, legacy_dump_parts(encoding, answer.groups))
+        # Encoded a frame at a time between sends: the loop (ingest, other clients) runs in between.
+        for frame in frames:
+            await ws.send_message(frame)
+        await _send_live(ws, request_id, encoding, buffer, ring, answer.last_event_id)
+        return
     if isinstance(answer, TooNewAnswer):
         await ws.send_message(encode_frame(encoding, too_new_response(request_id, answer)))
         return
@@ -142,11 +167,21 @@ async def _send_backlog_and_live(
     if not isinstance(answer, EventsAnswer | TreeDumpAnswer):  # InvalidRange: impossible without an end
         raise KvAgentError(f"unexpected follow backlog {type(answer).__name__}", code="internal")
     header = backlog_header(request_id, answer)
-    for frame in event_frames(encoding, header, (encode_event(encoding, event) for event in answer.events)):
+    for frame in event_frames(encoding, header, ring.encode(encoding, answer.events)):
         await ws.send_message(frame)
-    # The client now holds a consistent state through last_event_id; an overrun during the backlog is only
+    await _send_live(ws, request_id, encoding, buffer, ring, answer.last_event_id)
+
+
+async def _send_live(
+    ws: WebSocketConnection,
+    request_id: int,
+    encoding: Encoding,
+    buffer: LiveBuffer,
+    ring: EncodedRing,
+    last_sent: int,
+) -> None:
+    # The client now holds a consistent state through last_sent; an overrun during the backlog is only
     # reported here, so last_sent is always a real cursor (never a point inside a tree dump).
-    last_sent = answer.last_event_id
     live_header = {"id": request_id, "ok": True, "kind": "live"}
     while True:
         if buffer.overrun:
@@ -163,9 +198,7 @@ async def _send_backlog_and_live(
         if not events:
             await buffer.wait()
             continue
-        frames = event_frames(
-            encoding, live_header, (encode_event(encoding, event) for event in events), more_flag=False
-        )
+        frames = event_frames(encoding, live_header, ring.encode(encoding, events), more_flag=False)
         for frame in frames:
             await ws.send_message(frame)
         last_sent = events[-1].event_id
@@ -190,6 +223,7 @@ async def run_follow(
     from_cursor: int | None,
     capacity: int,
     on_request: RequestHandler,
+    dump_format: str = "events",
 ) -> None:
     """Serve one follow until the client leaves, the follower is overrun, or the backlog is unavailable.
 
@@ -202,7 +236,7 @@ async def run_follow(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_serve_requests_while_following, ws, on_request, nursery.cancel_scope)
-            await _send_backlog_and_live(ws, request_id, encoding, session)
+            await _send_backlog_and_live(ws, request_id, encoding, session, index, dump_format)
             nursery.cancel_scope.cancel()
     except* ConnectionClosed:
         closed = True  # the caller's next read sees the close and ends the connection quietly

@@ -29,7 +29,15 @@ from kvagent.events import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
-from kvagent.index import RecoveryIndex
+from kvagent.index import DumpSnapshot, RecoveryIndex
+from kvagent.recovery.dumpwire import (
+    columns_frames,
+    encoded_ring,
+    filter_snapshot,
+    legacy_dump_parts,
+    parse_dump_format,
+    snapshot_header,
+)
 from kvagent.recovery.follow import run_follow
 from kvagent.recovery.protocol import (
     U32_MAX,
@@ -39,7 +47,6 @@ from kvagent.recovery.protocol import (
     check_recovery_fence,
     check_status_fence,
     decode_frame,
-    encode_event,
     encode_frame,
     error_frame,
     event_frames,
@@ -353,6 +360,7 @@ class _Connection:
             raise KvAgentError("this connection is already following; open another one", code="bad_request")
         surface = self.surface()
         from_cursor = optional_uint(request, "from")
+        dump_format = parse_dump_format(request)
         self._following = True
         try:
             await run_follow(
@@ -363,6 +371,7 @@ class _Connection:
                 from_cursor,
                 self.config.follow_buffer_events,
                 self.handle,
+                dump_format,
             )
         finally:
             self._following = False
@@ -414,10 +423,15 @@ class _Connection:
         start = optional_uint(request, "start")
         end = optional_uint(request, "end")
         supports_failed = request.get("supports_tree_dump_failed", False) is True
+        dump_format = parse_dump_format(request)
         fence = parse_fence(request)
         before = surface.status()
         check_recovery_fence(before, fence, surface.slot_rank)
-        answer = filter_answer(surface.index.events_in_range(start, end), before, fence)
+        result = surface.index.range_or_snapshot(start, end)
+        if isinstance(result, DumpSnapshot):
+            await self.send_dump(surface, request_id, result, before, fence, encoding, dump_format)
+            return
+        answer = filter_answer(result, before, fence)
         post_check(before, surface.status(), fence)
 
         if isinstance(answer, TooNewAnswer):
@@ -473,9 +487,39 @@ class _Connection:
             "attachment_generation": fence.generation,
             "recovered_through_cursor": answer.last_event_id,
         }
-        # The answer is an immutable snapshot; frames are encoded lazily while sending.  The final frame
-        # (the one that completes the answer) goes out only if the fence still holds (5.3 post-check).
-        frames = event_frames(encoding, header, (encode_event(encoding, event) for event in answer.events))
+        parts = encoded_ring(surface.index).encode(encoding, answer.events)
+        await self.send_answer_frames(surface, event_frames(encoding, header, parts), before, fence)
+
+    async def send_dump(
+        self,
+        surface: SlotSurface,
+        request_id: int,
+        snapshot: DumpSnapshot,
+        before: AgentStatus,
+        fence: Fence,
+        encoding: Encoding,
+        dump_format: str,
+    ) -> None:
+        groups, scope = filter_snapshot(snapshot, before, fence)
+        post_check(before, surface.status(), fence)
+        header: dict[str, object] = {"id": request_id, "ok": True, **snapshot_header(snapshot, scope)}
+        header["receipt"] = {
+            "identity": before.identity.to_json(),
+            "attachment_generation": fence.generation,
+            "recovered_through_cursor": snapshot.last_event_id,
+        }
+        if dump_format == "columns":
+            frames = columns_frames(encoding, header, groups)
+        else:
+            frames = event_frames(encoding, header, legacy_dump_parts(encoding, groups))
+        await self.send_answer_frames(surface, frames, before, fence)
+
+    async def send_answer_frames(
+        self, surface: SlotSurface, frames: Iterator[str | bytes], before: AgentStatus, fence: Fence
+    ) -> None:
+        # The answer is an immutable snapshot; frames are encoded lazily while sending, so a big dump
+        # never holds the event loop for more than one frame.  The final frame (the one that completes
+        # the answer) goes out only if the fence still holds (5.3 post-check).
         pending = next(frames)
         for frame in frames:
             await self.ws.send_message(pending)
