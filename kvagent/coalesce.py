@@ -19,7 +19,6 @@ from kvagent.events import (
     PlacementEvent,
     Removed,
     Stored,
-    block_count,
 )
 
 __all__ = ["coalesce"]
@@ -30,50 +29,57 @@ def coalesce(
 ) -> list[PlacementEvent]:
     """Merge chain-continuing stores and adjacent removes; a Cleared is a barrier and stands alone."""
     output: list[PlacementEvent] = []
+    append = output.append
     pending: PlacementEvent | None = None
     for event in events:
-        if isinstance(event.data, Cleared):
+        data = event.data
+        cls = type(data)
+        if cls is Cleared:
             if pending is not None:
-                output.append(pending)
+                append(pending)
                 pending = None
-            output.append(event)
+            append(event)
             continue
-        merged = _merge(pending, event) if pending is not None else None
-        if merged is not None:
-            pending = merged
-            if block_count(merged.data) >= max_blocks:
-                output.append(merged)
-                pending = None
-            continue
+        assert isinstance(data, Stored | Removed)
         if pending is not None:
-            output.append(pending)
+            merged = _merge(pending, event)
+            if merged is not None:
+                if len(merged.data.block_hashes) >= max_blocks:  # type: ignore[union-attr]
+                    append(merged)
+                    pending = None
+                else:
+                    pending = merged
+                continue
+            append(pending)
             pending = None
-        if block_count(event.data) >= max_blocks:
-            output.append(event)
+        if len(data.block_hashes) >= max_blocks:
+            append(event)
         else:
             pending = event
     if pending is not None:
-        output.append(pending)
+        append(pending)
     return output
 
 
 def _merge(pending: PlacementEvent, event: PlacementEvent) -> PlacementEvent | None:
+    old, new = pending.data, event.data
+    cls = type(new)
     if (
-        pending.domain is not event.domain
+        type(old) is not cls
+        or pending.domain is not event.domain
         or pending.tier is not event.tier
         or pending.dp_rank != event.dp_rank
         or pending.session_id != event.session_id
     ):
         return None
-    old, new = pending.data, event.data
-    if isinstance(old, Removed) and isinstance(new, Removed):
+    if cls is Removed:
+        assert isinstance(old, Removed) and isinstance(new, Removed)
         return attrs.evolve(pending, data=Removed(old.block_hashes + new.block_hashes))
-    if isinstance(old, Stored) and isinstance(new, Stored):
-        # Only a continuation of the pending chain merges: the new event's parent is its last block.
-        if not old.block_hashes or new.parent_hash != old.block_hashes[-1]:
-            return None
-        return attrs.evolve(pending, data=_append_stored(old, new))
-    return None
+    assert isinstance(old, Stored) and isinstance(new, Stored)
+    # Only a continuation of the pending chain merges: the new event's parent is its last block.
+    if not old.block_hashes or new.parent_hash != old.block_hashes[-1]:
+        return None
+    return attrs.evolve(pending, data=_append_stored(old, new))
 
 
 def _append_stored(old: Stored, new: Stored) -> Stored:

@@ -28,6 +28,8 @@ def policy_for(domain: ResidencyDomain) -> DedupPolicy:
 
 
 _StateKey = tuple[int, StorageTier, ResidencyDomain]
+# filter() inlines policy_for() on the hot path: Worker is REF_COUNTED, every other domain SET_LIKE.
+_WORKER = ResidencyDomain.WORKER
 
 
 class DedupFilter:
@@ -39,19 +41,26 @@ class DedupFilter:
     def filter(self, event: PlacementEvent) -> PlacementEvent | None:
         """The event to emit, or None for a remove that has nothing left to remove (consumes no id)."""
         data = event.data
-        policy = policy_for(event.domain)
-        if isinstance(data, Cleared):
-            self.reset_domain(event.dp_rank, event.domain)
-            return event
-        if isinstance(data, Stored):
-            if policy is DedupPolicy.REF_COUNTED and data.block_hashes:
-                counts = self._counts.setdefault((event.dp_rank, event.tier, event.domain), {})
+        cls = type(data)
+        domain = event.domain
+        if cls is Stored:
+            assert isinstance(data, Stored)
+            if domain is _WORKER and data.block_hashes:  # REF_COUNTED
+                key = (event.dp_rank, event.tier, domain)
+                counts = self._counts.get(key)
+                if counts is None:
+                    counts = self._counts[key] = {}
+                get = counts.get
                 for block_hash in data.block_hashes:
-                    counts[block_hash] = counts.get(block_hash, 0) + 1
+                    counts[block_hash] = get(block_hash, 0) + 1
             return event
-        if policy is DedupPolicy.SET_LIKE:
+        if cls is Cleared:
+            self.reset_domain(event.dp_rank, domain)
+            return event
+        assert isinstance(data, Removed)
+        if domain is not _WORKER:  # SET_LIKE
             return event if data.block_hashes else None
-        surviving = self._surviving_removes(event.dp_rank, event.tier, event.domain, data)
+        surviving = self._surviving_removes(event.dp_rank, event.tier, domain, data)
         if not surviving:
             return None
         if len(surviving) == len(data.block_hashes):

@@ -60,6 +60,10 @@ class StorageTier(enum.Enum):
     DISK = "disk"
     EXTERNAL = "external"
 
+    # Members are singletons compared by identity; Enum's own __hash__ is a Python-level call, and tiers
+    # are hashed in dict keys for every event on the hot path.
+    __hash__ = object.__hash__
+
     @classmethod
     def from_medium(cls, medium: str | None) -> StorageTier | None:
         """Dynamo's ``StorageTier::from_kv_medium``: case-sensitive, ``None`` for an unknown medium."""
@@ -98,6 +102,8 @@ _CANONICAL_MEDIA = {
 class ResidencyDomain(enum.Enum):
     WORKER = "worker"
     CACHE_OWNER = "cache_owner"
+
+    __hash__ = object.__hash__  # see StorageTier
 
 
 class IngressProtocol(enum.Enum):

@@ -202,7 +202,7 @@ class PoolId:
 _CACHE_OWNER_RE = re.compile(r"[0-9a-f]{32}:[0-9a-f]{32}/[0-9a-f]{16}/[0-9a-f]{32}")
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, cache_hash=True)  # hashed per event in index and dedup keys: compute it once
 class CacheOwnerId:
     """The stable DP slot within its pool; canonical text ``<32hex>:<32hex>/<16hex>/<32hex>``."""
 

@@ -30,9 +30,10 @@ from kvagent.coordinator_task import CoordinatorHandle
 from kvagent.errors import KvAgentError
 from kvagent.events import MAX_RAW_PAYLOAD_BYTES
 from kvagent.status import Attachment, StatusCell
+from kvagent.vllm.fastpath import MapMessage, decode_live_frames, normalize_map_batch
 from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, build_ingress_chunks
 from kvagent.vllm.replay import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
-from kvagent.vllm.wire import RawMessage, WireDecodeError, decode_frames
+from kvagent.vllm.wire import RawMessage, WireDecodeError
 from kvagent.zmqtrio import TrioSocket
 
 __all__ = ["LISTENER_TERMINATED", "ListenerError", "ListenerOptions", "ListenerStats", "run_listener"]
@@ -98,11 +99,15 @@ class _Pipeline:
             video_token_id=attachment.source.video_token_id,
         )
 
-    def process(self, message: RawMessage) -> None:
+    def process(self, message: RawMessage | MapMessage) -> None:
         batch_rank = message.batch.data_parallel_rank or 0
         if batch_rank != self.rank:
             raise ListenerError(f"vLLM batch rank {batch_rank} does not match configured rank {self.rank}")
-        normalized = self.normalizer.normalize(message.batch)
+        if type(message) is MapMessage:
+            normalized = normalize_map_batch(self.normalizer, message.batch)
+        else:
+            assert isinstance(message, RawMessage)
+            normalized = self.normalizer.normalize(message.batch)
         stats = self.stats
         stats.batches += 1
         stats.unpublished_blocks += normalized.unpublished_blocks
@@ -165,7 +170,7 @@ class _Listener:
         if not self.status.get().is_ready_generation(self.generation):
             raise _NotReady()
 
-    def _apply(self, message: RawMessage) -> None:
+    def _apply(self, message: RawMessage | MapMessage) -> None:
         self.pipeline.process(message)
         self.gate.mark_applied(message.seq)
 
@@ -181,7 +186,7 @@ class _Listener:
         self._check_ready()
         self.stats.messages += 1
         try:
-            message = decode_frames(frames, max_payload_bytes=self.options.max_payload_bytes)
+            message = decode_live_frames(frames, max_payload_bytes=self.options.max_payload_bytes)
         except WireDecodeError as exc:
             self.stats.decode_errors += 1
             raise ListenerError(f"failed to decode framework KV event batch: {exc}") from exc

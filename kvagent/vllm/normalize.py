@@ -161,34 +161,41 @@ class ResidencyNormalizer:
 
     def preprocess(self, event: RawEvent, dp_rank: int) -> tuple[str | None, str | None]:
         """(rejection reason or None, the cache namespace to hash with)."""
-        if isinstance(event, RawIgnored):
+        cls = type(event)
+        if cls is RawIgnored:
             return "ignored_event", None
-        if isinstance(event, RawAllBlocksCleared) and _medium(event) is not None:
+        medium = event.medium or None  # type: ignore[union-attr]  # Dynamo reads an empty medium as absent
+        if cls is RawAllBlocksCleared and medium is not None:
             return "ambiguous_scoped_clear", None
-        if event.locality is not None and event.locality != "LOCAL":
+        locality = event.locality  # type: ignore[union-attr]
+        if locality is not None and locality != "LOCAL":
             return "non_local_locality", None
-        medium = _medium(event)
         if medium is not None:
             tier = StorageTier.from_medium(medium)
             if tier is None:
                 return "unknown_medium", None
-            if tier in (StorageTier.DISK, StorageTier.EXTERNAL):
+            if tier is StorageTier.DISK or tier is StorageTier.EXTERNAL:
                 return None, None  # hash-only lower tiers: no group learning, filtering or namespaces
-        if isinstance(event, RawAllBlocksCleared):
+        if cls is RawAllBlocksCleared:
             self._namespaces.clear()
             return None, None
-        if isinstance(event, RawBlockStored) and event.group_idx is not None and event.kv_cache_spec_kind:
-            self._groups[(dp_rank, event.group_idx)] = (
-                event.kv_cache_spec_kind,
-                event.kv_cache_spec_sliding_window,
-            )
-        reason = self._group_filter(event.kv_cache_spec_kind, event.group_idx, dp_rank)
-        if reason is not None:
-            return reason, None
+        assert isinstance(event, RawBlockStored | RawBlockRemoved)
+        kind, group_idx = event.kv_cache_spec_kind, event.group_idx
+        if kind:
+            if cls is RawBlockStored and group_idx is not None:
+                self._groups[(dp_rank, group_idx)] = (kind, event.kv_cache_spec_sliding_window)
+            if kind not in MAIN_ATTENTION_KINDS:
+                return ("non_main_attention_kind" if kind in NON_MAIN_ATTENTION_KINDS else "unknown_kind"), None
+        elif group_idx is not None:
+            reason = self._group_filter(None, group_idx, dp_rank)
+            if reason is not None:
+                return reason, None
         if isinstance(event, RawBlockRemoved):
-            for block_hash in event.block_hashes:
-                if self._namespaces.get(block_hash, None) is not _AMBIGUOUS:
-                    self._namespaces.pop(block_hash, None)
+            namespaces = self._namespaces
+            if namespaces:
+                for block_hash in event.block_hashes:
+                    if namespaces.get(block_hash, None) is not _AMBIGUOUS:
+                        namespaces.pop(block_hash, None)
             return None, None
         return self._propagate_namespace(event)
 
@@ -261,16 +268,21 @@ class ResidencyNormalizer:
         extra = 1 if event.is_eagle else 0
         # Blocks whose tokens are all present: block i needs i*block_size + block_size + extra tokens.
         count = min(len(hashes), max(len(tokens) - extra, 0) // block_size) if block_size > 0 else 0
-        seed = self._seed(event.lora_name, namespace)
+        lora_name = event.lora_name
+        seed = BASE_SEED if not lora_name and not namespace else self._seed(lora_name, namespace)
         extra_keys = event.extra_keys
         token_bytes = event.token_bytes
         if len(token_bytes) != 4 * len(tokens):
             token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
         stride, width = 4 * block_size, 4 * (block_size + extra)
-        mm_per_block = _mm_hashes_per_block(extra_keys, count)
+        mm_per_block = (
+            None
+            if extra_keys is None or extra_keys.count(None) == len(extra_keys)  # live GPU stores: [nil, ...]
+            else _mm_hashes_per_block(extra_keys, count)
+        )
         if mm_per_block is None:  # the common case: plain blocks, one C-level slice + hash each
             tokens_hashes = tuple(
-                [xxh3(token_bytes[i * stride : i * stride + width], seed) for i in range(count)]
+                [xxh3(token_bytes[offset : offset + width], seed) for offset in range(0, count * stride, stride)]
             )
             mm_infos: tuple[MmExtraInfo | None, ...] | None = None
         else:
@@ -288,7 +300,8 @@ class ResidencyNormalizer:
             tokens_hashes, mm_infos = tuple(plain), tuple(infos)
         if count < len(hashes):
             self._warn_unpublished(len(hashes) - count)
-        return Stored(parent, hashes[:count], tokens_hashes, mm_infos), tier, len(hashes) - count
+            return Stored(parent, hashes[:count], tokens_hashes, mm_infos), tier, len(hashes) - count
+        return Stored(parent, hashes, tokens_hashes, mm_infos), tier, 0
 
     def _warn_unpublished(self, blocks: int) -> None:
         if self.block_warnings < MAX_BLOCK_WARNINGS:
@@ -377,52 +390,55 @@ class AttachmentNormalizer:
 
     def normalize(self, batch: RawBatch) -> NormalizedBatch:
         out = NormalizedBatch([])
-        rank = self.worker.dp_rank
-        filtered = out.filtered
+        normalize_event = self.normalize_event
         for event in batch.events:
-            ownership = _ownership(event)
-            if ownership is None:
-                kvcr = False
-            elif ownership == "kvcr":
-                kvcr = True
-            else:
-                out.source_fault = out.source_fault or FAULT_UNKNOWN_OWNERSHIP
-                continue
-            if kvcr:
-                if self.ingress_protocol is not IngressProtocol.VLLM_RESIDENCY_V1:
-                    out.source_fault = out.source_fault or FAULT_KVCR_ON_FRAMEWORK
-                    continue
-                if not isinstance(event, RawAllBlocksCleared) and _medium(event) not in KVCR_MEDIA:
-                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_MEDIUM
-                    continue
-                if isinstance(event, RawBlockStored) and event.block_size != self.kv_block_size:
-                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_BLOCK_SIZE
-                    continue
-            normalizer = self.kvcr if kvcr else self.framework
-            reason, namespace = normalizer.preprocess(event, rank)
-            if reason is not None:
-                filtered[reason] = filtered.get(reason, 0) + 1
-                if kvcr:
-                    log.warning(FAULT_KVCR_ENRICHMENT, reason=reason)
-                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_ENRICHMENT
-                continue
-            converted = normalizer.convert(event, namespace, rank)
-            if converted is None:
-                if kvcr:
-                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_CANONICALIZATION
-                continue
-            data, tier, unpublished = converted
-            out.unpublished_blocks += unpublished
-            if kvcr:
-                if data is not CLEARED and tier not in (StorageTier.HOST_PINNED, StorageTier.DISK):
-                    out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_TIER
-                    continue
-                domain = ResidencyDomain.CACHE_OWNER
-            else:
-                domain = ResidencyDomain.WORKER
-            session = event.session_id if isinstance(event, RawBlockStored) else None
-            out.events.append(PlacementEvent(data, tier, domain, rank, session))
+            normalize_event(event, out)
         return out
+
+    def normalize_event(self, event: RawEvent, out: NormalizedBatch) -> None:
+        """Normalize one raw event into ``out`` (an event, a filter count or a first-of-kind fault)."""
+        rank = self.worker.dp_rank
+        ownership = None if type(event) is RawIgnored else event.ownership  # type: ignore[union-attr]
+        if ownership is None:
+            normalizer, kvcr = self.framework, False
+        elif ownership == "kvcr":
+            if self.ingress_protocol is not IngressProtocol.VLLM_RESIDENCY_V1:
+                out.source_fault = out.source_fault or FAULT_KVCR_ON_FRAMEWORK
+                return
+            if not isinstance(event, RawAllBlocksCleared) and _medium(event) not in KVCR_MEDIA:
+                out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_MEDIUM
+                return
+            if isinstance(event, RawBlockStored) and event.block_size != self.kv_block_size:
+                out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_BLOCK_SIZE
+                return
+            normalizer, kvcr = self.kvcr, True
+        else:
+            out.source_fault = out.source_fault or FAULT_UNKNOWN_OWNERSHIP
+            return
+        reason, namespace = normalizer.preprocess(event, rank)
+        if reason is not None:
+            out.filtered[reason] = out.filtered.get(reason, 0) + 1
+            if kvcr:
+                log.warning(FAULT_KVCR_ENRICHMENT, reason=reason)
+                out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_ENRICHMENT
+            return
+        converted = normalizer.convert(event, namespace, rank)
+        if converted is None:
+            if kvcr:
+                out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_CANONICALIZATION
+            return
+        data, tier, unpublished = converted
+        if unpublished:
+            out.unpublished_blocks += unpublished
+        if kvcr:
+            if data is not CLEARED and tier not in (StorageTier.HOST_PINNED, StorageTier.DISK):
+                out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_TIER
+                return
+            domain = ResidencyDomain.CACHE_OWNER
+        else:
+            domain = ResidencyDomain.WORKER
+        session = event.session_id if type(event) is RawBlockStored else None
+        out.events.append(PlacementEvent(data, tier, domain, rank, session))
 
 
 def bounded_ingress_chunks(events: Sequence[PlacementEvent]) -> list[tuple[PlacementEvent, ...]]:

@@ -1,0 +1,344 @@
+"""The ingest fast path: map-form vLLM batches decoded by msgspec and normalized in one inlined loop.
+
+vLLM since PR #42892 (0.26.0, 0.32.0, ...) encodes its events as tagged maps from its own msgspec structs.
+Decoding them with msgspec into matching typed structs checks every field in C (u32 token ids, integer
+hashes, optional strings) and builds no dict per event, which alone is faster than a bare
+``msgpack.unpackb``. The common shapes — framework-owned device stores and removes with no namespace,
+LoRA or multimodal data — are then normalized inline, in one loop per batch with no per-event helper
+calls.
+
+The general path (:func:`kvagent.vllm.wire.decode_payload` + ``AttachmentNormalizer.normalize``) stays the
+definition of behaviour, and the fast path defers to it:
+
+- a payload msgspec does not accept (positional arrays, ``bytes`` or bigram forms, a malformed field) goes
+  to the general decoder, which accepts it or names the failing field;
+- an event outside the inlined shapes is converted to its ``Raw*`` form and handed to the general
+  per-event normalizer, which shares the attachment's learned state (attention groups, namespaces).
+
+One difference is deliberate: msgspec skips map keys it does not know, with their values, without
+decoding them, so invalid UTF-8 inside an unknown key does not fail the batch (``msgpack.unpackb`` decodes
+every string and refuses it). ``tests/test_fastpath.py`` checks that both paths otherwise agree, on the vectors, on generated batches and on
+mutated payloads.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeAlias
+
+import attrs
+import msgspec
+import xxhash
+
+from kvagent.events import (
+    MAX_RAW_PAYLOAD_BYTES,
+    PlacementEvent,
+    Removed,
+    ResidencyDomain,
+    StorageTier,
+    Stored,
+)
+from kvagent.hashing import BASE_SEED
+from kvagent.vllm.normalize import (
+    MAIN_ATTENTION_KINDS,
+    NON_MAIN_ATTENTION_KINDS,
+    AttachmentNormalizer,
+    NormalizedBatch,
+)
+from kvagent.vllm.wire import (
+    REPLAY_END_SEQ,
+    RawAllBlocksCleared,
+    RawBatch,
+    RawBlockRemoved,
+    RawBlockStored,
+    RawEvent,
+    RawIgnored,
+    RawMessage,
+    decode_frames,
+)
+
+__all__ = [
+    "MapBatch",
+    "MapMessage",
+    "decode_live_frames",
+    "decode_map_payload",
+    "normalize_map_batch",
+    "to_raw_batch",
+]
+
+U64 = (1 << 64) - 1
+U32 = (1 << 32) - 1
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=U32)]
+
+
+class MapBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True, gc=False):
+    block_hashes: list[int]
+    token_ids: list[_U32]
+    block_size: int
+    parent_block_hash: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True, gc=False):
+    medium: str | None = None
+    ownership: str | None = None
+    locality: str | None = None
+
+
+class MapTierBlocksCleared(msgspec.Struct, tag="TierBlocksCleared", tag_field="type", frozen=True, gc=False):
+    pass
+
+
+class MapIgnored(msgspec.Struct, tag="Ignored", tag_field="type", frozen=True, gc=False):
+    pass
+
+
+MapEvent: TypeAlias = MapBlockStored | MapBlockRemoved | MapAllBlocksCleared | MapTierBlocksCleared | MapIgnored
+
+
+class MapBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The ``[ts, events, data_parallel_rank]`` envelope; extra trailing elements are ignored (as Dynamo)."""
+
+    ts: float
+    events: list[MapEvent]
+    data_parallel_rank: _U32 | None = None
+
+
+@attrs.frozen(slots=True)
+class MapMessage:
+    topic: bytes
+    seq: int
+    batch: MapBatch
+
+
+_DECODER = msgspec.msgpack.Decoder(MapBatch)
+_MSGSPEC_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def decode_map_payload(payload: bytes) -> MapBatch | None:
+    """The batch if it is map-form with every field well typed, else None (the general decoder decides)."""
+    try:
+        batch = _DECODER.decode(payload)
+    except _MSGSPEC_ERRORS:
+        return None
+    if type(batch.ts) is not float:  # msgspec reads a msgpack bool as a float; the general path refuses it
+        return None
+    return batch
+
+
+def decode_live_frames(
+    frames: Sequence[bytes], *, max_payload_bytes: int = MAX_RAW_PAYLOAD_BYTES
+) -> RawMessage | MapMessage:
+    """:func:`kvagent.vllm.wire.decode_frames`, through the fast decoder when the payload allows it."""
+    if len(frames) == 3:
+        topic, seq_frame, payload = frames
+        if len(seq_frame) == 8 and seq_frame != REPLAY_END_SEQ and len(payload) <= max_payload_bytes:
+            batch = decode_map_payload(payload)
+            if batch is not None:
+                return MapMessage(bytes(topic), int.from_bytes(seq_frame, "big"), batch)
+    return decode_frames(frames, max_payload_bytes=max_payload_bytes)
+
+
+# --- normalization -----------------------------------------------------------------------------------
+
+_DEVICE_MEDIA = frozenset({"", "GPU", "DEVICE"})
+_U32_PACKERS: dict[int, struct.Struct] = {}
+_xxh3 = xxhash.xxh3_64_intdigest
+_DEVICE = StorageTier.DEVICE
+_WORKER = ResidencyDomain.WORKER
+
+
+def _pack_tokens(tokens: list[int]) -> bytes:
+    count = len(tokens)
+    packer = _U32_PACKERS.get(count)
+    if packer is None:
+        packer = struct.Struct(f"<{count}I")
+        if len(_U32_PACKERS) < 4096:  # token counts take few distinct values (blocks x block size)
+            _U32_PACKERS[count] = packer
+    return packer.pack(*tokens)
+
+
+def _kind_rejection(kind: str) -> str:
+    return "non_main_attention_kind" if kind in NON_MAIN_ATTENTION_KINDS else "unknown_kind"
+
+
+def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> NormalizedBatch:
+    """``normalizer.normalize(to_raw_batch(batch))``, with the common event shapes inlined."""
+    out = NormalizedBatch([])
+    append = out.events.append
+    filtered = out.filtered
+    # The inlined shapes are framework-owned, so they read and teach the framework normalizer's state.
+    framework = normalizer.framework
+    groups = framework._groups
+    namespaces = framework._namespaces
+    rank = normalizer.worker.dp_rank
+    block_size = normalizer.kv_block_size
+    stride = 4 * block_size
+    device_media = _DEVICE_MEDIA
+    main_kinds = MAIN_ATTENTION_KINDS
+    xxh3 = _xxh3
+    for event in batch.events:
+        cls = type(event)
+        if cls is MapBlockStored:
+            assert isinstance(event, MapBlockStored)
+            hashes = event.block_hashes
+            parent = event.parent_block_hash
+            tokens = event.token_ids
+            extra_keys = event.extra_keys
+            count = len(hashes)
+            medium = event.medium
+            locality = event.locality
+            if not (
+                event.ownership is None
+                and (medium is None or medium in device_media)
+                and (locality is None or locality == "LOCAL")
+                and not event.cache_salt
+                and not event.lora_name
+                and not namespaces
+                and event.block_size == block_size
+                and count
+                and len(tokens) >= count * block_size
+                and (extra_keys is None or extra_keys.count(None) == len(extra_keys))
+                and min(hashes) >= 0
+                and (parent is None or (parent >= 0 and parent not in hashes))
+                and len(set(hashes)) == count
+            ):
+                normalizer.normalize_event(_raw_stored(event), out)
+                continue
+            kind = event.kv_cache_spec_kind
+            group_idx = event.group_idx
+            if kind:
+                if group_idx is not None:
+                    groups[(rank, group_idx)] = (kind, event.kv_cache_spec_sliding_window)
+                if kind not in main_kinds:
+                    reason = _kind_rejection(kind)
+                    filtered[reason] = filtered.get(reason, 0) + 1
+                    continue
+            elif group_idx is not None:
+                rejection = framework._group_filter(None, group_idx, rank)
+                if rejection is not None:
+                    filtered[rejection] = filtered.get(rejection, 0) + 1
+                    continue
+            token_bytes = _pack_tokens(tokens)
+            tokens_hashes = tuple(
+                [xxh3(token_bytes[offset : offset + stride], BASE_SEED) for offset in range(0, count * stride, stride)]
+            )
+            append(
+                PlacementEvent(
+                    Stored(parent, tuple(hashes), tokens_hashes, None), _DEVICE, _WORKER, rank, event.session_id
+                )
+            )
+        elif cls is MapBlockRemoved:
+            assert isinstance(event, MapBlockRemoved)
+            hashes = event.block_hashes
+            medium = event.medium
+            locality = event.locality
+            if not (
+                event.ownership is None
+                and (medium is None or medium in device_media)
+                and (locality is None or locality == "LOCAL")
+                and not namespaces
+                and (not hashes or min(hashes) >= 0)
+            ):
+                normalizer.normalize_event(_raw_removed(event), out)
+                continue
+            kind = event.kv_cache_spec_kind
+            group_idx = event.group_idx
+            if kind:
+                if kind not in main_kinds:
+                    reason = _kind_rejection(kind)
+                    filtered[reason] = filtered.get(reason, 0) + 1
+                    continue
+            elif group_idx is not None:
+                rejection = framework._group_filter(None, group_idx, rank)
+                if rejection is not None:
+                    filtered[rejection] = filtered.get(rejection, 0) + 1
+                    continue
+            append(PlacementEvent(Removed(tuple(hashes)), _DEVICE, _WORKER, rank, None))
+        else:
+            normalizer.normalize_event(_raw_event(event), out)
+    return out
+
+
+# --- the Raw* forms (for events outside the inlined shapes, and for tests) ------------------------------
+
+
+def _hashes(values: list[int]) -> tuple[int, ...]:
+    # Negative hashes (old builtin hashing, LMCache, SGLang) are two's complement u64 (vllm-wire.md 7.1).
+    if values and min(values) < 0:
+        return tuple(value & U64 for value in values)
+    return tuple(values)
+
+
+def _raw_stored(event: MapBlockStored) -> RawBlockStored:
+    parent = event.parent_block_hash
+    extra_keys = event.extra_keys
+    return RawBlockStored(
+        _hashes(event.block_hashes),
+        None if parent is None else parent & U64,
+        tuple(event.token_ids),
+        event.block_size,
+        event.lora_id,
+        event.medium,
+        event.lora_name,
+        None if extra_keys is None else tuple(extra_keys),
+        event.group_idx,
+        event.kv_cache_spec_kind,
+        event.kv_cache_spec_sliding_window,
+        event.locality,
+        event.ownership,
+        event.session_id,
+        False,
+        event.cache_salt,
+        _pack_tokens(event.token_ids),
+    )
+
+
+def _raw_removed(event: MapBlockRemoved) -> RawBlockRemoved:
+    return RawBlockRemoved(
+        _hashes(event.block_hashes),
+        event.medium,
+        event.group_idx,
+        event.kv_cache_spec_kind,
+        event.kv_cache_spec_sliding_window,
+        event.locality,
+        event.ownership,
+    )
+
+
+def _raw_event(event: MapEvent) -> RawEvent:
+    if isinstance(event, MapBlockStored):
+        return _raw_stored(event)
+    if isinstance(event, MapBlockRemoved):
+        return _raw_removed(event)
+    if isinstance(event, MapAllBlocksCleared):
+        return RawAllBlocksCleared(event.medium, event.ownership, event.locality)
+    if isinstance(event, MapTierBlocksCleared):
+        return RawIgnored("TierBlocksCleared")
+    return RawIgnored("Ignored")
+
+
+def to_raw_batch(batch: MapBatch) -> RawBatch:
+    """The general decoder's value for the same payload."""
+    return RawBatch(batch.ts, tuple(_raw_event(event) for event in batch.events), batch.data_parallel_rank)
