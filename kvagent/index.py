@@ -46,6 +46,9 @@ U64_MAX = (1 << 64) - 1
 DEFAULT_RING_CAPACITY = 1024  # Dynamo's WORKER_KV_INDEXER_BUFFER_SIZE
 
 StoreKey = tuple[ResidencyOwner, StorageTier]
+_MAX_ROUTES = 4096  # distinct routes seen by one index are a handful; the bound only guards odd inputs
+_CACHE_OWNER = ResidencyDomain.CACHE_OWNER
+_DEVICE = StorageTier.DEVICE
 
 
 class DumpGroup(NamedTuple):
@@ -117,46 +120,63 @@ class RecoveryIndex:
         self._subscriber_snapshot: tuple[Callable[[RouterEvent], None], ...] = ()
         self._dump_cache: TreeDumpAnswer | None = None
         self._applied = 0  # successful applies, so a streaming dump can tell that state moved under it
+        # (domain, worker_id, dp_rank, state_source, tier) -> store key: owners are resolved and validated
+        # once per route, not once per event (building and hashing an owner object costs more than a store).
+        self._routes: dict[tuple[object, ...], StoreKey] = {}
 
     # --- apply -------------------------------------------------------------------------------------
 
     def apply(self, event: RouterEvent) -> None:
         """Apply, buffer and announce one event; raises IndexApplyError (changing nothing) if invalid."""
-        owner = self._resolve(event)
+        if type(event) is not RouterEvent:
+            raise IndexApplyError(f"expected a RouterEvent, got {type(event).__name__}")
         data = event.data
+        cls = type(data)
+        if cls is not Stored and cls is not Removed and cls is not Cleared:
+            raise IndexApplyError(f"unknown event data {cls.__name__}")
+        event_id = event.event_id
+        if not 0 <= event_id <= U64_MAX:
+            raise IndexApplyError(f"event id {event_id} is not a u64")
+        domain = event.residency_domain
+        # A Worker route does not depend on state_source (every outbound event carries the agent's owner).
+        route = (domain, event.worker_id, event.dp_rank, event.state_source if domain is _CACHE_OWNER else None,
+                 event.storage_tier)
+        key = self._routes.get(route)
+        if key is None:
+            key = self._route(event, route)
+        if domain is _CACHE_OWNER and event.storage_tier is _DEVICE and cls is not Cleared:
+            raise IndexApplyError("CacheOwner residency cannot target the Device tier")
         ring = self._ring
         if ring:
             newest = ring[-1].event_id
-            if event.event_id <= newest:
+            if event_id <= newest:
                 # Ids only grow (3.10); a smaller one would break the ring's binary search.
-                raise IndexApplyError(
-                    f"KV event id {event.event_id} does not follow newest buffered id {newest}"
-                )
-            if event.event_id != newest + 1:
+                raise IndexApplyError(f"KV event id {event_id} does not follow newest buffered id {newest}")
+            if event_id != newest + 1:
                 log.warning(
                     "Non-consecutive KV event id",
-                    extra={"expected_event_id": newest + 1, "event_id": event.event_id},
+                    extra={"expected_event_id": newest + 1, "event_id": event_id},
                 )
 
-        if isinstance(data, Stored):
+        if cls is Stored:
+            assert isinstance(data, Stored)
             _validate_stored(data)
-            key: StoreKey = (owner, event.storage_tier)
             store = self._stores.get(key)
             if store is None:
                 store = self._stores[key] = BlockStore()
             store.store(data.parent_hash, data.block_hashes, data.tokens_hashes, data.mm_extra_infos)
-        elif isinstance(data, Removed):
-            key = (owner, event.storage_tier)
+        elif cls is Removed:
+            assert isinstance(data, Removed)
             store = self._stores.get(key)
             if store is not None:
                 store.remove(data.block_hashes)
                 if not store:
                     del self._stores[key]
         else:
-            self._clear(event, owner)
+            self._clear(event, key[0])
 
-        if isinstance(owner, CacheOwnerId):
-            self._cache_owner_workers[owner] = (event.worker_id, event.dp_rank)
+        if domain is _CACHE_OWNER:
+            self._cache_owner_workers[key[0]] = (event.worker_id, event.dp_rank)  # type: ignore[index]
         ring.append(event)
         self._applied += 1
         self._dump_cache = None
@@ -165,27 +185,26 @@ class RecoveryIndex:
                 callback(event)
             except Exception:
                 # The event is applied; a broken follower must not make the coordinator treat it as failed.
-                log.exception("recovery index subscriber failed", extra={"event_id": event.event_id})
+                log.exception("recovery index subscriber failed", extra={"event_id": event_id})
 
-    def _resolve(self, event: RouterEvent) -> ResidencyOwner:
-        if not isinstance(event, RouterEvent):
-            raise IndexApplyError(f"expected a RouterEvent, got {type(event).__name__}")
+    def _route(self, event: RouterEvent, route: tuple[object, ...]) -> StoreKey:
+        """The (exact owner, tier) an event's residency lives under, validated once per distinct route."""
         if not isinstance(event.storage_tier, StorageTier):
             raise IndexApplyError(f"unknown storage tier {event.storage_tier!r}")
-        if not isinstance(event.data, Stored | Removed | Cleared):
-            raise IndexApplyError(f"unknown event data {type(event.data).__name__}")
-        if not 0 <= event.event_id <= U64_MAX:
-            raise IndexApplyError(f"event id {event.event_id} is not a u64")
         domain = event.residency_domain
+        owner: ResidencyOwner
         if domain is ResidencyDomain.WORKER:
-            return WorkerWithDpRank(event.worker_id, event.dp_rank)
-        if domain is ResidencyDomain.CACHE_OWNER:
+            owner = WorkerWithDpRank(event.worker_id, event.dp_rank)
+        elif domain is ResidencyDomain.CACHE_OWNER:
             if event.state_source is None:
                 raise IndexApplyError("CacheOwner residency event has no state_source")
-            if event.storage_tier is StorageTier.DEVICE and not isinstance(event.data, Cleared):
-                raise IndexApplyError("CacheOwner residency cannot target the Device tier")
-            return event.state_source
-        raise IndexApplyError(f"unsupported residency domain {domain!r}")
+            owner = event.state_source
+        else:
+            raise IndexApplyError(f"unsupported residency domain {domain!r}")
+        if len(self._routes) >= _MAX_ROUTES:
+            self._routes.clear()
+        key = self._routes[route] = (owner, event.storage_tier)
+        return key
 
     def _clear(self, event: RouterEvent, owner: ResidencyOwner) -> None:
         """A Worker clear drops every Worker owner of the event's rank; a CacheOwner clear drops that owner."""
