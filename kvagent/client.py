@@ -10,6 +10,7 @@ import zmq
 from kvagent.codec import decode_router_events
 from kvagent.events import RouterEvent
 from kvagent.recovery.client import (
+    DumpColumns,
     FollowItem,
     FollowOverrun,
     RecoverResult,
@@ -22,6 +23,7 @@ from kvagent.zmqtrio import TrioSocket
 
 __all__ = [
     "EVENT_PLANE_TOPIC",
+    "DumpColumns",
     "FollowItem",
     "FollowOverrun",
     "RecoverResult",

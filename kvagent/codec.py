@@ -28,6 +28,7 @@ __all__ = [
     "CodecError",
     "decode_router_events",
     "encode_router_events",
+    "mm_extra_info_from_wire",
     "mm_extra_info_to_wire",
     "router_event_from_json",
     "router_event_from_wire",
@@ -196,6 +197,11 @@ def _mm_extra_info_from_wire(value: object, field: str) -> MmExtraInfo | None:
             offsets.append((_uint(pair[0], offset_field), _uint(pair[1], offset_field)))
         objects.append(MmObject(mm_hash, tuple(offsets)))
     return MmExtraInfo(tuple(objects))
+
+
+def mm_extra_info_from_wire(value: object, field: str = "mm_extra_info") -> MmExtraInfo | None:
+    """Validate one ``mm_extra_info`` value (nil or a map) from either encoding."""
+    return _mm_extra_info_from_wire(value, field)
 
 
 def _stored_from_wire(value: object, field: str) -> Stored:

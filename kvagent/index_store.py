@@ -179,9 +179,10 @@ class BlockStore:
         rows = len(self._flags)
         if rows == 0:
             return True
+        has_parent = self._flags.translate(_HAS_PARENT)
         if 0 in slots:
-            # Dead and root rows hold 0 in both columns; a resident hash 0 would make them look linked.
-            return self._parents_before(bytes([1]) * rows)
+            # Dead rows hold 0 in both columns; a resident hash 0 would make their successors look linked.
+            return self._parents_before(has_parent)
         width = 8 * (rows - 1)
         hashes, parents = self._hashes.tobytes(), self._parents.tobytes()
         diff = int.from_bytes(parents[8:], "little") ^ int.from_bytes(hashes[:-8], "little")
@@ -191,13 +192,12 @@ class BlockStore:
         nonzero |= nonzero >> 16
         nonzero |= nonzero >> 32
         unlinked = b"\x01" + nonzero.to_bytes(width, "little")[0::8]
-        has_parent = self._flags.translate(_HAS_PARENT)
         need = (int.from_bytes(unlinked, "little") & int.from_bytes(has_parent, "little")).to_bytes(
             rows, "little"
         )
         return not need.count(1) or self._parents_before(need)
 
-    def _parents_before(self, rows_to_check: bytes) -> bool:
+    def _parents_before(self, rows_to_check: bytes | bytearray) -> bool:
         """True when each flagged row's parent is not resident or sits in an earlier row."""
         compress = itertools.compress
         parent_rows = map(self._slots.get, compress(self._parents, rows_to_check), itertools.repeat(-1))

@@ -7,8 +7,12 @@ frame so a large backlog never has to sit in memory whole.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
-from collections.abc import AsyncIterator, Mapping
+import sys
+from array import array
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,12 +20,25 @@ import attrs
 import msgpack
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from kvagent.codec import CodecError, router_event_from_json
-from kvagent.events import RouterEvent, WorkerWithDpRank
-from kvagent.identity import IdentityError, KvStateAgentIdentity
+from kvagent.codec import (
+    CodecError,
+    mm_extra_info_from_wire,
+    router_event_from_json,
+    state_source_from_wire,
+)
+from kvagent.events import (
+    MmExtraInfo,
+    ResidencyDomain,
+    RouterEvent,
+    StorageTier,
+    Stored,
+    WorkerWithDpRank,
+)
+from kvagent.identity import CacheOwnerId, IdentityError, KvStateAgentIdentity
 from kvagent.status import AgentStatus, AttachmentStatus
 
 __all__ = [
+    "DumpColumns",
     "FollowItem",
     "FollowOverrun",
     "RecoverResult",
@@ -51,13 +68,134 @@ class FollowOverrun(Exception):
         self.last_sent = last_sent
 
 
+_FLAG_ROOT, _FLAG_PARENT, _FLAG_DEAD = 0, 1, 2
+
+
+@attrs.frozen(slots=True, eq=False)
+class DumpColumns:
+    """One piece of a ``"dump_format": "columns"`` tree dump: rows of one (owner, tier), parents first.
+
+    Row i is block ``block_hashes[i]`` with tokens hash ``tokens_hashes[i]`` and, when ``flags[i]`` is 1,
+    parent ``parent_hashes[i]`` (0: a root; 2: a padding row to skip).  A router that rebuilds its own tree
+    reads the arrays directly; :meth:`blocks` and :meth:`events` are conveniences.
+    """
+
+    worker_id: int
+    storage_tier: StorageTier
+    residency_domain: ResidencyDomain
+    dp_rank: int
+    state_source: CacheOwnerId | None
+    first_event_id: int
+    block_hashes: array[int]
+    parent_hashes: array[int]
+    tokens_hashes: array[int]
+    flags: bytes
+    mm_extra_infos: Mapping[int, MmExtraInfo]
+
+    @property
+    def live(self) -> int:
+        """Rows that are blocks (not padding)."""
+        return len(self.flags) - self.flags.count(_FLAG_DEAD)
+
+    def blocks(self) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
+        """(block hash, parent hash or None, tokens hash, mm info) of each block, in dump order."""
+        mm = self.mm_extra_infos
+        rows = zip(self.block_hashes, self.parent_hashes, self.tokens_hashes, self.flags, strict=True)
+        for row, (block, parent, tokens, flag) in enumerate(rows):
+            if flag != _FLAG_DEAD:
+                yield block, parent if flag == _FLAG_PARENT else None, tokens, mm.get(row) if mm else None
+
+    def events(self) -> Iterator[RouterEvent]:
+        """The same blocks as the ``events`` dump format's one-block Stored events (same synthetic ids)."""
+        event_id = self.first_event_id
+        for block, parent, tokens, info in self.blocks():
+            data = Stored(parent, (block,), (tokens,), None if info is None else (info,))
+            yield RouterEvent(
+                self.worker_id,
+                self.storage_tier,
+                self.residency_domain,
+                event_id,
+                data,
+                self.dp_rank,
+                self.state_source,
+            )
+            event_id += 1
+
+
+def _blob(value: object, field: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):  # the JSON encoding carries the columns as base64
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error:
+            raise RecoveryClientError("bad_response", f"{field} is not base64") from None
+    raise RecoveryClientError("bad_response", f"{field} must be bytes or a base64 string")
+
+
+def _u64_column(value: object, field: str, rows: int) -> array[int]:
+    blob = _blob(value, field)
+    if len(blob) != 8 * rows:
+        raise RecoveryClientError("bad_response", f"{field} has {len(blob)} bytes for {rows} rows")
+    column = array("Q")
+    column.frombytes(blob)
+    if sys.byteorder != "little":
+        column.byteswap()
+    return column
+
+
+def _dump_columns(piece: object) -> DumpColumns:
+    """Validate one piece of a columns dump (C-speed: no per-row Python work)."""
+    try:
+        assert isinstance(piece, dict)
+        rows = piece["rows"]
+        assert isinstance(rows, int) and rows >= 0
+        flags = _blob(piece["flags"], "flags")
+        if len(flags) != rows or flags.translate(None, b"\x00\x01\x02"):
+            raise RecoveryClientError("bad_response", "dump flags must be one 0/1/2 byte per row")
+        mm: dict[int, MmExtraInfo] = {}
+        for row, raw_info in piece.get("mm_extra_infos") or ():
+            info = mm_extra_info_from_wire(raw_info)
+            if info is not None and isinstance(row, int) and 0 <= row < rows:
+                mm[row] = info
+        source = piece.get("state_source")
+        return DumpColumns(
+            int(piece["worker_id"]),
+            StorageTier(piece["storage_tier"]),
+            ResidencyDomain(piece["residency_domain"]),
+            int(piece["dp_rank"]),
+            None if source is None else state_source_from_wire(source),
+            int(piece["first_event_id"]),
+            _u64_column(piece["block_hashes"], "block_hashes", rows),
+            _u64_column(piece["parent_hashes"], "parent_hashes", rows),
+            _u64_column(piece["tokens_hashes"], "tokens_hashes", rows),
+            flags,
+            mm,
+        )
+    except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        raise RecoveryClientError("bad_response", f"malformed dump columns: {exc!r}") from None
+
+
 @attrs.frozen(slots=True)
 class RecoverResult:
-    """A reassembled ``recover`` answer; ``raw`` is the merged response without its events."""
+    """A reassembled ``recover`` answer; ``raw`` is the merged response without its events.
+
+    ``events`` holds decoded RouterEvents, unless the request asked for ``raw_events`` (then the wire maps
+    are in ``wire_events``) or for the ``columns`` dump format (then a tree dump is in ``dump``).
+    """
 
     kind: str
     events: tuple[RouterEvent, ...]
     raw: Mapping[str, Any]
+    wire_events: tuple[Mapping[str, Any], ...] = ()
+    dump: tuple[DumpColumns, ...] = ()
+
+    def all_events(self) -> Iterator[RouterEvent]:
+        """The answer's events whatever form they came in (decoding wire maps or dump columns)."""
+        yield from self.events
+        yield from _events({"events": self.wire_events})
+        for piece in self.dump:
+            yield from piece.events()
 
     @property
     def last_event_id(self) -> int | None:
@@ -75,7 +213,7 @@ class RecoverResult:
     def to_json(self) -> dict[str, Any]:
         from kvagent.codec import router_event_to_json
 
-        return {**self.raw, "events": [router_event_to_json(event) for event in self.events]}
+        return {**self.raw, "events": [router_event_to_json(event) for event in self.all_events()]}
 
 
 @attrs.frozen(slots=True)
@@ -87,6 +225,7 @@ class FollowItem:
     last_event_id: int | None = None
     more: bool = False
     reset_scope: object = None
+    dump: tuple[DumpColumns, ...] = ()  # a tree dump backlog frame, when following with dump_format="columns"
 
 
 def agent_status_from_json(value: object) -> AgentStatus:
@@ -159,12 +298,16 @@ class RecoveryClient:
         request_id = await self._send(op, fields)
         merged = await self._frame(request_id)
         events = list(merged.get("events") or ())
+        groups = list(merged.get("groups") or ())
         while merged.pop("more", False):
             frame = await self._frame(request_id)
             events.extend(frame.get("events") or ())
+            groups.extend(frame.get("groups") or ())
             merged.update(frame)
         if "events" in merged:
             merged["events"] = events
+        if "groups" in merged:
+            merged["groups"] = groups
         return merged
 
     async def status(
@@ -185,26 +328,37 @@ class RecoveryClient:
         *,
         worker_id: int | None = None,
         dp_rank: int | None = None,
+        dump_format: str = "events",
+        raw_events: bool = False,
     ) -> RecoverResult:
+        """One ``recover``.  ``dump_format="columns"`` asks for the compact dump (see DumpColumns);
+        ``raw_events`` keeps the events as wire maps, skipping RouterEvent validation and construction.
+        """
         fields: dict[str, Any] = {"start": start, "end": end, **_fence_fields(expected_identity, generation)}
         if worker_id is not None:
             fields["worker_id"] = worker_id
         if dp_rank is not None:
             fields["dp_rank"] = dp_rank
+        if dump_format != "events":
+            fields["dump_format"] = dump_format
         raw = await self.request("recover", **fields)
-        events = tuple(_events(raw))
-        raw.pop("events", None)
-        for key in ("id", "ok", "more"):
+        wire = raw.pop("events", None) or ()
+        events = () if raw_events else tuple(_events({"events": wire}))
+        dump = tuple(_dump_columns(piece) for piece in raw.pop("groups", None) or ())
+        for key in ("id", "ok", "more", "format"):
             raw.pop(key, None)
-        return RecoverResult(str(raw.get("kind")), events, raw)
+        return RecoverResult(str(raw.get("kind")), events, raw, tuple(wire) if raw_events else (), dump)
 
-    async def follow(self, from_: int | None = None) -> AsyncIterator[FollowItem]:
+    async def follow(self, from_: int | None = None, *, dump_format: str = "events") -> AsyncIterator[FollowItem]:
         """Backlog frames, then live frames, until the server ends the stream.
 
         Raises FollowOverrun on overrun and RecoveryClientError("too_new") when ``from_`` is ahead of the
         server (it restarted, or the cursor belongs to another publisher).
         """
-        request_id = await self._send("follow", {"from": from_})
+        fields: dict[str, Any] = {"from": from_}
+        if dump_format != "events":
+            fields["dump_format"] = dump_format
+        request_id = await self._send("follow", fields)
         while True:
             frame = await self._frame(request_id)
             kind = frame.get("kind")
@@ -222,6 +376,7 @@ class RecoveryClient:
                 frame.get("last_event_id"),
                 bool(frame.get("more", False)),
                 frame.get("reset_scope"),
+                tuple(_dump_columns(piece) for piece in frame.get("groups") or ()),
             )
 
     def _control(self, fields: dict[str, Any]) -> dict[str, Any]:
