@@ -44,7 +44,7 @@ def coalesce(
         if pending is not None:
             merged = _merge(pending, event)
             if merged is not None:
-                if len(merged.data.block_hashes) >= max_blocks:  # type: ignore[union-attr]
+                if len(merged.data.block_hashes) >= max_blocks:
                     append(merged)
                     pending = None
                 else:

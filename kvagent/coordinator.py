@@ -13,8 +13,9 @@ the listener's admission never waits on coordinator progress.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -34,7 +35,6 @@ from kvagent.events import (
     RouterEvent,
     StorageTier,
     WorkerWithDpRank,
-    block_count,
 )
 from kvagent.identity import KvStateAgentIdentity
 from kvagent.sink import EventSink
@@ -143,6 +143,8 @@ class SlotCoordinator:
         self._source_failed = False
         # strict_cache_owner: an unrepaired source loss makes CacheOwner untrusted until the next attach.
         self._cache_owner_untrusted = False
+        self._batching_ingress = False
+        self._status_dirty = False
         # The Trio shell installs the real backlog probe (the core never sees the channel itself).
         self._ingress_queue_depth: Callable[[], int] = lambda: 0
 
@@ -524,7 +526,10 @@ class SlotCoordinator:
             self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         if output:
             self._publish(output, cleared_domains, generation)
-        self._publish_status()
+        if self._batching_ingress:
+            self._status_dirty = True
+        else:
+            self._publish_status()
         if failed_barrier is not None:
             raise failed_barrier
 
@@ -557,7 +562,24 @@ class SlotCoordinator:
             raise CoordinatorError("KV state agent is not attached", code="not_ready")
         return self._attachment
 
+    @contextlib.contextmanager
+    def ingress_batch(self) -> Iterator[None]:
+        """Within, cursor advances publish no status; one snapshot follows at the end, if anything moved.
+
+        The Trio shell wraps each drain of queued ingress in it, so a burst swaps the status (and wakes its
+        waiters) once per drain rather than once per chunk. Every other status change stays immediate, and
+        any snapshot is complete, so a deferred cursor is never older than one already published.
+        """
+        self._batching_ingress = True
+        try:
+            yield
+        finally:
+            self._batching_ingress = False
+            if self._status_dirty:
+                self._publish_status()
+
     def _publish_status(self) -> None:
+        self._status_dirty = False
         attachment = self._attachment
         self.status.set(
             AgentStatus(
@@ -570,7 +592,7 @@ class SlotCoordinator:
 
 
 def _chunk_blocks(events: Sequence[PlacementEvent]) -> int:
-    return sum(block_count(event.data) for event in events)
+    return sum([len(event.data.block_hashes) for event in events])
 
 
 def __getattr__(name: str) -> object:

@@ -160,7 +160,14 @@ class RecoveryIndex:
 
         if cls is Stored:
             assert isinstance(data, Stored)
-            _validate_stored(data)
+            hashes, tokens, parent = data.block_hashes, data.tokens_hashes, data.parent_hash
+            if (
+                len(tokens) != len(hashes)
+                or (data.mm_extra_infos is not None and len(data.mm_extra_infos) != len(hashes))
+                or (hashes and (min(hashes) < 0 or max(hashes) > U64_MAX or min(tokens) < 0 or max(tokens) > U64_MAX))
+                or (parent is not None and not 0 <= parent <= U64_MAX)
+            ):
+                _validate_stored(data)  # raises, naming what is wrong
             store = self._stores.get(key)
             if store is None:
                 store = self._stores[key] = BlockStore()

@@ -91,6 +91,22 @@ class BlockStore:
             self._flags,
             self._mm,
         )
+        count = len(block_hashes)
+        if count and slots.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == count:
+            # The ingest hot path: a chain of new, distinct blocks is appended column by column (C speed).
+            base = len(hashes)
+            slots.update(zip(block_hashes, range(base, base + count), strict=True))
+            hashes.extend(block_hashes)
+            tokens.extend(tokens_hashes)
+            parents.append(0 if parent_hash is None else parent_hash)
+            parents.extend(block_hashes[:-1])
+            flags.append(FLAG_ROOT if parent_hash is None else FLAG_PARENT)
+            flags.extend(bytes((FLAG_PARENT,)) * (count - 1))
+            if mm_extra_infos is not None:
+                for index, info in enumerate(mm_extra_infos):
+                    if info is not None:
+                        mm[base + index] = info
+            return
         parent = parent_hash
         for index, block_hash in enumerate(block_hashes):
             slot = slots.get(block_hash)

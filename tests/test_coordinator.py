@@ -570,3 +570,29 @@ def test_strict_cache_owner_source_loss_untrusts_cache_owner_until_next_attach()
     assert not strict.current().cache_owner_ready
     strict.core.attach(attachment_for(REPLACEMENT))
     assert strict.current().cache_owner_ready
+
+
+def test_an_ingress_batch_publishes_one_status_at_its_end() -> None:
+    slot = Slot()
+    generation = slot.core.attach(attachment_for(FIRST)).generation
+    barrier_cursor = slot.current().outbound_cursor
+    published: list[AgentStatus] = []
+    original_set = slot.status.set
+
+    def recording_set(status: AgentStatus) -> None:
+        published.append(status)
+        original_set(status)
+
+    slot.status.set = recording_set  # type: ignore[method-assign]
+    with slot.core.ingress_batch():
+        slot.core.handle_ingress(chunk(generation, 0, [store(W, None, 10, 110, tier=DEVICE)]))
+        slot.core.handle_ingress(chunk(generation, 1, [store(W, 10, 11, 111, tier=DEVICE)]))
+        assert slot.current().outbound_cursor == barrier_cursor  # deferred while the batch runs
+        assert published == []
+    assert [status.outbound_cursor for status in published] == [barrier_cursor + 2]
+    assert slot.core.outbound_cursor == barrier_cursor + 2
+    # A batch that moved nothing publishes nothing; outside a batch every chunk publishes at once.
+    with slot.core.ingress_batch():
+        pass
+    slot.core.handle_ingress(chunk(generation, 2, [remove(W, 10, tier=DEVICE, rank=FIRST.dp_rank)]))
+    assert [status.outbound_cursor for status in published] == [barrier_cursor + 2, barrier_cursor + 3]
