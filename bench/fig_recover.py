@@ -69,9 +69,10 @@ async def _client_process_main(url: str, op: str, seconds: float) -> dict[str, A
                 else:
                     cursor = (await client.status()).outbound_cursor
                     started = time.perf_counter()
-                    answer = await client.recover(max(1, cursor - BACKLOG))
+                    # A router rebuilding its own tree: wire maps (and compact dumps), no RouterEvent objects.
+                    answer = await client.recover(max(1, cursor - BACKLOG), dump_format="columns", raw_events=True)
                     kind = answer.kind
-                    sizes.append(len(answer.events))
+                    sizes.append(len(answer.wire_events) + sum(piece.live for piece in answer.dump))
                 latencies.append(time.perf_counter() - started)
                 kinds[kind] = kinds.get(kind, 0) + 1
 
