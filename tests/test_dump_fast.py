@@ -22,6 +22,7 @@ from trio_websocket import open_websocket_url
 import kvagent.index_store
 from kvagent.codec import router_event_to_wire
 from kvagent.events import (
+    CLEARED,
     MmExtraInfo,
     MmObject,
     Removed,
@@ -33,7 +34,7 @@ from kvagent.events import (
 from kvagent.index import RecoveryIndex
 from kvagent.index_store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
 from kvagent.recovery.client import _dump_columns, connect_slot
-from kvagent.recovery.dumpwire import EncodedRing, columns_frames, legacy_dump_parts
+from kvagent.recovery.dumpwire import EncodedRing, columns_frames, fast_encode_event, legacy_dump_parts
 from kvagent.recovery.protocol import Encoding, encode_event
 from tests.test_recovery_server import OTHER_OWNER, OWNER, WORKER, FakeSlot, start_server
 
@@ -183,16 +184,36 @@ def test_cached_encodings_equal_fresh_ones_and_stay_bounded() -> None:
     events = slot.index.ring_tail(1)
     for encoding in Encoding:
         first = ring.encode(encoding, events)
-        assert first == [encode_event(encoding, event) for event in events]
+        assert list(map(_decode, first)) == [_decode(encode_event(encoding, event)) for event in events]
         again = ring.encode(encoding, events)
         assert all(a is b for a, b in zip(first, again, strict=True))  # served from the cache
     for block in range(4, 2000):
         slot.store_worker(block)
         ring.encode(Encoding.MSGPACK, slot.index.ring_tail(slot.index.current_event_id()))
     assert len(ring._caches[Encoding.MSGPACK]) <= 2 * 8 + 1024
-    # An id reused by another event object (a new index behind the same id) is re-encoded, never reused.
-    other = RouterEvent(WORKER.worker_id, DEVICE, W, 1, Stored(None, (77,), (78,)), 0, OWNER)
-    assert ring.encode(Encoding.JSON, [other]) == [encode_event(Encoding.JSON, other)]
+    # A non-consecutive selection (a fenced, filtered answer) takes the per-event lookup.
+    tail = slot.index.ring_tail(slot.index.current_event_id() - 5)
+    picked = [tail[0], tail[2], tail[5]]
+    assert ring.encode(Encoding.JSON, picked) == [encode_event(Encoding.JSON, event) for event in picked]
+
+
+def _decode(part: str | bytes) -> Any:
+    return msgpack.unpackb(part, strict_map_key=False) if isinstance(part, bytes) else json.loads(part)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        RouterEvent(7, DEVICE, W, 1, Stored(None, (1, 2), (3, (1 << 64) - 1)), 0),
+        RouterEvent(7, HOST, C, (1 << 64) - 1, Stored(5, (1,), (2,), None, 16), 3, OWNER, "session"),
+        RouterEvent(7, HOST, W, 2, Stored(5, (1, 2), (2, 3), (None, INFO)), 3),  # mm: the reference path
+        RouterEvent(8, DEVICE, W, 3, Removed((0, 1 << 63)), 1, OTHER_OWNER),
+        RouterEvent(8, DEVICE, W, 4, CLEARED, 1, None, "s"),
+    ],
+)
+def test_fast_event_encoding_decodes_to_the_reference_map(event: RouterEvent) -> None:
+    assert _decode(fast_encode_event(Encoding.MSGPACK, event)) == router_event_to_wire(event)
+    assert fast_encode_event(Encoding.JSON, event) == encode_event(Encoding.JSON, event)
 
 
 def test_ring_tail_matches_a_slice() -> None:
@@ -219,6 +240,7 @@ async def test_columns_dump_round_trips_through_the_client(nursery: trio.Nursery
         classic = await client.recover(None)
         raw = await client.recover(None, raw_events=True)
         buffered = await client.recover(slot.index.current_event_id() - 5, dump_format="columns")
+        lazy = await client.recover(slot.index.current_event_id() - 5, lazy_events=True)
     assert compact.kind == classic.kind == "tree_dump" and compact.events == ()
     assert compact.last_event_id == classic.last_event_id == slot.index.current_event_id()
     assert compact.receipt == classic.receipt and compact.reset_scope == classic.reset_scope == "all"
@@ -226,6 +248,9 @@ async def test_columns_dump_round_trips_through_the_client(nursery: trio.Nursery
     assert sum(piece.live for piece in compact.dump) == slot.index.resident_block_count
     assert list(raw.wire_events) == [router_event_to_wire(e) for e in classic.events]
     assert buffered.kind == "events" and len(buffered.events) == 6 and buffered.dump == ()
+    assert lazy.events == () and list(lazy.all_events()) == list(buffered.events)
+    assert lazy.last_event_id == buffered.last_event_id and lazy.receipt == buffered.receipt
+    assert len(lazy.events_msgpack) == (1 if encoding == "msgpack" else 0)
 
 
 async def test_streamed_dump_is_a_snapshot_while_others_apply_and_are_served(nursery: trio.Nursery) -> None:

@@ -24,6 +24,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 from kvagent.codec import (
     CodecError,
+    decode_router_events,
     mm_extra_info_from_wire,
     router_event_from_json,
     state_source_from_wire,
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 CLIENT_MAX_MESSAGE_BYTES = 4 << 20  # the server sends frames of at most 1 MiB; leave headroom
+# trio-websocket reads 4 KiB at a time by default: a 1 MiB frame then costs 256 reads, each through
+# wsproto's parser, which made the client's reader the bottleneck of many concurrent recoveries.
+CLIENT_RECEIVE_BYTES = 256 << 10
 
 
 class RecoveryClientError(Exception):
@@ -191,11 +195,17 @@ class RecoverResult:
     raw: Mapping[str, Any]
     wire_events: tuple[Mapping[str, Any], ...] = ()
     dump: tuple[DumpColumns, ...] = ()
+    events_msgpack: tuple[bytes, ...] = ()  # lazy_events: each frame's msgpack array of events, undecoded
 
     def all_events(self) -> Iterator[RouterEvent]:
-        """The answer's events whatever form they came in (decoding wire maps or dump columns)."""
+        """The answer's events whatever form they came in (decoding wire maps, arrays or dump columns)."""
         yield from self.events
         yield from _events({"events": self.wire_events})
+        for blob in self.events_msgpack:
+            try:
+                yield from decode_router_events(blob)
+            except CodecError as exc:
+                raise RecoveryClientError("bad_response", f"malformed event: {exc}") from None
         for piece in self.dump:
             yield from piece.events()
 
@@ -275,13 +285,19 @@ class RecoveryClient:
         await self.ws.send_message(message)
         return self._next_id
 
-    async def _frame(self, request_id: int) -> dict[str, Any]:
-        """The next frame answering ``request_id``; an error response raises RecoveryClientError."""
+    async def _frame(self, request_id: int, lazy: bool = False) -> dict[str, Any]:
+        """The next frame answering ``request_id``; an error response raises RecoveryClientError.
+
+        ``lazy``: a msgpack frame's ``events`` array is not decoded but sliced out as bytes (key
+        ``events_msgpack``); skipping it is C speed and creates no objects.
+        """
         while True:
             message = await self.ws.get_message()
             try:
                 with _gc_paused():
-                    if isinstance(message, bytes):
+                    if lazy and isinstance(message, bytes):
+                        value = _lazy_msgpack_frame(message)
+                    elif isinstance(message, bytes):
                         value = msgpack.unpackb(message, raw=False, strict_map_key=False)
                     else:
                         value = json.loads(message)
@@ -296,17 +312,25 @@ class RecoveryClient:
                 raise RecoveryClientError(str(error.get("code", "internal")), str(error.get("message", "")))
             return value
 
-    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """One request and its (possibly streamed) answer, events concatenated as raw JSON objects."""
+    async def request(self, op: str, *, lazy: bool = False, **fields: Any) -> dict[str, Any]:
+        """One request and its (possibly streamed) answer, events concatenated as raw JSON objects.
+
+        With ``lazy`` (msgpack only) the events stay encoded: a list of per-frame arrays in ``events_msgpack``.
+        """
         request_id = await self._send(op, fields)
-        merged = await self._frame(request_id)
+        merged = await self._frame(request_id, lazy)
         events = list(merged.get("events") or ())
         groups = list(merged.get("groups") or ())
+        blobs = [merged["events_msgpack"]] if "events_msgpack" in merged else []
         while merged.pop("more", False):
-            frame = await self._frame(request_id)
+            frame = await self._frame(request_id, lazy)
             events.extend(frame.get("events") or ())
             groups.extend(frame.get("groups") or ())
+            if "events_msgpack" in frame:
+                blobs.append(frame["events_msgpack"])
             merged.update(frame)
+        if blobs:
+            merged["events_msgpack"] = blobs
         if "events" in merged:
             merged["events"] = events
         if "groups" in merged:
@@ -333,9 +357,12 @@ class RecoveryClient:
         dp_rank: int | None = None,
         dump_format: str = "events",
         raw_events: bool = False,
+        lazy_events: bool = False,
     ) -> RecoverResult:
         """One ``recover``.  ``dump_format="columns"`` asks for the compact dump (see DumpColumns);
-        ``raw_events`` keeps the events as wire maps, skipping RouterEvent validation and construction.
+        ``raw_events`` keeps the events as wire maps, skipping RouterEvent validation and construction;
+        ``lazy_events`` (msgpack connections) does not even decode them: ``events_msgpack`` holds each
+        frame's msgpack array (decode with kvagent.codec.decode_router_events, or ``all_events()``).
         """
         fields: dict[str, Any] = {"start": start, "end": end, **_fence_fields(expected_identity, generation)}
         if worker_id is not None:
@@ -344,13 +371,15 @@ class RecoveryClient:
             fields["dp_rank"] = dp_rank
         if dump_format != "events":
             fields["dump_format"] = dump_format
-        raw = await self.request("recover", **fields)
+        raw = await self.request("recover", lazy=lazy_events, **fields)
         wire = raw.pop("events", None) or ()
-        events = () if raw_events else tuple(_events({"events": wire}))
+        keep_wire = raw_events or lazy_events  # lazy on a JSON connection: the events are parsed anyway
+        events = () if keep_wire else tuple(_events({"events": wire}))
         dump = tuple(_dump_columns(piece) for piece in raw.pop("groups", None) or ())
+        blobs = tuple(raw.pop("events_msgpack", None) or ())
         for key in ("id", "ok", "more", "format"):
             raw.pop(key, None)
-        return RecoverResult(str(raw.get("kind")), events, raw, tuple(wire) if raw_events else (), dump)
+        return RecoverResult(str(raw.get("kind")), events, raw, tuple(wire) if keep_wire else (), dump, blobs)
 
     async def follow(self, from_: int | None = None, *, dump_format: str = "events") -> AsyncIterator[FollowItem]:
         """Backlog frames, then live frames, until the server ends the stream.
@@ -410,6 +439,24 @@ class RecoveryClient:
         await self.request("quarantine", **self._control({"generation": generation, "reason": reason}))
 
 
+def _lazy_msgpack_frame(message: bytes) -> dict[str, Any]:
+    """Decode a frame's map except its ``events`` array, which is sliced out undecoded."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(message), 1))
+    unpacker.feed(message)
+    value: dict[str, Any] = {}
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key == "events":
+            start = unpacker.tell()
+            unpacker.skip()
+            value["events_msgpack"] = message[start : unpacker.tell()]
+        else:
+            value[key] = unpacker.unpack()
+    if unpacker.tell() != len(message):
+        raise ValueError("trailing bytes after the frame")
+    return value
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while decoding a frame.
@@ -457,6 +504,9 @@ async def connect_slot(
     """Open a connection to one slot (or to ``/v1/slots`` for ``list``); the token goes in the header."""
     headers = [(b"Authorization", f"Bearer {token}".encode())] if token is not None else None
     async with open_websocket_url(
-        slot_url(url, slot), extra_headers=headers, max_message_size=CLIENT_MAX_MESSAGE_BYTES
+        slot_url(url, slot),
+        extra_headers=headers,
+        max_message_size=CLIENT_MAX_MESSAGE_BYTES,
+        receive_buffer_size=CLIENT_RECEIVE_BYTES,
     ) as ws:
         yield RecoveryClient(ws, encoding=encoding)

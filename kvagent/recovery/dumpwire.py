@@ -21,8 +21,9 @@ import struct
 import sys
 import weakref
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import repeat
+from typing import cast
 
 import msgpack
 
@@ -178,35 +179,39 @@ def fast_encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
 
 
 class EncodedRing:
-    """Per-index cache of encoded ring events: event id → (event, encoded) per encoding.
+    """Per-index cache of encoded ring events: event id → encoded bytes, per encoding.
 
-    Bounded without touching apply: once a cache holds more than twice the ring, entries older than the
-    ring's oldest event are dropped (amortised O(1) per insert).
+    An index refuses non-increasing ids, so within one index an id names one event forever and the cache
+    needs no invalidation, only bounding: once it holds more than twice the ring, entries older than the
+    ring's oldest event are dropped (amortised O(1) per insert).  A consecutive run of ids (the usual
+    ring tail) is looked up at C speed with ``map(dict.get, range(...))``.
     """
 
     def __init__(self, index: RecoveryIndex) -> None:
         self._index = weakref.ref(index)
         self._limit = 2 * index.ring_capacity + 1024
-        self._caches: dict[Encoding, dict[int, tuple[RouterEvent, str | bytes]]] = {
-            Encoding.JSON: {},
-            Encoding.MSGPACK: {},
-        }
+        self._caches: dict[Encoding, dict[int, str | bytes]] = {Encoding.JSON: {}, Encoding.MSGPACK: {}}
 
-    def encode(self, encoding: Encoding, events: Iterable[RouterEvent]) -> list[str | bytes]:
+    def encode(self, encoding: Encoding, events: Sequence[RouterEvent]) -> list[str | bytes]:
+        """The encodings of ``events``, in order."""
         cache = self._caches[encoding]
-        parts: list[str | bytes] = []
-        append = parts.append
-        get = cache.get
-        for event in events:
-            hit = get(event.event_id)
-            if hit is None or hit[0] is not event:
-                hit = cache[event.event_id] = (event, fast_encode_event(encoding, event))
-            append(hit[1])
+        if not events:
+            return []
+        first, last = events[0].event_id, events[-1].event_id
+        if last - first + 1 == len(events):
+            parts = list(map(cache.get, range(first, last + 1)))
+        else:
+            parts = [cache.get(event.event_id) for event in events]
+        if None in parts:
+            for position, part in enumerate(parts):
+                if part is None:
+                    event = events[position]
+                    parts[position] = cache[event.event_id] = fast_encode_event(encoding, event)
         if len(cache) > self._limit:
             self._prune(cache)
-        return parts
+        return cast("list[str | bytes]", parts)  # every None was filled above
 
-    def _prune(self, cache: dict[int, tuple[RouterEvent, str | bytes]]) -> None:
+    def _prune(self, cache: dict[int, str | bytes]) -> None:
         index = self._index()
         oldest = None if index is None else index.oldest_buffered_id()
         if oldest is None:

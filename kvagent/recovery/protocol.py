@@ -154,6 +154,10 @@ def event_frames(
     # msgpack array header (at most 5 bytes).
     overhead = len(_assemble(encoding, header, (), False if more_flag else None)) + 5
     budget = limit - overhead
+    if isinstance(encoded_events, list) and sum(map(len, encoded_events)) + len(encoded_events) <= budget:
+        # The usual buffered answer: one frame, sized at C speed instead of event by event.
+        yield _assemble(encoding, header, encoded_events, False if more_flag else None)
+        return
     pending: list[str | bytes] = []
     pending_size = 0
     sent_any = False
