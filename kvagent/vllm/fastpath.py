@@ -73,7 +73,7 @@ _U32 = Annotated[int, msgspec.Meta(ge=0, le=U32)]
 
 
 class MapBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: tuple[int, ...]  # decoded straight into the tuple the Stored event keeps
     token_ids: list[_U32]
     block_size: int
     parent_block_hash: int | None = None
@@ -91,7 +91,7 @@ class MapBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen
 
 
 class MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: tuple[int, ...]
     medium: str | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -246,7 +246,7 @@ def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> No
             )
             append(
                 PlacementEvent(
-                    Stored(parent, tuple(hashes), tokens_hashes, None), _DEVICE, _WORKER, rank, event.session_id
+                    Stored(parent, hashes, tokens_hashes, None), _DEVICE, _WORKER, rank, event.session_id
                 )
             )
         elif cls is MapBlockRemoved:
@@ -275,7 +275,7 @@ def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> No
                 if rejection is not None:
                     filtered[rejection] = filtered.get(rejection, 0) + 1
                     continue
-            append(PlacementEvent(Removed(tuple(hashes)), _DEVICE, _WORKER, rank, None))
+            append(PlacementEvent(Removed(hashes), _DEVICE, _WORKER, rank, None))
         else:
             normalizer.normalize_event(_raw_event(event), out)
     return out
@@ -284,11 +284,11 @@ def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> No
 # --- the Raw* forms (for events outside the inlined shapes, and for tests) ------------------------------
 
 
-def _hashes(values: list[int]) -> tuple[int, ...]:
+def _hashes(values: tuple[int, ...]) -> tuple[int, ...]:
     # Negative hashes (old builtin hashing, LMCache, SGLang) are two's complement u64 (vllm-wire.md 7.1).
     if values and min(values) < 0:
         return tuple(value & U64 for value in values)
-    return tuple(values)
+    return values
 
 
 def _raw_stored(event: MapBlockStored) -> RawBlockStored:
