@@ -26,17 +26,20 @@ def run(result: FigureResult, *, quick: bool) -> None:
         }
         bare: list[float] = []
         hashed: list[float] = []
+        minimal: list[float] = []
         agent_runs: list[dict[str, Any]] = []
         for _ in range(repetitions):
             # Interleaved so that drifting machine load hits both sides alike.
             bare.append(bare_loop(publisher)["events_per_s"])
             hashed.append(bare_loop(publisher, hash_blocks=True)["events_per_s"])
+            minimal.append(bare_loop(publisher, minimal=True)["events_per_s"])
             agent_runs.append(run_agent(publisher, timeout=600 if not quick else 120))
     rates = [run["applied"] / run["seconds"] for run in agent_runs]
     lost = max(run["lost_events"] + run["dropped_events"] + run["listener"].get("lost_batches", 0) * 8
                for run in agent_runs)
     blocks_per_event = stats.blocks / stats.events
     agent_rate, bare_rate, hashed_rate = median(rates), median(bare), median(hashed)
+    minimal_rate = median(minimal)
     result.extra["agent_runs"] = agent_runs
     result.rows += [
         Row("ingest events/s", agent_rate, "events/s", "bare recv+unpackb", bare_rate,
@@ -45,6 +48,11 @@ def run(result: FigureResult, *, quick: bool) -> None:
             bare_rate * blocks_per_event, samples=[r * blocks_per_event for r in rates]),
         Row("ingest vs bare decode+xxh3", agent_rate, "events/s", "bare decode + xxh3 per block", hashed_rate,
             samples=rates, baseline_samples=hashed),
+        Row("ingest vs minimal Python consumer", agent_rate, "events/s",
+            "msgspec decode + xxh3 + dict state, no objects", minimal_rate, samples=rates,
+            baseline_samples=minimal, note="the pure-Python floor; see docs/performance.md"),
+        Row("minimal Python consumer vs bare", minimal_rate, "events/s", "bare recv+unpackb", bare_rate,
+            samples=minimal, baseline_samples=bare),
         Row("events lost", float(lost), "events", target="0", higher_is_better=False,
             note="max over repetitions"),
     ]
