@@ -300,3 +300,13 @@ async def test_follow_with_a_columns_dump_then_live_has_no_gap(nursery: trio.Nur
             if seen and seen[-1] == 509:
                 break
     assert seen == list(range(500, 510))
+
+
+async def test_unknown_dump_format_is_a_bad_request(nursery: trio.Nursery) -> None:
+    slot = FakeSlot()
+    slot.store_worker(1)
+    url = await start_server(nursery, slot)
+    async with open_websocket_url(f"{url}/v1/slots/a") as ws:
+        await ws.send_message(json.dumps({"id": 4, "op": "recover", "start": None, "dump_format": "parquet"}))
+        answer = json.loads(await ws.get_message())
+    assert answer["id"] == 4 and answer["error"]["code"] == "bad_request"
