@@ -369,7 +369,7 @@ def test_parent_stored_after_its_child_is_dumped_first() -> None:
     index.apply(store(2, (1,)))  # now it is, inserted after its children
     index.apply(store(3, (0,)))
     index.apply(store(4, (1,), parent=0))  # reparented under a later block
-    order = [e.data.block_hashes[0] for e in index.tree_dump().events]  # type: ignore[union-attr]
+    order = [e.data.block_hashes[0] for e in index.tree_dump().events]
     assert order.index(0) < order.index(1) < order.index(2) < order.index(3)
 
 
@@ -377,7 +377,7 @@ def test_parent_cycle_dumps_every_block_once() -> None:
     index = RecoveryIndex(16)
     index.apply(store(1, (1,), parent=2))
     index.apply(store(2, (2,), parent=1))
-    dumped = sorted(e.data.block_hashes[0] for e in index.tree_dump().events)  # type: ignore[union-attr]
+    dumped = sorted(e.data.block_hashes[0] for e in index.tree_dump().events)
     assert dumped == [1, 2]
     assert replay_dump(index.tree_dump()).resident_blocks() == index.resident_blocks()
 
@@ -408,7 +408,7 @@ def test_dump_orders_random_forests_parent_first(
             event_id += 1
             index.apply(store(event_id, (node + 100,), parent, tier=tier))
     dump = index.tree_dump()
-    position = {(e.storage_tier, e.data.block_hashes[0]): n for n, e in enumerate(dump.events)}  # type: ignore[union-attr]
+    position = {(e.storage_tier, e.data.block_hashes[0]): n for n, e in enumerate(dump.events)}
     assert len(position) == len(dump.events) == len(parents) * len(tiers)
     for n, event in enumerate(dump.events):
         assert isinstance(event.data, Stored)
