@@ -1,7 +1,7 @@
 """The ingest fast path agrees with the general decoder + normalizer (which define behaviour) on every input.
 
 Each check runs two attachment normalizers in lockstep over the same stream, one through
-``decode_map_payload`` + ``normalize_map_batch`` and one through ``decode_payload`` + ``normalize``, so
+``decode_typed_payload`` + ``normalize_typed_batch`` and one through ``decode_payload`` + ``normalize``, so
 learned state (attention groups, cache namespaces) is compared too, not only single events.
 """
 
@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from kvagent.events import WorkerWithDpRank
 from kvagent.vllm.fastpath import (
-    MapMessage,
+    TypedMessage,
     decode_live_frames,
-    decode_map_payload,
-    normalize_map_batch,
+    decode_typed_payload,
+    normalize_typed_batch,
     to_raw_batch,
 )
 from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch
@@ -47,20 +47,20 @@ class Lockstep:
         try:
             expected_raw = decode_payload(payload)
         except WireDecodeError as error:
-            if decode_map_payload(payload) is not None:
+            if decode_typed_payload(payload) is not None:
                 # The one deliberate difference: msgspec skips keys it does not know, and their values,
                 # without decoding them, so invalid UTF-8 there cannot fail the batch.
                 assert "can't decode" in str(error), f"fast path accepted a payload the decoder refuses: {error}"
             return None
         expected = self.general.normalize(expected_raw)
-        batch = decode_map_payload(payload)
+        batch = decode_typed_payload(payload)
         if batch is None:
             # Declined: the listener hands the same payload to the general path, so state stays in step.
             self.fast.normalize(expected_raw)
             return expected
         self.fast_hits += 1
         assert to_raw_batch(batch) == expected_raw
-        assert normalize_map_batch(self.fast, batch) == expected
+        assert normalize_typed_batch(self.fast, batch) == expected
         assert self.fast.framework._groups == self.general.framework._groups
         assert self.fast.framework._namespaces == self.general.framework._namespaces
         return expected
@@ -86,10 +86,14 @@ def test_live_frames_use_the_fast_decoder_and_fall_back_for_other_forms() -> Non
              "token_ids": [1, 2, 3, 4], "block_size": 4}
     seq = (5).to_bytes(8, "big")
     fast = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store], 0])])
-    assert isinstance(fast, MapMessage) and fast.seq == 5 and fast.topic == b"kv"
+    assert isinstance(fast, TypedMessage) and fast.seq == 5 and fast.topic == b"kv"
     positional = ["BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU"]
-    general = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [positional], 0])])
+    typed = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [positional], 0])])
+    assert isinstance(typed, TypedMessage)
+    # One batch mixing both forms is legal (vllm-wire.md 0.4) but not typed: the general decoder takes it.
+    general = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store, positional], 0])])
     assert isinstance(general, RawMessage) and general.seq == 5
+    assert to_raw_batch(typed.batch).events[0] == general.batch.events[1]
     with pytest.raises(WireDecodeError, match="token_ids"):
         decode_live_frames([b"kv", seq, msgpack.packb([1.0, [{**store, "token_ids": [True]}], 0])])
     with pytest.raises(WireDecodeError, match="sequence frame"):
@@ -170,9 +174,27 @@ _cleared = st.fixed_dictionaries(
 _event = st.one_of(
     _store(), _store(), _remove(), _cleared, st.just({"type": "TierBlocksCleared", "tier": "CPU"})
 )
+_STORED_SLOTS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                 "locality", "ownership")
+_REMOVED_SLOTS = ("block_hashes", "medium", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                  "locality", "ownership")
+
+
+@st.composite
+def _positional(draw: st.DrawFn) -> list[Any]:
+    """The same events in vLLM's older positional form, cut after a random number of slots."""
+    event = draw(_event)
+    tag = event["type"]
+    slots = {"BlockStored": _STORED_SLOTS, "BlockRemoved": _REMOVED_SLOTS, "AllBlocksCleared": ("ownership",)}
+    values = [event.get(key) for key in slots.get(tag, ())]
+    required = {"BlockStored": 4, "BlockRemoved": 1}.get(tag, 0)
+    return [tag, *values[: draw(st.integers(required, len(values)))]]
+
+
 _batch = st.tuples(
     st.one_of(st.floats(allow_nan=False), st.integers(0, 10)),
-    st.lists(_event, max_size=6),
+    st.one_of(st.lists(_event, max_size=6), st.lists(_positional(), max_size=6)),
     st.one_of(st.none(), st.just(0)),
 )
 

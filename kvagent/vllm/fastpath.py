@@ -1,9 +1,9 @@
-"""The ingest fast path: map-form vLLM batches decoded by msgspec and normalized in one inlined loop.
+"""The ingest fast path: vLLM batches decoded by msgspec into typed structs and normalized in one loop.
 
-vLLM since PR #42892 (0.26.0, 0.32.0, ...) encodes its events as tagged maps from its own msgspec structs.
-Decoding them with msgspec into matching typed structs checks every field in C (u32 token ids, integer
-hashes, optional strings) and builds no dict per event, which alone is faster than a bare
-``msgpack.unpackb``. The common shapes — framework-owned device stores and removes with no namespace,
+vLLM encodes its events with its own msgspec structs: tagged maps since PR #42892 (0.26.0, 0.32.0, ...),
+tagged positional arrays before. Decoding them with msgspec into matching typed structs checks every field
+in C (u32 token ids, integer hashes, optional strings) and builds no dict per event, which alone is faster
+than a bare ``msgpack.unpackb``. The common shapes — framework-owned device stores and removes with no namespace,
 LoRA or multimodal data — are then normalized inline, in one loop per batch with no per-event helper
 calls.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Annotated, Any, TypeAlias
+from typing import Annotated, Any, ClassVar, TypeAlias
 
 import attrs
 import msgspec
@@ -59,11 +59,13 @@ from kvagent.vllm.wire import (
 )
 
 __all__ = [
+    "ArrayBatch",
     "MapBatch",
-    "MapMessage",
+    "TypedBatch",
+    "TypedMessage",
     "decode_live_frames",
-    "decode_map_payload",
-    "normalize_map_batch",
+    "decode_typed_payload",
+    "normalize_typed_batch",
     "to_raw_batch",
 ]
 
@@ -125,23 +127,106 @@ class MapBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
     data_parallel_rank: _U32 | None = None
 
 
+# The positional form (vLLM before PR #42892): the tag first, then the fields in declaration order. The
+# trailing fields follow Dynamo's 14-slot layout; where an older layout reads them differently the batch is
+# declined (see _positional_layout_is_ambiguous).
+
+
+class ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True, frozen=True, gc=False):
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: list[_U32]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+    # Not on the positional wire; read by the shared normalization loop.
+    session_id: ClassVar[None] = None
+    cache_salt: ClassVar[None] = None
+
+
+class ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, frozen=True, gc=False):
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, frozen=True, gc=False):
+    ownership: str | None = None
+
+    medium: ClassVar[None] = None
+    locality: ClassVar[None] = None
+
+
+class ArrayTierBlocksCleared(msgspec.Struct, tag="TierBlocksCleared", array_like=True, frozen=True, gc=False):
+    pass
+
+
+class ArrayIgnored(msgspec.Struct, tag="Ignored", array_like=True, frozen=True, gc=False):
+    pass
+
+
+ArrayEvent: TypeAlias = (
+    ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared | ArrayTierBlocksCleared | ArrayIgnored
+)
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    ts: float
+    events: list[ArrayEvent]
+    data_parallel_rank: _U32 | None = None
+
+
+TypedBatch: TypeAlias = MapBatch | ArrayBatch
+
+
 @attrs.frozen(slots=True)
-class MapMessage:
+class TypedMessage:
     topic: bytes
     seq: int
-    batch: MapBatch
+    batch: TypedBatch
 
 
-_DECODER = msgspec.msgpack.Decoder(MapBatch)
+_MAP_DECODER = msgspec.msgpack.Decoder(MapBatch)
+_ARRAY_DECODER = msgspec.msgpack.Decoder(ArrayBatch)
 _MSGSPEC_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
 
 
-def decode_map_payload(payload: bytes) -> MapBatch | None:
-    """The batch if it is map-form with every field well typed, else None (the general decoder decides)."""
+def _positional_layout_is_ambiguous(batch: ArrayBatch) -> bool:
+    """Whether a store's trailing fields could be an older layout that the general decoder reads differently.
+
+    With fewer than four trailing fields the general decoder takes the integers in order as group_idx then
+    sliding window, so ``[nil, kind, window]`` would give group_idx = window there.
+    """
+    return any(
+        type(event) is ArrayBlockStored and event.group_idx is None and event.kv_cache_spec_sliding_window is not None
+        for event in batch.events
+    )
+
+
+def decode_typed_payload(payload: bytes) -> TypedBatch | None:
+    """The batch if all its events are well typed in one form, maps or arrays; else None (the general path)."""
+    batch: TypedBatch
     try:
-        batch = _DECODER.decode(payload)
+        batch = _MAP_DECODER.decode(payload)
     except _MSGSPEC_ERRORS:
-        return None
+        try:
+            batch = _ARRAY_DECODER.decode(payload)
+        except _MSGSPEC_ERRORS:
+            return None
+        if _positional_layout_is_ambiguous(batch):
+            return None
     if type(batch.ts) is not float:  # msgspec reads a msgpack bool as a float; the general path refuses it
         return None
     return batch
@@ -149,14 +234,14 @@ def decode_map_payload(payload: bytes) -> MapBatch | None:
 
 def decode_live_frames(
     frames: Sequence[bytes], *, max_payload_bytes: int = MAX_RAW_PAYLOAD_BYTES
-) -> RawMessage | MapMessage:
+) -> RawMessage | TypedMessage:
     """:func:`kvagent.vllm.wire.decode_frames`, through the fast decoder when the payload allows it."""
     if len(frames) == 3:
         topic, seq_frame, payload = frames
         if len(seq_frame) == 8 and seq_frame != REPLAY_END_SEQ and len(payload) <= max_payload_bytes:
-            batch = decode_map_payload(payload)
+            batch = decode_typed_payload(payload)
             if batch is not None:
-                return MapMessage(bytes(topic), int.from_bytes(seq_frame, "big"), batch)
+                return TypedMessage(bytes(topic), int.from_bytes(seq_frame, "big"), batch)
     return decode_frames(frames, max_payload_bytes=max_payload_bytes)
 
 
@@ -183,8 +268,13 @@ def _kind_rejection(kind: str) -> str:
     return "non_main_attention_kind" if kind in NON_MAIN_ATTENTION_KINDS else "unknown_kind"
 
 
-def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> NormalizedBatch:
+_STORED = frozenset({MapBlockStored, ArrayBlockStored})
+_REMOVED = frozenset({MapBlockRemoved, ArrayBlockRemoved})
+
+
+def normalize_typed_batch(normalizer: AttachmentNormalizer, batch: TypedBatch) -> NormalizedBatch:
     """``normalizer.normalize(to_raw_batch(batch))``, with the common event shapes inlined."""
+    # Both forms share field names (positional stores read None for session_id and cache_salt).
     out = NormalizedBatch([])
     append = out.events.append
     filtered = out.filtered
@@ -200,8 +290,8 @@ def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> No
     xxh3 = _xxh3
     for event in batch.events:
         cls = type(event)
-        if cls is MapBlockStored:
-            assert isinstance(event, MapBlockStored)
+        if cls in _STORED:
+            assert isinstance(event, MapBlockStored | ArrayBlockStored)
             hashes = event.block_hashes
             parent = event.parent_block_hash
             tokens = event.token_ids
@@ -249,8 +339,8 @@ def normalize_map_batch(normalizer: AttachmentNormalizer, batch: MapBatch) -> No
                     Stored(parent, hashes, tokens_hashes, None), _DEVICE, _WORKER, rank, event.session_id
                 )
             )
-        elif cls is MapBlockRemoved:
-            assert isinstance(event, MapBlockRemoved)
+        elif cls in _REMOVED:
+            assert isinstance(event, MapBlockRemoved | ArrayBlockRemoved)
             hashes = event.block_hashes
             medium = event.medium
             locality = event.locality
@@ -291,7 +381,7 @@ def _hashes(values: tuple[int, ...]) -> tuple[int, ...]:
     return values
 
 
-def _raw_stored(event: MapBlockStored) -> RawBlockStored:
+def _raw_stored(event: MapBlockStored | ArrayBlockStored) -> RawBlockStored:
     parent = event.parent_block_hash
     extra_keys = event.extra_keys
     return RawBlockStored(
@@ -315,7 +405,7 @@ def _raw_stored(event: MapBlockStored) -> RawBlockStored:
     )
 
 
-def _raw_removed(event: MapBlockRemoved) -> RawBlockRemoved:
+def _raw_removed(event: MapBlockRemoved | ArrayBlockRemoved) -> RawBlockRemoved:
     return RawBlockRemoved(
         _hashes(event.block_hashes),
         event.medium,
@@ -327,18 +417,18 @@ def _raw_removed(event: MapBlockRemoved) -> RawBlockRemoved:
     )
 
 
-def _raw_event(event: MapEvent) -> RawEvent:
-    if isinstance(event, MapBlockStored):
+def _raw_event(event: MapEvent | ArrayEvent) -> RawEvent:
+    if isinstance(event, MapBlockStored | ArrayBlockStored):
         return _raw_stored(event)
-    if isinstance(event, MapBlockRemoved):
+    if isinstance(event, MapBlockRemoved | ArrayBlockRemoved):
         return _raw_removed(event)
-    if isinstance(event, MapAllBlocksCleared):
+    if isinstance(event, MapAllBlocksCleared | ArrayAllBlocksCleared):
         return RawAllBlocksCleared(event.medium, event.ownership, event.locality)
-    if isinstance(event, MapTierBlocksCleared):
+    if isinstance(event, MapTierBlocksCleared | ArrayTierBlocksCleared):
         return RawIgnored("TierBlocksCleared")
     return RawIgnored("Ignored")
 
 
-def to_raw_batch(batch: MapBatch) -> RawBatch:
+def to_raw_batch(batch: TypedBatch) -> RawBatch:
     """The general decoder's value for the same payload."""
     return RawBatch(batch.ts, tuple(_raw_event(event) for event in batch.events), batch.data_parallel_rank)

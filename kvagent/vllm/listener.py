@@ -30,7 +30,7 @@ from kvagent.coordinator_task import CoordinatorHandle
 from kvagent.errors import KvAgentError
 from kvagent.events import MAX_RAW_PAYLOAD_BYTES
 from kvagent.status import Attachment, StatusCell
-from kvagent.vllm.fastpath import MapMessage, decode_live_frames, normalize_map_batch
+from kvagent.vllm.fastpath import TypedMessage, decode_live_frames, normalize_typed_batch
 from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, build_ingress_chunks
 from kvagent.vllm.replay import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
 from kvagent.vllm.wire import RawMessage, WireDecodeError
@@ -99,12 +99,12 @@ class _Pipeline:
             video_token_id=attachment.source.video_token_id,
         )
 
-    def process(self, message: RawMessage | MapMessage) -> None:
+    def process(self, message: RawMessage | TypedMessage) -> None:
         batch_rank = message.batch.data_parallel_rank or 0
         if batch_rank != self.rank:
             raise ListenerError(f"vLLM batch rank {batch_rank} does not match configured rank {self.rank}")
-        if type(message) is MapMessage:
-            normalized = normalize_map_batch(self.normalizer, message.batch)
+        if type(message) is TypedMessage:
+            normalized = normalize_typed_batch(self.normalizer, message.batch)
         else:
             assert isinstance(message, RawMessage)
             normalized = self.normalizer.normalize(message.batch)
@@ -170,7 +170,7 @@ class _Listener:
         if not self.status.get().is_ready_generation(self.generation):
             raise _NotReady()
 
-    def _apply(self, message: RawMessage | MapMessage) -> None:
+    def _apply(self, message: RawMessage | TypedMessage) -> None:
         self.pipeline.process(message)
         self.gate.mark_applied(message.seq)
 
