@@ -268,6 +268,10 @@ class RecoveryIndex:
 
         For servers that encode the dump themselves (from the columns, off the per-event objects).
         """
+        cached = self._snapshot_cache
+        if cached is not None and cached[0] != self._applied:
+            # Stale: release the copy now rather than hold a whole dump until the next one.
+            self._snapshot_cache = None
         ring = self._ring
         if (start is None or not ring or start < ring[0].event_id) and not (
             start is not None and end is not None and end < start

@@ -17,8 +17,8 @@ definition of behaviour, and the fast path defers to it:
 
 One difference is deliberate: msgspec skips map keys it does not know, with their values, without
 decoding them, so invalid UTF-8 inside an unknown key does not fail the batch (``msgpack.unpackb`` decodes
-every string and refuses it). ``tests/test_fastpath.py`` checks that both paths otherwise agree, on the vectors, on generated batches and on
-mutated payloads.
+every string and refuses it). ``tests/test_fastpath.py`` checks that both paths otherwise agree, on the
+vectors, on generated batches of both forms and on mutated payloads.
 """
 
 from __future__ import annotations
