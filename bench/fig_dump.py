@@ -25,11 +25,12 @@ def _invalidate(index: Any) -> None:
     index.apply(RouterEvent(WORKER_ID, StorageTier.DEVICE, ResidencyDomain.WORKER, event_id, Removed((1,)), 0))
 
 
-async def _client_dumps(index: Any, repetitions: int, dump_format: str) -> list[float]:
+async def _client_dumps(index: Any, repetitions: int, dump_format: str, lazy: bool = False) -> list[float]:
     """Seconds until the client holds the whole dump: ``columns`` arrays, or ``events`` as wire maps.
 
     The events format is read with ``raw_events=True`` (no RouterEvent objects), as a router rebuilding its
-    own tree would; RouterEvent decoding adds about 55 us per event on top.
+    own tree would; RouterEvent decoding adds about 55 us per event on top.  ``lazy`` leaves the events
+    encoded (server build + transfer only).
     """
     from kvagent.recovery.client import connect_slot
     from kvagent.recovery.server import SlotRegistry, serve_recovery
@@ -43,9 +44,13 @@ async def _client_dumps(index: Any, repetitions: int, dump_format: str) -> list[
             for _ in range(repetitions):
                 _invalidate(index)
                 started = time.perf_counter()
-                answer = await client.recover(None, dump_format=dump_format, raw_events=True)
+                answer = await client.recover(None, dump_format=dump_format, raw_events=True, lazy_events=lazy)
                 seconds.append(time.perf_counter() - started)
                 received = len(answer.wire_events) + sum(piece.live for piece in answer.dump)
+                for blob in answer.events_msgpack:
+                    unpacker = msgpack.Unpacker()
+                    unpacker.feed(blob)
+                    received += unpacker.read_array_header()
                 if received != index.resident_block_count:
                     raise AssertionError(f"dump had {received} events for {index.resident_block_count} blocks")
         nursery.cancel_scope.cancel()
@@ -85,10 +90,12 @@ def run(result: FigureResult, *, quick: bool) -> None:
             in_process.append(time.perf_counter() - started)
         base = _baseline(blocks, repetitions)
         label = f"{blocks // 1000}k" if blocks < 1_000_000 else f"{blocks // 1_000_000}M"
-        for dump_format, target in (("columns", "<= 1 s" if blocks == 1_000_000 else ""), ("events", "")):
-            name = f"ws dump {label} ({dump_format})"
+        variants = (("columns", False, "<= 1 s" if blocks == 1_000_000 else ""), ("events", False, ""),
+                    ("events", True, ""))
+        for dump_format, lazy, target in variants:
+            name = f"ws dump {label} ({dump_format}{', undecoded' if lazy else ''})"
             try:
-                client = trio.run(_client_dumps, index, repetitions, dump_format)
+                client = trio.run(_client_dumps, index, repetitions, dump_format, lazy)
             except Exception as exc:
                 result.rows.append(Row(name, None, "s", note=f"error: {type(exc).__name__}: {exc}"))
                 continue

@@ -23,6 +23,7 @@ import kvagent.index_store
 from kvagent.codec import router_event_to_wire
 from kvagent.events import (
     CLEARED,
+    EventsAnswer,
     MmExtraInfo,
     MmObject,
     Removed,
@@ -31,7 +32,7 @@ from kvagent.events import (
     StorageTier,
     Stored,
 )
-from kvagent.index import RecoveryIndex
+from kvagent.index import DumpSnapshot, RecoveryIndex
 from kvagent.index_store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
 from kvagent.recovery.client import _dump_columns, connect_slot
 from kvagent.recovery.dumpwire import EncodedRing, columns_frames, fast_encode_event, legacy_dump_parts
@@ -170,7 +171,10 @@ def test_dump_snapshot_is_cached_until_the_next_apply() -> None:
     first = index.dump_snapshot()
     assert index.dump_snapshot() is first and first.last_event_id == 7 and first.events == 9
     index.apply(RouterEvent(7, DEVICE, W, 8, Removed((404,)), 1))
-    assert index.dump_snapshot() is not first
+    assert index.range_or_snapshot(8, None) == EventsAnswer((index.ring_tail(8)), 8)
+    assert index._snapshot_cache is None  # a stale copy is released by the next query
+    second = index.range_or_snapshot(None, None)
+    assert isinstance(second, DumpSnapshot) and second is not first and second.last_event_id == 8
 
 
 # --- the encoded ring -------------------------------------------------------------------------------
