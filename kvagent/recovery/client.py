@@ -322,13 +322,17 @@ class RecoveryClient:
         events = list(merged.get("events") or ())
         groups = list(merged.get("groups") or ())
         blobs = [merged["events_msgpack"]] if "events_msgpack" in merged else []
-        while merged.pop("more", False):
-            frame = await self._frame(request_id, lazy)
-            events.extend(frame.get("events") or ())
-            groups.extend(frame.get("groups") or ())
-            if "events_msgpack" in frame:
-                blobs.append(frame["events_msgpack"])
-            merged.update(frame)
+        # A streamed answer can decode into millions of containers; collections in between frames would
+        # re-traverse all of them again and again (a 1M-event dump: 18 s instead of a few), so the cyclic
+        # GC waits until the answer is whole.  Nothing here creates cycles.
+        with _gc_paused():
+            while merged.pop("more", False):
+                frame = await self._frame(request_id, lazy)
+                events.extend(frame.get("events") or ())
+                groups.extend(frame.get("groups") or ())
+                if "events_msgpack" in frame:
+                    blobs.append(frame["events_msgpack"])
+                merged.update(frame)
         if blobs:
             merged["events_msgpack"] = blobs
         if "events" in merged:
