@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import structlog
 import trio
 import zmq
 
@@ -44,6 +45,18 @@ from kvagent.vllm.listener import ListenerOptions, ListenerStats, run_listener
 __all__ = ["AttachmentConfig", "SlotAgent", "SlotAgentConfig", "open_slot_agent"]
 
 log = logging.getLogger(__name__)
+
+
+def _with_log_context(
+    run: Callable[..., Awaitable[None]], **context: object
+) -> Callable[..., Awaitable[None]]:
+    """``run`` as a task whose log lines all carry ``context`` (bound in the new task's own context)."""
+
+    async def task(*, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        structlog.contextvars.bind_contextvars(**context)
+        await run(task_status=task_status)
+
+    return task
 
 LISTENER_JOIN_TIMEOUT = 2.0
 MAX_U32 = (1 << 32) - 1
@@ -302,6 +315,9 @@ class SlotAgent:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        # Every log line of this listener task carries its slot and generation (structlog contextvars; each
+        # Trio task has its own context, so the binding stays in this task).
+        structlog.contextvars.bind_contextvars(slot=self.config.name, generation=attachment.generation)
         started = False
 
         class _Started:
@@ -456,16 +472,19 @@ async def open_slot_agent(
         async with trio.open_nursery() as supervisor_nursery:
             with withdraw_tx:
                 await supervisor_nursery.start(
-                    lambda task_status: run_withdrawal_supervisor(
-                        discovery=discovery,
-                        holder=holder,
-                        publisher_id=publisher_id,
-                        requests=withdraw_rx,
-                        task_status=task_status,
+                    _with_log_context(
+                        lambda task_status: run_withdrawal_supervisor(
+                            discovery=discovery,
+                            holder=holder,
+                            publisher_id=publisher_id,
+                            requests=withdraw_rx,
+                            task_status=task_status,
+                        ),
+                        slot=config.name,
                     )
                 )
                 async with trio.open_nursery() as coordinator_nursery:
-                    await coordinator_nursery.start(run_coordinator)
+                    await coordinator_nursery.start(_with_log_context(run_coordinator, slot=config.name))
                     async with trio.open_nursery() as listener_nursery:
                         agent = SlotAgent(
                             config=config,

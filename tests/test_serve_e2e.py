@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,35 @@ from tests.vectors import load_live
 TIMEOUT = 60
 
 
+class LineLog:
+    """stderr lines as they arrive, with a wait for a matching line (no polling, no sleeps)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._added = trio.Event()
+
+    def append(self, line: str) -> None:
+        self.lines.append(line)
+        self._added.set()
+        self._added = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[str], bool]) -> str:
+        checked = 0
+        while True:
+            for line in self.lines[checked:]:
+                if predicate(line):
+                    return line
+            checked = len(self.lines)
+            await self._added.wait()
+
+
 class ServeProcess:
-    def __init__(self, process: trio.Process, url: str, tmp: Path) -> None:
+    def __init__(self, process: trio.Process, url: str, tmp: Path, log: LineLog) -> None:
         self.process = process
         self.url = url
         self.tmp = tmp
-        self.stderr_lines: list[str] = []
+        self.log = log
+        self.stderr_lines = log.lines
 
     @property
     def token(self) -> str:
@@ -43,7 +66,7 @@ class ServeProcess:
         return sorted(p for p in (self.tmp / "discovery").rglob("*.json"))
 
 
-async def _read_lines(stream: Any, lines: list[str], ready: trio.Event, found: list[str]) -> None:
+async def _read_lines(stream: Any, lines: LineLog, ready: trio.Event, found: list[str]) -> None:
     buffer = b""
     async for chunk in stream:
         buffer += chunk
@@ -76,7 +99,7 @@ async def serve(tmp: Path, *args: str) -> AsyncIterator[ServeProcess]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     async with trio.open_nursery() as nursery:
         process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=env)
-        lines: list[str] = []
+        lines = LineLog()
         found: list[str] = []
         ready = trio.Event()
         assert process.stderr is not None
@@ -87,10 +110,8 @@ async def serve(tmp: Path, *args: str) -> AsyncIterator[ServeProcess]:
                     with trio.move_on_after(0.5):
                         await ready.wait()
                     if process.poll() is not None:
-                        raise AssertionError("kvagent serve exited early:\n" + "\n".join(lines))
-            handle = ServeProcess(process, f"ws://{found[0]}", tmp)
-            handle.stderr_lines = lines
-            yield handle
+                        raise AssertionError("kvagent serve exited early:\n" + "\n".join(lines.lines))
+            yield ServeProcess(process, f"ws://{found[0]}", tmp, lines)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -236,6 +257,27 @@ async def test_serve_end_to_end_recover_follow_control_and_sigterm(tmp_path: Pat
                     returncode = await agent.process.wait()
                 assert returncode == 0, "\n".join(agent.stderr_lines)
                 assert agent.discovery_files() == []
+    finally:
+        engine.close()
+        context.destroy(linger=0)
+
+
+async def test_json_log_lines_of_a_slot_carry_its_name_and_generation(tmp_path: Path) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    engine = XpubEngine(context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with serve(
+                tmp_path, "--slot", f"s0={engine.endpoint}", "--block-size", "32", "--log-format", "json"
+            ) as agent:
+                await engine.wait_subscribed()
+                await engine.send_payload(b"\xc1 is never valid msgpack")
+                line = await agent.log.wait_for(lambda text: "listener failed" in text)
+                record = json.loads(line)
+                assert (record["slot"], record["generation"], record["level"]) == ("s0", 1, "warning")
+                # The coordinator's own lines (another task) carry the slot as well.
+                quarantined = json.loads(await agent.log.wait_for(lambda text: "Quarantining" in text))
+                assert quarantined["slot"] == "s0"
     finally:
         engine.close()
         context.destroy(linger=0)
