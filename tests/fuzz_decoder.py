@@ -1,7 +1,9 @@
 """Decoder + normalizer fuzzing: ``python -m tests.fuzz_decoder`` (``nox -s fuzz``; N from KVAGENT_FUZZ_INPUTS).
 
 Inputs are mutated vector payloads (byte flips, truncation, splices) and generated msgpack batches.
-Only the typed errors may escape; anything else is reported and makes the run fail.
+Only the typed errors may escape; anything else is reported and makes the run fail. Every input also goes
+through the listener's fast path (kvagent.vllm.fastpath) next to the general path, each with its own
+normalizer: any difference in the decoded batch or the normalized result counts as a failure too.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import traceback
 import msgpack
 
 from kvagent.events import WorkerWithDpRank
-from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, build_ingress_chunks
-from kvagent.vllm.wire import WireDecodeError, decode_frames
+from kvagent.vllm.fastpath import TypedMessage, decode_live_frames, normalize_typed_batch, to_raw_batch
+from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, NormalizedBatch, build_ingress_chunks
+from kvagent.vllm.wire import RawMessage, WireDecodeError, decode_frames
 from tests.vectors import load_live, load_structs
 
 TAGS = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "TierBlocksCleared", "Bogus"]
@@ -92,23 +95,72 @@ def generate(rng: random.Random, seeds: list[list[bytes]]) -> list[bytes]:
     return [frames[0], frames[1], bytes(payload)][: 3 if rng.random() > 0.02 else 2]
 
 
+class _Divergence(Exception):
+    """The fast path and the general path disagree on an input."""
+
+
+def _fast_path(frames: list[bytes]) -> RawMessage | TypedMessage | str:
+    try:
+        return decode_live_frames(frames)
+    except WireDecodeError as error:
+        return str(error)
+
+
+def _check_fast_path(
+    fast: RawMessage | TypedMessage | str,
+    general: RawMessage | str,
+    normalizer: AttachmentNormalizer,
+    expected: NormalizedBatch | None,
+) -> None:
+    if isinstance(fast, TypedMessage):
+        if isinstance(general, str):
+            # Deliberate: msgspec never decodes the values of keys it does not know (fastpath docstring).
+            if "can't decode" not in general:
+                raise _Divergence(f"fast path accepted what the general decoder refuses: {general}")
+            return
+        if (fast.seq, fast.topic, to_raw_batch(fast.batch)) != (general.seq, general.topic, general.batch):
+            raise _Divergence("fast and general decoders disagree")
+        if normalize_typed_batch(normalizer, fast.batch) != expected:
+            raise _Divergence("fast and general normalization disagree")
+    elif isinstance(fast, RawMessage):
+        if fast != general:
+            raise _Divergence("fallback decode differs from the general decoder")
+        if normalizer.normalize(fast.batch) != expected:
+            raise _Divergence("normalizers out of step")
+    elif fast != general:
+        raise _Divergence(f"different errors: {fast!r} vs {general!r}")
+
+
 def run(count: int, seed: int = 1) -> int:
     rng = random.Random(seed)
     seeds = _seeds()
     unexpected = 0
     normalizer = AttachmentNormalizer(kv_block_size=16, worker=WorkerWithDpRank(1, 0))
+    fast_normalizer = AttachmentNormalizer(kv_block_size=16, worker=WorkerWithDpRank(1, 0))
     for _ in range(count):
         frames = generate(rng, seeds)
+        general: RawMessage | str
+        expected: NormalizedBatch | None = None
         try:
-            message = decode_frames(frames)
-            build_ingress_chunks(1, message.seq, normalizer.normalize(message.batch))
-        except (WireDecodeError, ChunkingError):
+            try:
+                general = decode_frames(frames)
+            except WireDecodeError as error:
+                general = str(error)
+            else:
+                expected = normalizer.normalize(general.batch)
+            _check_fast_path(_fast_path(frames), general, fast_normalizer, expected)
+            if expected is not None and not isinstance(general, str):
+                build_ingress_chunks(1, general.seq, expected)
+        except ChunkingError:
             continue
         except Exception:
             unexpected += 1
             if unexpected <= 5:
                 traceback.print_exc()
                 print("input:", [f.hex() for f in frames], file=sys.stderr)
+            # Start both normalizers afresh so one divergence is not reported again for every later input.
+            normalizer = AttachmentNormalizer(kv_block_size=16, worker=WorkerWithDpRank(1, 0))
+            fast_normalizer = AttachmentNormalizer(kv_block_size=16, worker=WorkerWithDpRank(1, 0))
     return unexpected
 
 
