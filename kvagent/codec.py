@@ -26,6 +26,7 @@ from kvagent.identity import CacheOwnerId, IdentityError
 
 __all__ = [
     "CodecError",
+    "checked_router_event_from_wire",
     "decode_router_events",
     "encode_router_events",
     "mm_extra_info_from_wire",
@@ -244,8 +245,105 @@ def _data_from_wire(value: object, field: str) -> EventData:
     raise CodecError(f"{field} has unknown variant {variant!r}")
 
 
+# Parsed state_source strings: an agent's events all carry the same few owners.
+_SOURCES: dict[str, CacheOwnerId] = {}
+_SOURCES_MAX = 1024
+
+
+def _fast_blocks(blocks: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if type(blocks) is not list:
+        return None
+    hashes: list[int] = []
+    tokens: list[int] = []
+    for block in blocks:
+        if type(block) is not dict or block.get("mm_extra_info") is not None:
+            return None
+        block_hash, tokens_hash = block.get("block_hash"), block.get("tokens_hash")
+        if type(block_hash) is not int or type(tokens_hash) is not int:
+            return None
+        if not (0 <= block_hash <= U64_MAX and 0 <= tokens_hash <= U64_MAX):
+            return None
+        hashes.append(block_hash)
+        tokens.append(tokens_hash)
+    return tuple(hashes), tuple(tokens)
+
+
+def _fast_data(data: object) -> EventData | None:
+    if data == "cleared":
+        return CLEARED
+    if type(data) is not dict or len(data) != 1:
+        return None
+    stored = data.get("stored")
+    if type(stored) is dict:
+        parent, start = stored.get("parent_hash"), stored.get("start_position")
+        if parent is not None and not (type(parent) is int and 0 <= parent <= U64_MAX):
+            return None
+        if start is not None and not (type(start) is int and 0 <= start <= U32_MAX):
+            return None
+        columns = _fast_blocks(stored.get("blocks"))
+        return None if columns is None else Stored(parent, columns[0], columns[1], None, start)
+    removed = data.get("removed")
+    if type(removed) is dict:
+        hashes = removed.get("block_hashes")
+        if type(hashes) is not list or not all(type(h) is int and 0 <= h <= U64_MAX for h in hashes):
+            return None
+        return Removed(tuple(hashes))
+    return None
+
+
+def _fast_event(obj: dict[object, object]) -> RouterEvent | None:
+    """The common, valid shapes without building error texts; None sends the value down the checked path.
+
+    Anything unusual (mm info, lists as tuples, a bad value anywhere) returns None, and the checked path
+    then produces the same result or the precise error.
+    """
+    worker_id, tier, domain = obj.get("worker_id"), obj.get("storage_tier", "device"), obj.get(
+        "residency_domain", "worker"
+    )
+    if type(worker_id) is not int or not 0 <= worker_id <= U64_MAX or type(tier) is not str:
+        return None
+    if type(domain) is not str:
+        return None
+    storage_tier, residency_domain = _TIERS.get(tier), _DOMAINS.get(domain)
+    inner = obj.get("event")
+    if storage_tier is None or residency_domain is None or type(inner) is not dict:
+        return None
+    event_id, dp_rank = inner.get("event_id"), inner.get("dp_rank", 0)
+    if type(event_id) is not int or not 0 <= event_id <= U64_MAX:
+        return None
+    if type(dp_rank) is not int or not 0 <= dp_rank <= U32_MAX:
+        return None
+    data = _fast_data(inner.get("data"))
+    raw_source, session_id = obj.get("state_source"), obj.get("session_id")
+    if data is None or (session_id is not None and type(session_id) is not str):
+        return None
+    source = None
+    if raw_source is not None:
+        if type(raw_source) is not str:
+            return None
+        source = _SOURCES.get(raw_source)
+        if source is None:
+            try:
+                source = CacheOwnerId.parse(raw_source)
+            except IdentityError:
+                return None
+            if len(_SOURCES) >= _SOURCES_MAX:
+                _SOURCES.clear()
+            _SOURCES[raw_source] = source
+    return RouterEvent(worker_id, storage_tier, residency_domain, event_id, data, dp_rank, source, session_id)
+
+
 def router_event_from_wire(value: object, field: str = "event") -> RouterEvent:
     """Validate one named map (msgpack-decoded or JSON-parsed) into a RouterEvent."""
+    if type(value) is dict:
+        event = _fast_event(value)
+        if event is not None:
+            return event
+    return checked_router_event_from_wire(value, field)
+
+
+def checked_router_event_from_wire(value: object, field: str = "event") -> RouterEvent:
+    """:func:`router_event_from_wire` field by field, naming the offending field in its errors."""
     obj = _map(value, field)
     worker_id = _uint(_required(obj, "worker_id", field), f"{field}.worker_id")
 

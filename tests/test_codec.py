@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgpack
 import pytest
@@ -11,9 +12,11 @@ from hypothesis import strategies as st
 
 from kvagent.codec import (
     CodecError,
+    checked_router_event_from_wire,
     decode_router_events,
     encode_router_events,
     router_event_from_json,
+    router_event_from_wire,
     router_event_to_json,
     router_event_to_wire,
 )
@@ -202,3 +205,57 @@ def test_json_form_shapes() -> None:
         router_event_from_json({**removed, "storage_tier": "tape"})
     with pytest.raises(CodecError):
         router_event_from_json([removed])
+
+
+# The fast decode path must agree with the checked one on everything: valid events, and every value
+# swapped for an odd one (wrong type, out of range, missing), where both must raise the same error.
+_ODD_VALUES: list[object] = [None, True, -1, 2**64, 2**32, "x", 1.5, [], {}, [1], {"stored": {}}, "cleared"]
+
+
+def _paths(wire: object) -> list[tuple[object, ...]]:
+    paths: list[tuple[object, ...]] = []
+    if isinstance(wire, dict):
+        for key, value in wire.items():
+            paths.append((key,))
+            paths.extend((key, *rest) for rest in _paths(value))
+    elif isinstance(wire, list):
+        for index, value in enumerate(wire):
+            paths.append((index,))
+            paths.extend((index, *rest) for rest in _paths(value))
+    return paths
+
+
+def _replaced(wire: Any, path: tuple[object, ...], value: object) -> Any:
+    copy = json.loads(json.dumps(wire))
+    target = copy
+    for step in path[:-1]:
+        target = target[step]
+    if value is _MISSING:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return copy
+
+
+_MISSING = object()
+
+
+def _outcome(decode: Any, wire: object) -> object:
+    try:
+        return decode(wire)
+    except CodecError as exc:
+        return ("error", str(exc))
+
+
+@settings(max_examples=150, deadline=None)
+@given(router_events(), st.data())
+def test_fast_decode_agrees_with_the_checked_decoder(event: RouterEvent, data: st.DataObject) -> None:
+    wire = json.loads(json.dumps(router_event_to_wire(event)))
+    assert router_event_from_wire(wire) == checked_router_event_from_wire(wire) == event
+    paths = _paths(wire)
+    path = data.draw(st.sampled_from(paths))
+    odd = data.draw(st.sampled_from([*_ODD_VALUES, _MISSING]))
+    if odd is _MISSING and isinstance(path[-1], int):
+        return  # list elements are not removable keys
+    broken = _replaced(wire, path, odd)
+    assert _outcome(router_event_from_wire, broken) == _outcome(checked_router_event_from_wire, broken)
