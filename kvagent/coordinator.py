@@ -480,48 +480,51 @@ class SlotCoordinator:
         cleared_domains: list[ResidencyDomain] = []
         failed_barrier: CoordinatorError | None = None
         swallowed = 0
-        for coalesced in coalesce(placement_events):
-            if coalesced.dp_rank != slot_rank:
-                self._fail_source(generation, "ingress rank does not match stable slot")
-                raise CoordinatorError(
-                    f"ingress rank {coalesced.dp_rank} does not match stable slot rank {self.slot_rank}",
-                    code="bad_request",
+        first_id = self._next_outbound_id
+        try:
+            for coalesced in coalesce(placement_events):
+                if coalesced.dp_rank != slot_rank:
+                    self._fail_source(generation, "ingress rank does not match stable slot")
+                    raise CoordinatorError(
+                        f"ingress rank {coalesced.dp_rank} does not match stable slot rank {self.slot_rank}",
+                        code="bad_request",
+                    )
+                event = dedup(coalesced)
+                if event is None:
+                    swallowed += 1
+                    continue
+                event_id = self._next_outbound_id
+                if event_id >= U64_MAX:
+                    self._fail_source(generation, "state-agent outbound cursor exhausted")
+                    raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
+                self._next_outbound_id = event_id + 1
+                domain = event.domain
+                router_event = RouterEvent(
+                    worker_id, event.tier, domain, event_id, event.data, event.dp_rank, owner, event.session_id
                 )
-            event = dedup(coalesced)
-            if event is None:
-                swallowed += 1
-                continue
-            event_id = self._next_outbound_id
-            if event_id >= U64_MAX:
-                self._fail_source(generation, "state-agent outbound cursor exhausted")
-                raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
-            self._next_outbound_id = event_id + 1
-            domain = event.domain
-            router_event = RouterEvent(
-                worker_id, event.tier, domain, event_id, event.data, event.dp_rank, owner, event.session_id
-            )
-            is_barrier = type(event.data) is Cleared
-            # Stored/Removed are lossy (one admission, one best-effort publication); a Cleared is a strong
-            # barrier that is fully applied locally before it is published.
-            try:
-                apply(router_event)
-            except Exception as error:
+                is_barrier = type(event.data) is Cleared
+                # Stored/Removed are lossy (one admission, one best-effort publication); a Cleared is a strong
+                # barrier that is fully applied locally before it is published.
+                try:
+                    apply(router_event)
+                except Exception as error:
+                    if is_barrier:
+                        self._fail_domain(generation, domain, "local reset barrier failed")
+                        failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
+                        failed_barrier.__cause__ = error
+                        break
+                    log.warning(
+                        "Failed to admit ordinary residency event locally; continuing lossy stream",
+                        worker_id=worker_id,
+                        dp_rank=event.dp_rank,
+                        domain=domain.value,
+                        error=str(error),
+                    )
                 if is_barrier:
-                    self._fail_domain(generation, domain, "local reset barrier failed")
-                    failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
-                    failed_barrier.__cause__ = error
-                    break
-                log.warning(
-                    "Failed to admit ordinary residency event locally; continuing lossy stream",
-                    worker_id=worker_id,
-                    dp_rank=event.dp_rank,
-                    domain=domain.value,
-                    error=str(error),
-                )
-            if is_barrier:
-                cleared_domains.append(domain)
-            output.append(router_event)
-        self.counters.events_out_ids += len(output)
+                    cleared_domains.append(domain)
+                output.append(router_event)
+        finally:
+            self.counters.events_out_ids += self._next_outbound_id - first_id
         if swallowed:
             self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         if output:

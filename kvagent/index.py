@@ -141,7 +141,10 @@ class RecoveryIndex:
         # A Worker route does not depend on state_source (every outbound event carries the agent's owner).
         route = (domain, event.worker_id, event.dp_rank, event.state_source if domain is _CACHE_OWNER else None,
                  event.storage_tier)
-        key = self._routes.get(route)
+        try:
+            key = self._routes.get(route)
+        except TypeError:  # an unhashable field: not one of the value types the route needs
+            raise IndexApplyError(f"unknown storage tier or residency domain in event {event_id}") from None
         if key is None:
             key = self._route(event, route)
         if domain is _CACHE_OWNER and event.storage_tier is _DEVICE and cls is not Cleared:
