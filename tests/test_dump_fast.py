@@ -314,3 +314,25 @@ async def test_unknown_dump_format_is_a_bad_request(nursery: trio.Nursery) -> No
         await ws.send_message(json.dumps({"id": 4, "op": "recover", "start": None, "dump_format": "parquet"}))
         answer = json.loads(await ws.get_message())
     assert answer["id"] == 4 and answer["error"]["code"] == "bad_request"
+
+
+async def test_a_failing_dump_is_reported_never_replaced(nursery: trio.Nursery) -> None:
+    slot = FakeSlot()
+    slot.store_worker(1)
+
+    def broken() -> DumpSnapshot:
+        raise RuntimeError("disk on fire")
+
+    slot.index.dump_snapshot = broken  # type: ignore[method-assign]
+    url = await start_server(nursery, slot)
+    async with open_websocket_url(f"{url}/v1/slots/a") as ws:
+        request = {"id": 1, "op": "recover", "start": None, "supports_tree_dump_failed": True}
+        await ws.send_message(json.dumps(request))
+        failed = json.loads(await ws.get_message())
+        await ws.send_message(json.dumps({"id": 2, "op": "recover", "start": None, "dump_format": "columns"}))
+        internal = json.loads(await ws.get_message())
+        await ws.send_message(json.dumps({"id": 3, "op": "follow", "from": None}))
+        follow = json.loads(await ws.get_message())
+    assert (failed["kind"], failed["last_event_id"], failed["message"]) == ("tree_dump_failed", 1, "disk on fire")
+    assert internal["error"] == {"code": "internal", "message": "worker tree dump failed: disk on fire"}
+    assert follow["id"] == 3 and follow["error"]["code"] == "internal"
