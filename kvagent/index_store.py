@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import re
 from array import array
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -26,6 +27,8 @@ __all__ = ["FLAG_DEAD", "FLAG_PARENT", "FLAG_ROOT", "BlockStore", "StoreColumns"
 
 # Below this many dead rows compaction is not worth the rebuild.
 _COMPACT_MIN_FREE = 4096
+# Live rows moved per store or remove while a compaction runs: a few tens of microseconds of work each.
+_COMPACT_STEP_ROWS = 256
 
 FLAG_ROOT = 0  # a resident block without a parent
 FLAG_PARENT = 1  # a resident block whose parent hash is in the parents column
@@ -35,6 +38,8 @@ FLAG_DEAD = 2  # a removed block's row: all zeros, skipped by every reader
 _LIVE_MASK = bytes(0 if value == FLAG_DEAD else 1 for value in range(256))
 _HAS_PARENT = bytes(1 if value == FLAG_PARENT else 0 for value in range(256))
 _NONZERO = bytes(0 if value == 0 else 1 for value in range(256))
+# A run of live rows in the flag column (every flag but FLAG_DEAD).
+_LIVE_RUN = re.compile(b"[^%c]+" % FLAG_DEAD)
 
 
 class StoreColumns(NamedTuple):
@@ -52,7 +57,17 @@ class StoreColumns(NamedTuple):
 
 
 class BlockStore:
-    __slots__ = ("_dead", "_flags", "_hashes", "_mm", "_parents", "_slots", "_tokens")
+    __slots__ = (
+        "_compact_read",
+        "_compact_write",
+        "_dead",
+        "_flags",
+        "_hashes",
+        "_mm",
+        "_parents",
+        "_slots",
+        "_tokens",
+    )
 
     def __init__(self) -> None:
         self._slots: dict[int, int] = {}
@@ -62,6 +77,8 @@ class BlockStore:
         self._flags = bytearray()
         self._dead = 0
         self._mm: dict[int, MmExtraInfo] = {}
+        # The scan and destination rows of a compaction in progress; -1 when none runs.
+        self._compact_read = self._compact_write = -1
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -91,6 +108,8 @@ class BlockStore:
             self._flags,
             self._mm,
         )
+        if self._compact_read >= 0:
+            self._compact_step()
         count = len(block_hashes)
         if count and slots.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == count:
             # The ingest hot path: a chain of new, distinct blocks is appended column by column (C speed).
@@ -157,24 +176,65 @@ class BlockStore:
             # Drop the columns outright rather than keep dead rows for an empty store.
             self._hashes, self._parents, self._tokens = array("Q"), array("Q"), array("Q")
             self._flags, self._slots, self._mm, self._dead = bytearray(), {}, {}, 0
+            self._compact_read = self._compact_write = -1
+        elif self._compact_read >= 0:
+            self._compact_step()
         elif dead > _COMPACT_MIN_FREE and dead > len(slots):
-            self._compact()
+            self._compact_read = self._compact_write = self._flags.find(FLAG_DEAD)
+            self._compact_step()
 
-    def _compact(self) -> None:
-        """Drop the dead rows, keeping row order (so it stays the dict's order)."""
-        live = self._flags.translate(_LIVE_MASK)
-        compress = itertools.compress
-        hashes = array("Q", compress(self._hashes, live))
-        old_rows = list(compress(range(len(live)), live))
-        self._parents = array("Q", compress(self._parents, live))
-        self._tokens = array("Q", compress(self._tokens, live))
-        self._flags = bytearray(compress(self._flags, live))
-        if self._mm:
-            new_row = dict(zip(old_rows, range(len(old_rows)), strict=True))
-            self._mm = {new_row[row]: info for row, info in self._mm.items()}
-        self._hashes = hashes
-        self._slots = dict(zip(hashes, range(len(hashes)), strict=True))
-        self._dead = 0
+    def _compact_step(self) -> None:
+        """Move up to ``_COMPACT_STEP_ROWS`` live rows down over dead ones; truncate once the scan is done.
+
+        Compaction runs a little at every store and remove instead of all at once, so it never stalls the
+        event loop (a full rebuild of a million rows takes a good fraction of a second). Rows only move down
+        and keep their order, so row order stays the dict's order; every row between the write and the read
+        position is dead (zeroed and flagged), and so is every row a move vacates. Whole runs of live rows
+        move as array slices.
+        """
+        flags, hashes, parents, tokens, slots, mm = (
+            self._flags,
+            self._hashes,
+            self._parents,
+            self._tokens,
+            self._slots,
+            self._mm,
+        )
+        read, write = self._compact_read, self._compact_write
+        budget = _COMPACT_STEP_ROWS
+        while budget > 0:
+            run = _LIVE_RUN.search(flags, read)
+            if run is None:
+                # Every row from ``write`` on is dead: drop them.
+                self._dead -= len(flags) - write
+                del hashes[write:], parents[write:], tokens[write:], flags[write:]
+                self._compact_read = self._compact_write = -1
+                return
+            start, end = run.span()
+            end = min(end, start + budget)
+            count = end - start
+            if start != write:
+                hashes[write : write + count] = hashes[start:end]
+                parents[write : write + count] = parents[start:end]
+                tokens[write : write + count] = tokens[start:end]
+                flags[write : write + count] = flags[start:end]
+                slots.update(zip(hashes[write : write + count], range(write, write + count), strict=True))
+                if mm:
+                    for row in range(start, end):
+                        info = mm.pop(row, None)
+                        if info is not None:
+                            mm[row - start + write] = info
+                vacated = max(write + count, start)
+                if vacated < end:
+                    zeros = array("Q", bytes(8 * (end - vacated)))
+                    hashes[vacated:end] = zeros
+                    parents[vacated:end] = zeros
+                    tokens[vacated:end] = zeros
+                    flags[vacated:end] = bytes((FLAG_DEAD,)) * (end - vacated)
+            write += count
+            read = end
+            budget -= count
+        self._compact_read, self._compact_write = read, write
 
     def get(self, block_hash: int) -> tuple[int | None, int, MmExtraInfo | None] | None:
         """(parent hash, tokens hash, mm info) of a resident block, or None."""

@@ -82,7 +82,9 @@ def _reference_parent_first(store: BlockStore) -> bool:
 @given(_ops, st.booleans())
 def test_columns_equal_the_reference_order(ops: list[Any], tiny_compaction: bool) -> None:
     old = kvagent.index_store._COMPACT_MIN_FREE
+    old_step = kvagent.index_store._COMPACT_STEP_ROWS
     kvagent.index_store._COMPACT_MIN_FREE = 2 if tiny_compaction else old
+    kvagent.index_store._COMPACT_STEP_ROWS = 3 if tiny_compaction else old_step
     try:
         store = BlockStore()
         for kind, parent, hashes in ops:
@@ -93,6 +95,7 @@ def test_columns_equal_the_reference_order(ops: list[Any], tiny_compaction: bool
                 store.remove(tuple(hashes))
     finally:
         kvagent.index_store._COMPACT_MIN_FREE = old
+        kvagent.index_store._COMPACT_STEP_ROWS = old_step
     reference = list(store.replay_order())
     columns = store.columns()
     assert store.rows_parent_first() == _reference_parent_first(store)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any
 
 import attrs
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 LISTENER_TERMINATED = "framework listener terminated"
 QUARANTINE_TIMEOUT = 5.0
+SLICE_SECONDS = 0.001
 
 
 class ListenerError(Exception):
@@ -154,11 +156,18 @@ class _Listener:
     async def run(self) -> None:
         if self.replay is not None and self.options.cold_bootstrap:
             await self._bootstrap()
+        clock = time.perf_counter
         while True:
             if not self.pending:
                 self.pending.extend(await self._receive(self.options.batch_messages))
+            slice_end = clock() + SLICE_SECONDS
             while self.pending:
                 await self._on_live(self.pending.popleft())
+                if self.pending and clock() >= slice_end:
+                    # A burst is handled in slices, so the coordinator and recovery requests on the same
+                    # event loop get their turn every millisecond or so.
+                    await trio.lowlevel.checkpoint()
+                    slice_end = clock() + SLICE_SECONDS
 
     async def _receive(self, max_messages: int) -> list[list[bytes]]:
         try:
