@@ -9,8 +9,6 @@ Filtering answers per requester (5.3) is the recovery server's job, not the inde
 from __future__ import annotations
 
 import bisect
-import contextlib
-import gc
 import itertools
 import logging
 from collections import deque
@@ -35,6 +33,7 @@ from kvagent.events import (
     TreeDumpFailedAnswer,
     WorkerWithDpRank,
 )
+from kvagent.gcutil import gc_paused
 from kvagent.identity import CacheOwnerId
 from kvagent.index_store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
 
@@ -324,7 +323,7 @@ class RecoveryIndex:
             events: list[RouterEvent] = []
             append = events.append
             event_id = 0
-            with _gc_paused():
+            with gc_paused():
                 for worker_id, tier, domain, dp_rank, source, columns in snapshot.groups:
                     mm = columns.mm
                     rows = zip(columns.hashes, columns.parents, columns.tokens, columns.flags, strict=True)
@@ -373,7 +372,7 @@ class RecoveryIndex:
         while True:
             if self._applied != applied_at_start:
                 raise RuntimeError("recovery index changed during tree dump")
-            with _gc_paused():
+            with gc_paused():
                 chunk = list(itertools.islice(maps, chunk_events))
             if not chunk:
                 return
@@ -428,17 +427,3 @@ def _event_id(event: RouterEvent) -> int:
     return event.event_id
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while building a dump.
-
-    A dump allocates millions of small acyclic objects; each allocation burst would otherwise trigger
-    collections that traverse every live tracked object, which costs more than building the dump itself.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

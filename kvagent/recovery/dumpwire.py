@@ -29,7 +29,7 @@ import msgpack
 
 from kvagent.codec import mm_extra_info_to_wire, state_source_to_wire
 from kvagent.errors import KvAgentError
-from kvagent.events import RESET_ALL, Removed, ResetScope, ResidencyDomain, RouterEvent, Stored
+from kvagent.events import RESET_ALL, Removed, ResetScope, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.index import DumpGroup, DumpSnapshot, RecoveryIndex
 from kvagent.index_store import FLAG_DEAD, FLAG_PARENT
 from kvagent.recovery.protocol import (
@@ -90,6 +90,25 @@ _REMOVED_HEAD = b"".join(
 _CLEARED = _pack("data") + _pack("cleared")
 
 
+def _event_head(top_fields: int, worker_id: int, tier: StorageTier, domain: ResidencyDomain) -> bytes:
+    """A wire event's msgpack bytes up to its event id, ending in the 0xcf marker of a fixed-width u64."""
+    return b"".join(
+        [
+            _packer.pack_map_header(top_fields),
+            _pack("worker_id"),
+            _pack(worker_id),
+            _pack("storage_tier"),
+            _pack(tier.value),
+            _pack("residency_domain"),
+            _pack(domain.value),
+            _pack("event"),
+            _packer.pack_map_header(3),
+            _pack("event_id"),
+            b"\xcf",
+        ]
+    )
+
+
 def _route_bytes(event: RouterEvent) -> tuple[bytes, bytes]:
     key = (
         event.worker_id,
@@ -102,21 +121,7 @@ def _route_bytes(event: RouterEvent) -> tuple[bytes, bytes]:
     found = _ROUTE_BYTES.get(key)
     if found is None:
         top = 4 + (event.state_source is not None) + (event.session_id is not None)
-        head = b"".join(
-            [
-                _packer.pack_map_header(top),
-                _pack("worker_id"),
-                _pack(event.worker_id),
-                _pack("storage_tier"),
-                _pack(event.storage_tier.value),
-                _pack("residency_domain"),
-                _pack(event.residency_domain.value),
-                _pack("event"),
-                _packer.pack_map_header(3),
-                _pack("event_id"),
-                b"\xcf",
-            ]
-        )
+        head = _event_head(top, event.worker_id, event.storage_tier, event.residency_domain)
         tail = _pack("dp_rank") + _pack(event.dp_rank)
         if event.state_source is not None:
             tail += _pack("state_source") + _pack(state_source_to_wire(event.state_source))
@@ -271,21 +276,7 @@ def _msgpack_templates(group: DumpGroup) -> tuple[struct.Struct, struct.Struct, 
     pack = msgpack.Packer(use_bin_type=True).pack
     packer = msgpack.Packer(use_bin_type=True)
     source = group.source
-    head = b"".join(
-        [
-            packer.pack_map_header(4 if source is None else 5),
-            pack("worker_id"),
-            pack(group.worker_id),
-            pack("storage_tier"),
-            pack(group.tier.value),
-            pack("residency_domain"),
-            pack(group.domain.value),
-            pack("event"),
-            packer.pack_map_header(3),
-            pack("event_id"),
-            b"\xcf",
-        ]
-    )
+    head = _event_head(4 if source is None else 5, group.worker_id, group.tier, group.domain)
     data = b"".join(
         [pack("data"), packer.pack_map_header(1), pack("stored"), packer.pack_map_header(3), pack("parent_hash")]
     )

@@ -42,7 +42,6 @@ from kvagent.events import (
 from kvagent.hashing import BASE_SEED
 from kvagent.vllm.normalize import (
     MAIN_ATTENTION_KINDS,
-    NON_MAIN_ATTENTION_KINDS,
     AttachmentNormalizer,
     NormalizedBatch,
 )
@@ -74,11 +73,13 @@ U32 = (1 << 32) - 1
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=U32)]
 
 
-class MapBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True, gc=False):
+class _StoredFields(msgspec.Struct, frozen=True, gc=False):
+    """BlockStored's fields in vLLM's declaration order (the positional form's slots 1..13)."""
+
     block_hashes: tuple[int, ...]  # decoded straight into the tuple the Stored event keeps
+    parent_block_hash: int | None
     token_ids: list[_U32]
     block_size: int
-    parent_block_hash: int | None = None
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
@@ -88,11 +89,9 @@ class MapBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
     ownership: str | None = None
-    session_id: str | None = None
-    cache_salt: str | None = None
 
 
-class MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", frozen=True, gc=False):
+class _RemovedFields(msgspec.Struct, frozen=True, gc=False):
     block_hashes: tuple[int, ...]
     medium: str | None = None
     group_idx: int | None = None
@@ -100,6 +99,17 @@ class MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", froz
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
     ownership: str | None = None
+
+
+# A map without parent_block_hash is legal but never sent (vllm-wire.md 1: the key is present even when
+# nil); msgspec refuses it and the general decoder takes the batch.
+class MapBlockStored(_StoredFields, tag="BlockStored", tag_field="type", frozen=True, gc=False):
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class MapBlockRemoved(_RemovedFields, tag="BlockRemoved", tag_field="type", frozen=True, gc=False):
+    pass
 
 
 class MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True, gc=False):
@@ -132,34 +142,14 @@ class MapBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
 # declined (see _positional_layout_is_ambiguous).
 
 
-class ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True, frozen=True, gc=False):
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: list[_U32]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
+class ArrayBlockStored(_StoredFields, tag="BlockStored", array_like=True, frozen=True, gc=False):
     # Not on the positional wire; read by the shared normalization loop.
     session_id: ClassVar[None] = None
     cache_salt: ClassVar[None] = None
 
 
-class ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, frozen=True, gc=False):
-    block_hashes: tuple[int, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+class ArrayBlockRemoved(_RemovedFields, tag="BlockRemoved", array_like=True, frozen=True, gc=False):
+    pass
 
 
 class ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, frozen=True, gc=False):
@@ -264,10 +254,6 @@ def _pack_tokens(tokens: list[int]) -> bytes:
     return packer.pack(*tokens)
 
 
-def _kind_rejection(kind: str) -> str:
-    return "non_main_attention_kind" if kind in NON_MAIN_ATTENTION_KINDS else "unknown_kind"
-
-
 _STORED = frozenset({MapBlockStored, ArrayBlockStored})
 _REMOVED = frozenset({MapBlockRemoved, ArrayBlockRemoved})
 
@@ -281,6 +267,7 @@ def normalize_typed_batch(normalizer: AttachmentNormalizer, batch: TypedBatch) -
     # The inlined shapes are framework-owned, so they read and teach the framework normalizer's state.
     framework = normalizer.framework
     groups = framework._groups
+    group_filter = framework._group_filter  # (kind, group_idx, rank) -> rejection reason or None
     namespaces = framework._namespaces
     rank = normalizer.worker.dp_rank
     block_size = normalizer.kv_block_size
@@ -318,18 +305,11 @@ def normalize_typed_batch(normalizer: AttachmentNormalizer, batch: TypedBatch) -
                 continue
             kind = event.kv_cache_spec_kind
             group_idx = event.group_idx
-            if kind:
-                if group_idx is not None:
-                    groups[(rank, group_idx)] = (kind, event.kv_cache_spec_sliding_window)
-                if kind not in main_kinds:
-                    reason = _kind_rejection(kind)
-                    filtered[reason] = filtered.get(reason, 0) + 1
-                    continue
-            elif group_idx is not None:
-                rejection = framework._group_filter(None, group_idx, rank)
-                if rejection is not None:
-                    filtered[rejection] = filtered.get(rejection, 0) + 1
-                    continue
+            if kind and group_idx is not None:
+                groups[(rank, group_idx)] = (kind, event.kv_cache_spec_sliding_window)
+            if kind not in main_kinds and (rejection := group_filter(kind, group_idx, rank)) is not None:
+                filtered[rejection] = filtered.get(rejection, 0) + 1
+                continue
             token_bytes = _pack_tokens(tokens)
             tokens_hashes = tuple(
                 [xxh3(token_bytes[offset : offset + stride], BASE_SEED) for offset in range(0, count * stride, stride)]
@@ -354,17 +334,9 @@ def normalize_typed_batch(normalizer: AttachmentNormalizer, batch: TypedBatch) -
                 normalizer.normalize_event(_raw_removed(event), out)
                 continue
             kind = event.kv_cache_spec_kind
-            group_idx = event.group_idx
-            if kind:
-                if kind not in main_kinds:
-                    reason = _kind_rejection(kind)
-                    filtered[reason] = filtered.get(reason, 0) + 1
-                    continue
-            elif group_idx is not None:
-                rejection = framework._group_filter(None, group_idx, rank)
-                if rejection is not None:
-                    filtered[rejection] = filtered.get(rejection, 0) + 1
-                    continue
+            if kind not in main_kinds and (rejection := group_filter(kind, event.group_idx, rank)) is not None:
+                filtered[rejection] = filtered.get(rejection, 0) + 1
+                continue
             append(PlacementEvent(Removed(hashes), _DEVICE, _WORKER, rank, None))
         else:
             normalizer.normalize_event(_raw_event(event), out)
