@@ -5,25 +5,22 @@ one method call that runs to completion (the index applies synchronously, the si
 blocking), so no interleaving can be observed from outside.  The only Trio object it touches is the
 :class:`~kvagent.status.StatusCell` it replaces snapshots in.
 
-The Trio shell lives in :mod:`kvagent.coordinator_task` (re-exported here): ``open_coordinator(core)``
-returns a :class:`CoordinatorHandle` and ``run(*, task_status)``.  Control commands travel on a bounded
-channel (capacity 16) and always win over queued ingress; ingress travels on an unbounded channel so that
-the listener's admission never waits on coordinator progress.
+The Trio shell is :mod:`kvagent.coordinator_task` (re-exported here): ``open_coordinator(core)`` returns
+a :class:`CoordinatorHandle` and ``run(*, task_status)``; control always wins over queued ingress.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import structlog
 
 from kvagent.coalesce import coalesce
+from kvagent.coordinator_api import CoordinatorClosed, CoordinatorCounters, CoordinatorError, LocalIndex
 from kvagent.dedup import DedupFilter
-from kvagent.errors import KvAgentError
 from kvagent.events import (
     CLEARED,
     MAX_CHUNK_BLOCKS,
@@ -38,7 +35,7 @@ from kvagent.events import (
 )
 from kvagent.identity import KvStateAgentIdentity
 from kvagent.sink import EventSink
-from kvagent.source_cursor import SourceCursorTracker
+from kvagent.source_cursor import Continuity, SourceCursorTracker, classify_chunk
 from kvagent.status import AgentStatus, Attachment, StatusCell
 
 if TYPE_CHECKING:
@@ -58,53 +55,6 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 U64_MAX = (1 << 64) - 1
-
-
-class CoordinatorError(KvAgentError):
-    """A lifecycle command or an ingress chunk the coordinator refused or could not complete."""
-
-
-class CoordinatorClosed(KvAgentError):
-    """The coordinator task is gone; nothing can be sent to it any more."""
-
-    def __init__(self, message: str = "state-agent coordinator is closed") -> None:
-        super().__init__(message, code="internal")
-
-
-class LocalIndex(Protocol):
-    """What the coordinator needs of :class:`kvagent.index.RecoveryIndex`."""
-
-    def apply(self, event: RouterEvent) -> None: ...
-
-    def current_event_id(self) -> int: ...
-
-
-@attrs.define(slots=True)
-class CoordinatorCounters:
-    """Plain counters, read by the metrics endpoint at scrape time (never reset)."""
-
-    events_in: int = 0
-    events_published: int = 0
-    events_out_ids: int = 0
-    filtered: dict[str, int] = attrs.Factory(dict)
-    dropped_events: int = 0  # engines_dropped_events: raw batches lost to cursor gaps
-    quarantines: dict[str, int] = attrs.Factory(dict)
-    attachments: int = 0
-    restarts: int = 0
-    publications: int = 0
-    publication_failures: int = 0
-    source_losses: int = 0
-    ingress_chunks: int = 0
-
-    def count_filtered(self, reason: str, n: int = 1) -> None:
-        if n:
-            self.filtered[reason] = self.filtered.get(reason, 0) + n
-
-
-class _Continuity(enum.Enum):
-    CONTINUES = "continues"
-    DUPLICATE = "duplicate"
-    RESTARTED = "restarted"
 
 
 class SlotCoordinator:
@@ -283,9 +233,9 @@ class SlotCoordinator:
             self._fail_source(generation, "oversized ingress envelope")
             raise CoordinatorError("oversized ingress envelope", code="bad_request")
         continuity = self._classify_cursor(chunk)
-        if continuity is _Continuity.DUPLICATE:
+        if continuity is Continuity.DUPLICATE:
             return
-        if continuity is _Continuity.RESTARTED:
+        if continuity is Continuity.RESTARTED:
             self._restart_in_place(chunk)
         self._observe_cursor_lossy(chunk, "live ingress")
         self.counters.events_in += len(chunk.events)
@@ -316,9 +266,9 @@ class SlotCoordinator:
                 self.counters.count_filtered("stale_generation", len(chunk.events))
                 continue
             continuity = self._classify_cursor(chunk)
-            if continuity is _Continuity.DUPLICATE:
+            if continuity is Continuity.DUPLICATE:
                 continue
-            if continuity is _Continuity.RESTARTED:
+            if continuity is Continuity.RESTARTED:
                 # The final Worker barrier follows at once, so no restart barrier is needed here.
                 self.counters.restarts += 1
                 self._reset_cursor()
@@ -346,21 +296,13 @@ class SlotCoordinator:
 
     # -- source cursor (3.5, plus in-place restart detection) --------------------------------------
 
-    def _classify_cursor(self, chunk: IngressChunk) -> _Continuity:
-        cursor = self._cursor
-        if chunk.chunk_index > 0:
-            if self._skipping_sequence == chunk.source_cursor:
-                self._drop_duplicate(chunk)
-                return _Continuity.DUPLICATE
-            return _Continuity.CONTINUES
-        self._skipping_sequence = None
-        if cursor.active is None and cursor.completed is not None and chunk.source_cursor == cursor.completed:
+    def _classify_cursor(self, chunk: IngressChunk) -> Continuity:
+        if chunk.chunk_index == 0:
+            self._skipping_sequence = None
+        continuity = classify_chunk(self._cursor, self._skipping_sequence, chunk)
+        if continuity is Continuity.DUPLICATE:
             self._drop_duplicate(chunk)
-            return _Continuity.DUPLICATE
-        last_seen = cursor.last_seen()
-        if last_seen is not None and chunk.source_cursor < last_seen:
-            return _Continuity.RESTARTED
-        return _Continuity.CONTINUES
+        return continuity
 
     def _drop_duplicate(self, chunk: IngressChunk) -> None:
         self._skipping_sequence = None if chunk.final else chunk.source_cursor
@@ -567,11 +509,9 @@ class SlotCoordinator:
 
     @contextlib.contextmanager
     def ingress_batch(self) -> Iterator[None]:
-        """Within, cursor advances publish no status; one snapshot follows at the end, if anything moved.
+        """Cursor advances inside publish one status snapshot at the end (the shell wraps each drain).
 
-        The Trio shell wraps each drain of queued ingress in it, so a burst swaps the status (and wakes its
-        waiters) once per drain rather than once per chunk. Every other status change stays immediate, and
-        any snapshot is complete, so a deferred cursor is never older than one already published.
+        Other status changes stay immediate; every snapshot is complete, so none is ever older.
         """
         self._batching_ingress = True
         try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from kvagent.events import IngressChunk
 
-__all__ = ["SourceCursorTracker"]
+__all__ = ["Continuity", "SourceCursorTracker", "classify_chunk"]
 
 
 @attrs.define(slots=True)
@@ -42,3 +44,27 @@ class SourceCursorTracker:
         if self.completed is None:
             return self.active[0]
         return max(self.completed, self.active[0])
+
+
+class Continuity(enum.Enum):
+    CONTINUES = "continues"
+    DUPLICATE = "duplicate"
+    RESTARTED = "restarted"
+
+
+def classify_chunk(
+    tracker: SourceCursorTracker, skipping_sequence: int | None, chunk: IngressChunk
+) -> Continuity:
+    """Whether ``chunk`` continues the stream, repeats a raw batch already taken, or shows an engine restart.
+
+    ``skipping_sequence`` is the raw sequence of a duplicated multi-chunk batch whose later chunks are
+    dropped too.
+    """
+    if chunk.chunk_index > 0:
+        return Continuity.DUPLICATE if skipping_sequence == chunk.source_cursor else Continuity.CONTINUES
+    if tracker.active is None and tracker.completed is not None and chunk.source_cursor == tracker.completed:
+        return Continuity.DUPLICATE
+    last_seen = tracker.last_seen()
+    if last_seen is not None and chunk.source_cursor < last_seen:
+        return Continuity.RESTARTED
+    return Continuity.CONTINUES
