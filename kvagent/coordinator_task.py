@@ -7,9 +7,10 @@
 - **ingress**, unbounded: the listener's chunks, admitted with ``send_nowait`` so that admission never
   waits on coordinator progress (3.10: Stored/Removed are lossy, not flow-controlled).
 
-Priority is exact: before every unit of work the task tries control first, so a queued command is always
-handled before any queued ingress.  Work runs in slices of about :data:`SLICE_SECONDS` between checkpoints for
-throughput; when both channels are empty the task sleeps on a wakeup event that every send sets.
+Priority is exact: before every command and every drain of ingress (at most :data:`DRAIN_CHUNKS` chunks,
+handled inside ``SlotCoordinator.ingress_batch``) the task tries control first, so a queued command is
+always handled before any queued ingress.  Work runs in slices of about :data:`SLICE_SECONDS` between
+checkpoints; when both channels are empty the task sleeps on a wakeup event that every send sets.
 """
 
 from __future__ import annotations

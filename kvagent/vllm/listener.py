@@ -1,5 +1,9 @@
 """The per-attachment vLLM listener: SUB socket → decode → rank check → normalize → chunk → coordinator.
 
+Decoding and normalization take the typed fast path (:mod:`kvagent.vllm.fastpath`) whenever the payload
+allows it, and the general path otherwise. A burst is handled in slices of about a millisecond, so the
+coordinator and recovery requests on the same event loop are never kept waiting longer.
+
 Admission never waits on the coordinator (``CoordinatorHandle.admit`` is a non-blocking send on an
 unbounded channel; memory stays bounded because the coordinator drains much faster than one engine
 publishes, and the SUB's RCVHWM bounds what the engine can queue). If the listener ends on its own — an
