@@ -307,14 +307,7 @@ def _msgpack_templates(group: DumpGroup) -> tuple[struct.Struct, struct.Struct, 
 def _msgpack_rows(
     group: DumpGroup, first_row: int, end_row: int, event_id: int
 ) -> tuple[list[bytes], int]:
-    columns = group.columns
-    hashes, parents, tokens, flags, mm = (
-        columns.hashes,
-        columns.parents,
-        columns.tokens,
-        columns.flags,
-        columns.mm,
-    )
+    hashes, parents, tokens, flags, mm, _live = group.columns
     with_parent, root, (head, mid, blocks, toks, tail, root_mid) = _msgpack_templates(group)
     pack_parent, pack_root = with_parent.pack, root.pack
     parts: list[bytes] = []
@@ -334,14 +327,7 @@ def _msgpack_rows(
 
 
 def _json_rows(group: DumpGroup, first_row: int, end_row: int, event_id: int) -> tuple[list[str], int]:
-    columns = group.columns
-    hashes, parents, tokens, flags, mm = (
-        columns.hashes,
-        columns.parents,
-        columns.tokens,
-        columns.flags,
-        columns.mm,
-    )
+    hashes, parents, tokens, flags, mm, _live = group.columns
     # json.dumps(router_event_to_wire(...), separators=(",", ":")) with the per-block numbers left open.
     source = "" if group.source is None else f',"state_source":{json.dumps(state_source_to_wire(group.source))}'
     template = (

@@ -23,7 +23,6 @@ vectors, on generated batches of both forms and on mutated payloads.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, TypeAlias
 
@@ -55,6 +54,7 @@ from kvagent.vllm.wire import (
     RawIgnored,
     RawMessage,
     decode_frames,
+    u32_packer,
 )
 
 __all__ = [
@@ -238,20 +238,9 @@ def decode_live_frames(
 # --- normalization -----------------------------------------------------------------------------------
 
 _DEVICE_MEDIA = frozenset({"", "GPU", "DEVICE"})
-_U32_PACKERS: dict[int, struct.Struct] = {}
 _xxh3 = xxhash.xxh3_64_intdigest
 _DEVICE = StorageTier.DEVICE
 _WORKER = ResidencyDomain.WORKER
-
-
-def _pack_tokens(tokens: list[int]) -> bytes:
-    count = len(tokens)
-    packer = _U32_PACKERS.get(count)
-    if packer is None:
-        packer = struct.Struct(f"<{count}I")
-        if len(_U32_PACKERS) < 4096:  # token counts take few distinct values (blocks x block size)
-            _U32_PACKERS[count] = packer
-    return packer.pack(*tokens)
 
 
 _STORED = frozenset({MapBlockStored, ArrayBlockStored})
@@ -310,7 +299,7 @@ def normalize_typed_batch(normalizer: AttachmentNormalizer, batch: TypedBatch) -
             if kind not in main_kinds and (rejection := group_filter(kind, group_idx, rank)) is not None:
                 filtered[rejection] = filtered.get(rejection, 0) + 1
                 continue
-            token_bytes = _pack_tokens(tokens)
+            token_bytes = u32_packer(len(tokens)).pack(*tokens)
             tokens_hashes = tuple(
                 [xxh3(token_bytes[offset : offset + stride], BASE_SEED) for offset in range(0, count * stride, stride)]
             )
@@ -373,7 +362,7 @@ def _raw_stored(event: MapBlockStored | ArrayBlockStored) -> RawBlockStored:
         event.session_id,
         False,
         event.cache_salt,
-        _pack_tokens(event.token_ids),
+        u32_packer(len(event.token_ids)).pack(*event.token_ids),
     )
 
 

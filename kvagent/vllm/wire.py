@@ -54,6 +54,7 @@ __all__ = [
     "decode_replay_reply",
     "decode_seq",
     "is_replay_end_marker",
+    "u32_packer",
 ]
 
 U64 = (1 << 64) - 1
@@ -221,7 +222,8 @@ def _required(event: dict[Any, Any], key: str, tag: str) -> object:
 # --- events ----------------------------------------------------------------------------------------
 
 
-def _u32_packer(count: int) -> struct.Struct:
+def u32_packer(count: int) -> struct.Struct:
+    """A cached ``struct.Struct`` for ``count`` u32 little-endian values (token ids as LocalBlockHash reads them)."""
     packer = _U32_PACKERS.get(count)
     if packer is None:
         packer = struct.Struct(f"<{count}I")
@@ -281,7 +283,7 @@ def _stored_from_map(event: dict[Any, Any], accept_bytes: bool) -> RawBlockStore
     ):
         try:
             # struct checks every token is an int in u32 range, in C; bools are the only other ints.
-            token_bytes = _u32_packer(len(tokens)).pack(*tokens)
+            token_bytes = u32_packer(len(tokens)).pack(*tokens)
         except struct.error:
             pass
         else:
