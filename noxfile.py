@@ -37,7 +37,7 @@ def fuzz(session: nox.Session) -> None:
     """Long decoder/normalizer fuzz run (>= 1,000,000 inputs)."""
     session.install("-e", ".[test]")
     session.env["KVAGENT_FUZZ_INPUTS"] = session.posargs[0] if session.posargs else "1000000"
-    session.run("python", "-m", "tests.fuzz_decoder")
+    session.run("python", "-m", "tests.support.fuzz_decoder")
 
 
 @nox.session

@@ -20,14 +20,14 @@ BLOCK_SIZE = 16
 
 
 def owner() -> Any:
-    from kvagent.identity import CacheOwnerId
+    from kvagent.model.ids import CacheOwnerId
 
     return CacheOwnerId.parse(OWNER_TEXT)
 
 
 async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
                      cpu_window: tuple[float, float] | None, wait_limit: float) -> dict[str, Any]:
-    from kvagent.agent import AttachmentConfig, SlotAgentConfig, open_slot_agent
+    from kvagent.agent.slot import AttachmentConfig, SlotAgentConfig, open_slot_agent
     from kvagent.discovery.memory import MemoryDiscovery
 
     stats = publisher.stats

@@ -19,7 +19,7 @@ TITLE = "Tree dump: websocket client receives the whole dump"
 def _invalidate(index: Any) -> None:
     """Apply a no-op remove so the next dump is built from scratch (dumps are cached until an apply)."""
     from bench.agent_run import WORKER_ID
-    from kvagent.events import Removed, ResidencyDomain, RouterEvent, StorageTier
+    from kvagent.model.events import Removed, ResidencyDomain, RouterEvent, StorageTier
 
     event_id = index.current_event_id() + 1
     index.apply(RouterEvent(WORKER_ID, StorageTier.DEVICE, ResidencyDomain.WORKER, event_id, Removed((1,)), 0))

@@ -28,7 +28,7 @@ def _build(kind: str, blocks: int, traced: bool) -> int:
     before = rss_bytes()
     keep: Any
     if kind == "index":
-        from kvagent.index import RecoveryIndex
+        from kvagent.index.recovery_index import RecoveryIndex
 
         keep = RecoveryIndex(16)
         for event in stored_events(blocks):

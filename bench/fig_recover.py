@@ -30,7 +30,7 @@ def _load_cycle(stores: int, lag: int = 2_000) -> list[Any]:
     """
     import random
 
-    from kvagent.events import Removed, Stored
+    from kvagent.model.events import Removed, Stored
 
     rng = random.Random(5)
     chains = [tuple(rng.getrandbits(64) for _ in range(4)) for _ in range(stores)]
@@ -49,7 +49,7 @@ async def _applier(index: Any, stop: trio.Event, applied: list[int], cycle: list
     import itertools
 
     from bench.agent_run import WORKER_ID
-    from kvagent.events import ResidencyDomain, RouterEvent, StorageTier
+    from kvagent.model.events import ResidencyDomain, RouterEvent, StorageTier
 
     data = itertools.cycle(cycle)
     tier, domain = StorageTier.DEVICE, ResidencyDomain.WORKER

@@ -14,8 +14,8 @@ class BenchSlot:
     """The read side of a SlotSurface over a bare RecoveryIndex; control ops are refused."""
 
     def __init__(self, index: Any, name: str = "bench") -> None:
-        from kvagent.identity import KvStateAgentIdentity
-        from kvagent.status import AgentStatus
+        from kvagent.model.ids import KvStateAgentIdentity
+        from kvagent.model.status import AgentStatus
 
         self.name = name
         self.slot_rank = 0
@@ -42,7 +42,7 @@ def stored_events(blocks: int, *, first_id: int = 1, seed: int = 1) -> Iterator[
     """RouterEvents storing ``blocks`` fresh blocks as 4-block chains (the ingest trace's store shape)."""
     import random
 
-    from kvagent.events import ResidencyDomain, RouterEvent, StorageTier, Stored
+    from kvagent.model.events import ResidencyDomain, RouterEvent, StorageTier, Stored
 
     rng = random.Random(seed)
     event_id = first_id
@@ -55,7 +55,7 @@ def stored_events(blocks: int, *, first_id: int = 1, seed: int = 1) -> Iterator[
 
 
 def build_index(blocks: int, ring_capacity: int = 1024) -> Any:
-    from kvagent.index import RecoveryIndex
+    from kvagent.index.recovery_index import RecoveryIndex
 
     index = RecoveryIndex(16, ring_capacity)
     for event in stored_events(blocks):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import trio
 
-from kvagent.agent import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.host import open_host
+from kvagent.agent.slot import AttachmentConfig, SlotAgentConfig
 from kvagent.discovery.memory import MemoryDiscovery
-from kvagent.host import open_host
-from kvagent.identity import derive_cache_owner_id
-from kvagent.simulate import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
+from kvagent.model.ids import derive_cache_owner_id
+from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 
 BLOCK_SIZE = 16
 

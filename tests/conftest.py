@@ -1,1 +1,1 @@
-pytest_plugins = ["tests.etcd_server"]
+pytest_plugins = ["tests.support.etcd_server"]

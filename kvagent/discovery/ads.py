@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvagent.discovery.base import DiscoveryRecord
-from kvagent.events import (
+from kvagent.model.events import (
     KV_STATE_ATTACHMENTS_TOPIC,
     KV_STATE_EVENTS_TOPIC,
     KV_STATE_SOURCES_TOPIC,
     IngressProtocol,
 )
-from kvagent.identity import KvStateAgentIdentity, attachment_record_id
-from kvagent.status import Attachment
+from kvagent.model.ids import KvStateAgentIdentity, attachment_record_id
+from kvagent.model.status import Attachment
 
 __all__ = ["attachment_advertisement", "recovery_control_target", "source_advertisement"]
 

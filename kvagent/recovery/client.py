@@ -20,14 +20,8 @@ import attrs
 import msgpack
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from kvagent.codec import (
-    CodecError,
-    decode_router_events,
-    mm_extra_info_from_wire,
-    router_event_from_json,
-    state_source_from_wire,
-)
-from kvagent.events import (
+from kvagent._util.gcutil import gc_paused
+from kvagent.model.events import (
     MmExtraInfo,
     ResidencyDomain,
     RouterEvent,
@@ -35,9 +29,15 @@ from kvagent.events import (
     Stored,
     WorkerWithDpRank,
 )
-from kvagent.gcutil import gc_paused
-from kvagent.identity import CacheOwnerId, IdentityError, KvStateAgentIdentity
-from kvagent.status import AgentStatus, AttachmentStatus
+from kvagent.model.ids import CacheOwnerId, IdentityError, KvStateAgentIdentity
+from kvagent.model.status import AgentStatus, AttachmentStatus
+from kvagent.wire.router_event import (
+    CodecError,
+    decode_router_events,
+    mm_extra_info_from_wire,
+    router_event_from_json,
+    state_source_from_wire,
+)
 
 __all__ = [
     "DumpColumns",
@@ -222,7 +222,7 @@ class RecoverResult:
         return self.raw.get("reset_scope")
 
     def to_json(self) -> dict[str, Any]:
-        from kvagent.codec import router_event_to_json
+        from kvagent.wire.router_event import router_event_to_json
 
         return {**self.raw, "events": [router_event_to_json(event) for event in self.all_events()]}
 
@@ -365,7 +365,7 @@ class RecoveryClient:
         """One ``recover``.  ``dump_format="columns"`` asks for the compact dump (see DumpColumns);
         ``raw_events`` keeps the events as wire maps, skipping RouterEvent validation and construction;
         ``lazy_events`` (msgpack connections) does not even decode them: ``events_msgpack`` holds each
-        frame's msgpack array (decode with kvagent.codec.decode_router_events, or ``all_events()``).
+        frame's msgpack array (decode with kvagent.wire.router_event.decode_router_events, or ``all_events()``).
         """
         fields: dict[str, Any] = {"start": start, "end": end, **_fence_fields(expected_identity, generation)}
         if worker_id is not None:

@@ -20,8 +20,9 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from kvagent.errors import KvAgentError
-from kvagent.events import (
+from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import (
     RESET_ALL,
     EventsAnswer,
     RangeAnswer,
@@ -30,8 +31,7 @@ from kvagent.events import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
-from kvagent.index import DumpSnapshot, RecoveryIndex
-from kvagent.recovery.dumpwire import (
+from kvagent.recovery.dump import (
     EncodedRing,
     columns_frames,
     encoded_ring,

@@ -16,10 +16,11 @@ from typing import Any
 import attrs
 import msgpack
 
-from kvagent.codec import router_event_to_wire
-from kvagent.errors import KvAgentError
-from kvagent.events import (
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import (
     RESET_ALL,
+    U32_MAX,
+    U64_MAX,
     EventsAnswer,
     RangeAnswer,
     ResetScope,
@@ -28,8 +29,9 @@ from kvagent.events import (
     TooNewAnswer,
     TreeDumpAnswer,
 )
-from kvagent.identity import IdentityError, KvStateAgentIdentity
-from kvagent.status import AgentStatus
+from kvagent.model.ids import IdentityError, KvStateAgentIdentity
+from kvagent.model.status import AgentStatus
+from kvagent.wire.router_event import router_event_to_wire
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -53,8 +55,6 @@ __all__ = [
 ]
 
 MAX_FRAME_BYTES = 1 << 20  # trio-websocket's default receive limit: every frame we send must fit it
-U64_MAX = (1 << 64) - 1
-U32_MAX = (1 << 32) - 1
 
 CACHE_OWNER_INCREMENTAL_UNSUPPORTED = (
     "CacheOwner-only incremental recovery is unsupported; request a full state-agent snapshot"

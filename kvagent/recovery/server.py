@@ -21,16 +21,19 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
-from kvagent.errors import KvAgentError
-from kvagent.events import (
+from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import (
+    U32_MAX,
+    U64_MAX,
     EventsAnswer,
     InvalidRangeAnswer,
     TooNewAnswer,
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
-from kvagent.index import DumpSnapshot, RecoveryIndex
-from kvagent.recovery.dumpwire import (
+from kvagent.model.status import AgentStatus, AttachmentStatus
+from kvagent.recovery.dump import (
     columns_frames,
     encoded_ring,
     filter_snapshot,
@@ -40,8 +43,6 @@ from kvagent.recovery.dumpwire import (
 )
 from kvagent.recovery.follow import run_follow
 from kvagent.recovery.protocol import (
-    U32_MAX,
-    U64_MAX,
     Encoding,
     Fence,
     check_recovery_fence,
@@ -58,7 +59,6 @@ from kvagent.recovery.protocol import (
     required_uint,
     too_new_response,
 )
-from kvagent.status import AgentStatus, AttachmentStatus
 
 __all__ = ["RecoveryServerInfo", "ServerStats", "SlotRegistry", "SlotSurface", "serve_recovery"]
 
@@ -144,7 +144,7 @@ class ServerStats:
         self.request_errors[code] = self.request_errors.get(code, 0) + 1
 
     def collect_metrics(self) -> Iterator[Metric]:
-        """Metric families for kvagent.metrics (pass this object in its ``extra`` list)."""
+        """Metric families for kvagent.agent.metrics (pass this object in its ``extra`` list)."""
         yield GaugeMetricFamily(
             "kvagent_recovery_connections_open",
             "Open recovery websocket connections",

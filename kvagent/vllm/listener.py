@@ -1,6 +1,6 @@
 """The per-attachment vLLM listener: SUB socket → decode → rank check → normalize → chunk → coordinator.
 
-Decoding and normalization take the typed fast path (:mod:`kvagent.vllm.fastpath`) whenever the payload
+Decoding and normalization take the typed fast path (:mod:`kvagent.vllm.typed`) whenever the payload
 allows it, and the general path otherwise. A burst is handled in slices of about a millisecond, so the
 coordinator and recovery requests on the same event loop are never kept waiting longer.
 
@@ -31,15 +31,15 @@ import attrs
 import trio
 import zmq
 
-from kvagent.coordinator_task import CoordinatorHandle
-from kvagent.errors import KvAgentError
-from kvagent.events import MAX_RAW_PAYLOAD_BYTES
-from kvagent.status import Attachment, StatusCell
-from kvagent.vllm.fastpath import TypedMessage, decode_live_frames, normalize_typed_batch
+from kvagent._util.zmqtrio import TrioSocket
+from kvagent.coordinator.task import CoordinatorHandle
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES
+from kvagent.model.status import Attachment, StatusCell
+from kvagent.vllm.decode import RawMessage, WireDecodeError
 from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, build_ingress_chunks
-from kvagent.vllm.replay import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
-from kvagent.vllm.wire import RawMessage, WireDecodeError
-from kvagent.zmqtrio import TrioSocket
+from kvagent.vllm.sequence import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
+from kvagent.vllm.typed import TypedMessage, decode_live_frames, normalize_typed_batch
 
 __all__ = ["LISTENER_TERMINATED", "ListenerError", "ListenerOptions", "ListenerStats", "run_listener"]
 

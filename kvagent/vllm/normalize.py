@@ -15,7 +15,7 @@ import attrs
 import structlog
 import xxhash
 
-from kvagent.events import (
+from kvagent.model.events import (
     CLEARED,
     MAX_CHUNK_BLOCKS,
     MAX_CHUNK_EVENTS,
@@ -32,8 +32,8 @@ from kvagent.events import (
     WorkerWithDpRank,
     block_count,
 )
-from kvagent.hashing import BASE_SEED, block_hash_seed, local_block_hash, mm_block_hash
-from kvagent.vllm.wire import (
+from kvagent.model.hashing import BASE_SEED, block_hash_seed, local_block_hash, mm_block_hash
+from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBatch,
     RawBlockRemoved,

@@ -1,0 +1,167 @@
+"""Several slot agents in one process, each isolated in its own task.
+
+A slot that crashes is recorded as failed and withdrawn from the registry; the other slots keep serving.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+import zmq
+
+from kvagent.agent.slot import SlotAgent, SlotAgentConfig, open_slot_agent
+from kvagent.discovery.base import Discovery
+from kvagent.model.errors import KvAgentError
+from kvagent.publish.sinks import EventSink
+from kvagent.recovery.server import SlotRegistry
+
+__all__ = ["Host", "SlotState", "SlotStateKind", "open_host"]
+
+log = logging.getLogger(__name__)
+
+
+class SlotStateKind(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@attrs.frozen(slots=True)
+class SlotState:
+    kind: SlotStateKind
+    error: str | None = None
+
+
+SinkFactory = Callable[[SlotAgentConfig], EventSink | None]
+
+
+@attrs.define
+class _SlotTask:
+    stop: trio.Event = attrs.field(factory=trio.Event)
+    stopped: trio.Event = attrs.field(factory=trio.Event)
+    agent: SlotAgent | None = None
+
+
+class Host:
+    """The slots of one process. ``add_slot`` returns once the slot agent is running."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        *,
+        discovery: Discovery,
+        registry: SlotRegistry,
+        sink_factory: SinkFactory | None,
+        zmq_context: zmq.Context[Any] | None,
+    ) -> None:
+        self._nursery = nursery
+        self._discovery = discovery
+        self.registry = registry
+        self._sink_factory = sink_factory
+        self._zmq_context = zmq_context
+        self._tasks: dict[str, _SlotTask] = {}
+        self._states: dict[str, SlotState] = {}
+
+    @property
+    def states(self) -> dict[str, SlotState]:
+        return dict(self._states)
+
+    def agent(self, name: str) -> SlotAgent:
+        task = self._tasks.get(name)
+        if task is None or task.agent is None:
+            raise KvAgentError(f"no running slot named {name!r}", code="bad_request")
+        return task.agent
+
+    @property
+    def agents(self) -> list[SlotAgent]:
+        return [task.agent for task in self._tasks.values() if task.agent is not None]
+
+    async def add_slot(self, config: SlotAgentConfig) -> SlotAgent:
+        if config.name in self._tasks and not self._tasks[config.name].stopped.is_set():
+            raise KvAgentError(f"slot {config.name!r} already exists", code="conflict")
+        task = _SlotTask()
+        self._tasks[config.name] = task
+        self._states[config.name] = SlotState(SlotStateKind.STARTING)
+        agent: SlotAgent = await self._nursery.start(self._run_slot, config, task)
+        return agent
+
+    async def remove_slot(self, name: str) -> None:
+        task = self._tasks.get(name)
+        if task is None:
+            return
+        task.stop.set()
+        await task.stopped.wait()
+
+    async def _run_slot(
+        self,
+        config: SlotAgentConfig,
+        task: _SlotTask,
+        *,
+        task_status: trio.TaskStatus[SlotAgent] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        started = False
+        sink = self._sink_factory(config) if self._sink_factory is not None else None
+        try:
+            async with open_slot_agent(
+                config, discovery=self._discovery, sink=sink, zmq_context=self._zmq_context
+            ) as agent:
+                task.agent = agent
+                self.registry.add(agent)
+                self._states[config.name] = SlotState(SlotStateKind.RUNNING)
+                started = True
+                task_status.started(agent)
+                await task.stop.wait()
+            self._states[config.name] = SlotState(SlotStateKind.STOPPED)
+        except Exception as exc:
+            if not started:
+                self._states[config.name] = SlotState(SlotStateKind.FAILED, str(exc))
+                raise
+            # Isolation: one slot's crash is recorded and contained; the host keeps serving the others.
+            log.exception("slot %s failed", config.name)
+            self._states[config.name] = SlotState(SlotStateKind.FAILED, str(exc))
+        finally:
+            self.registry.remove(config.name)
+            task.agent = None
+            task.stopped.set()
+
+    async def stop_all(self) -> None:
+        for task in self._tasks.values():
+            task.stop.set()
+        for task in self._tasks.values():
+            await task.stopped.wait()
+
+
+@asynccontextmanager
+async def open_host(
+    *,
+    discovery: Discovery,
+    registry: SlotRegistry | None = None,
+    sink_factory: SinkFactory | None = None,
+    zmq_context: zmq.Context[Any] | None = None,
+) -> AsyncIterator[Host]:
+    """Host slot agents; on exit every slot shuts down in the seed's order."""
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        host = Host(
+            nursery,
+            discovery=discovery,
+            registry=registry if registry is not None else SlotRegistry(),
+            sink_factory=sink_factory,
+            zmq_context=zmq_context,
+        )
+        try:
+            yield host
+        except BaseException as exc:
+            body_error = exc
+        finally:
+            with trio.CancelScope(shield=True):
+                await host.stop_all()
+    if body_error is not None:
+        raise body_error

@@ -1,0 +1,533 @@
+"""The slot coordinator: the single owner of a slot's mutable state (agent-semantics.md section 3).
+
+:class:`SlotCoordinator` is sans-IO and synchronous: every lifecycle command and every ingress chunk is
+one method call that runs to completion (the index applies synchronously, the sink publishes without
+blocking), so no interleaving can be observed from outside.  The only Trio object it touches is the
+:class:`~kvagent.model.status.StatusCell` it replaces snapshots in.
+
+The Trio shell is :mod:`kvagent.coordinator.task` (re-exported here): ``open_coordinator(core)`` returns
+a :class:`CoordinatorHandle` and ``run(*, task_status)``; control always wins over queued ingress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import attrs
+import structlog
+
+from kvagent.coordinator.api import CoordinatorClosed, CoordinatorCounters, CoordinatorError, LocalIndex
+from kvagent.coordinator.coalesce import coalesce
+from kvagent.coordinator.cursor import Continuity, SourceCursorTracker, classify_chunk
+from kvagent.coordinator.dedup import DedupFilter
+from kvagent.model.events import (
+    CLEARED,
+    MAX_CHUNK_BLOCKS,
+    MAX_CHUNK_EVENTS,
+    U64_MAX,
+    Cleared,
+    IngressChunk,
+    PlacementEvent,
+    ResidencyDomain,
+    RouterEvent,
+    StorageTier,
+    WorkerWithDpRank,
+)
+from kvagent.model.ids import KvStateAgentIdentity
+from kvagent.model.status import AgentStatus, Attachment, StatusCell
+from kvagent.publish.sinks import EventSink
+
+__all__ = [
+    "CoordinatorClosed",
+    "CoordinatorCounters",
+    "CoordinatorError",
+    "LocalIndex",
+    "SlotCoordinator",
+    "SourceCursorTracker",
+]
+
+log = structlog.get_logger(__name__)
+
+
+
+class SlotCoordinator:
+    """Sans-IO coordinator of one stable DP slot; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        identity: KvStateAgentIdentity,
+        slot_rank: int,
+        index: LocalIndex,
+        sink: EventSink,
+        status: StatusCell,
+        request_withdrawal: Callable[[int], None],
+        strict_cache_owner: bool = False,
+    ) -> None:
+        self.identity = identity
+        self.slot_rank = slot_rank
+        self.index = index
+        self.sink = sink
+        self.status = status
+        self.strict_cache_owner = strict_cache_owner
+        self.counters = CoordinatorCounters()
+        self._request_withdrawal = request_withdrawal
+        self._attachment: Attachment | None = None
+        self._ingress_generation: int | None = None
+        self._next_outbound_id = 1
+        self._next_attachment_generation = 1
+        self._cursor = SourceCursorTracker()
+        # A duplicated non-final raw batch: its later chunks are dropped too.
+        self._skipping_sequence: int | None = None
+        self._dedup = DedupFilter()
+        # The three failure flags are never cleared for the life of the agent (3.1).
+        self._worker_domain_failed = False
+        self._cache_owner_domain_failed = False
+        self._source_failed = False
+        # strict_cache_owner: an unrepaired source loss makes CacheOwner untrusted until the next attach.
+        self._cache_owner_untrusted = False
+        self._batching_ingress = False
+        self._status_dirty = False
+        # The Trio shell installs the real backlog probe (the core never sees the channel itself).
+        self._ingress_queue_depth: Callable[[], int] = lambda: 0
+
+    # -- read-only views ---------------------------------------------------------------------------
+
+    @property
+    def attachment(self) -> Attachment | None:
+        return self._attachment
+
+    @property
+    def ingress_generation(self) -> int | None:
+        return self._ingress_generation
+
+    @property
+    def outbound_cursor(self) -> int:
+        return self._next_outbound_id - 1
+
+    @property
+    def worker_domain_failed(self) -> bool:
+        return self._worker_domain_failed
+
+    @property
+    def cache_owner_domain_failed(self) -> bool:
+        return self._cache_owner_domain_failed
+
+    @property
+    def source_failed(self) -> bool:
+        return self._source_failed
+
+    @property
+    def cursor(self) -> SourceCursorTracker:
+        return self._cursor
+
+    def ingress_queue_depth(self) -> int:
+        """Chunks admitted but not yet handled (read by the metrics endpoint at scrape time)."""
+        return self._ingress_queue_depth()
+
+    def bind_ingress_queue_depth(self, probe: Callable[[], int]) -> None:
+        self._ingress_queue_depth = probe
+
+    # -- control commands (3.3) --------------------------------------------------------------------
+
+    def attach(self, attachment: Attachment) -> Attachment:
+        if self._worker_domain_failed:
+            raise CoordinatorError("Worker domain is retired after a local/publish failure", code="internal")
+        if self._attachment is not None:
+            raise CoordinatorError("KV state agent already has an attachment", code="conflict")
+        generation = self._next_attachment_generation
+        if generation >= U64_MAX:
+            raise CoordinatorError("attachment generation exhausted", code="internal")
+        # The generation is consumed even if the barrier below fails.
+        self._next_attachment_generation = generation + 1
+        attachment = attrs.evolve(attachment, generation=generation, ready=False, ready_at_outbound_cursor=0)
+        self._attachment = attachment
+        self._publish_status()
+        try:
+            barrier_cursor = self._apply_and_publish_reset(attachment.worker)
+        except CoordinatorError as error:
+            self._worker_domain_failed = True
+            self._quarantine(generation, "attach reset transaction failed")
+            raise CoordinatorError(
+                "failed to establish Worker reset barrier before attach", code="internal"
+            ) from error
+        attachment = attrs.evolve(attachment, ready=True, ready_at_outbound_cursor=barrier_cursor)
+        self._ingress_generation = generation
+        # A fresh cursor does not prove CacheOwner continuity: CacheOwner stays advisory.
+        self._reset_cursor()
+        self._cache_owner_untrusted = False
+        self._attachment = attachment
+        self.counters.attachments += 1
+        self._publish_status()
+        return attachment
+
+    def begin_detach(self, generation: int) -> None:
+        attachment = self._require_attachment()
+        if attachment.generation != generation:
+            raise CoordinatorError(f"stale attachment generation {generation}", code="generation_mismatch")
+        # Ingress stays open: chunks queued before CompleteDetach are still handled (9.5).
+        self._attachment = attrs.evolve(attachment, ready=False)
+        self._publish_status()
+
+    def complete_detach(self, generation: int, queued: Iterable[IngressChunk]) -> int:
+        attachment = self._require_attachment()
+        if attachment.generation != generation or attachment.ready:
+            raise CoordinatorError(
+                "attachment must be unready before detach cleanup",
+                code="generation_mismatch" if attachment.generation != generation else "not_ready",
+            )
+        self._ingress_generation = None
+        self._drain_cache_owner(generation, queued)
+        try:
+            cursor = self._apply_and_publish_reset(attachment.worker)
+        except CoordinatorError as error:
+            self._worker_domain_failed = True
+            self._publish_status()
+            raise CoordinatorError(
+                "failed to publish final Worker detach barrier", code="internal"
+            ) from error
+        self._attachment = None
+        self._reset_cursor()
+        self._publish_status()
+        return cursor
+
+    def quarantine(self, generation: int, reason: str) -> None:
+        if self._quarantine(generation, reason):
+            self._withdraw(generation)
+
+    def abort_attach(self, generation: int) -> None:
+        """Forget a started attach whose listener never ran; publishes no barrier."""
+        if self._attachment is None or self._attachment.generation != generation:
+            return
+        self._attachment = None
+        self._ingress_generation = None
+        self._reset_cursor()
+        self._publish_status()
+
+    def report_source_loss(self, generation: int, lost_batches: int) -> None:
+        """The listener could not repair ``lost_batches`` raw batches of ``generation``."""
+        self.counters.source_losses += lost_batches
+        current = self._attachment is not None and self._attachment.generation == generation
+        log.warning("Raw KV source lost batches", generation=generation, lost_batches=lost_batches)
+        if self.strict_cache_owner and current and lost_batches > 0 and not self._cache_owner_untrusted:
+            self._cache_owner_untrusted = True
+            self._publish_status()
+
+    # -- ingress (3.4) -----------------------------------------------------------------------------
+
+    def handle_ingress(self, chunk: IngressChunk) -> None:
+        self.counters.ingress_chunks += 1
+        generation = chunk.generation
+        if self._ingress_generation != generation or self._worker_domain_failed or self._source_failed:
+            raise CoordinatorError(
+                f"ingress is closed for attachment generation {generation}", code="not_ready"
+            )
+        if len(chunk.events) > MAX_CHUNK_EVENTS or _chunk_blocks(chunk.events) > MAX_CHUNK_BLOCKS:
+            self._fail_source(generation, "oversized ingress envelope")
+            raise CoordinatorError("oversized ingress envelope", code="bad_request")
+        continuity = self._classify_cursor(chunk)
+        if continuity is Continuity.DUPLICATE:
+            return
+        if continuity is Continuity.RESTARTED:
+            self._restart_in_place(chunk)
+        self._observe_cursor_lossy(chunk, "live ingress")
+        self.counters.events_in += len(chunk.events)
+        if chunk.source_fault is not None:
+            self._fail_source(generation, chunk.source_fault)
+            raise CoordinatorError(f"incompatible raw source: {chunk.source_fault}", code="bad_request")
+        if chunk.cache_owner_fault is not None:
+            self._fail_cache_owner(generation, chunk.cache_owner_fault)
+        self._apply_and_publish(self._without_failed_cache_owner(chunk.events))
+
+    def _without_failed_cache_owner(self, events: Sequence[PlacementEvent]) -> Sequence[PlacementEvent]:
+        if not self._cache_owner_domain_failed:
+            return events
+        kept = [event for event in events if event.domain is not ResidencyDomain.CACHE_OWNER]
+        self.counters.count_filtered("cache_owner_failed", len(events) - len(kept))
+        return kept
+
+    def _drain_cache_owner(self, generation: int, queued: Iterable[IngressChunk]) -> None:
+        """CompleteDetach step 3: CacheOwner events queued for this attachment are residency truth."""
+        for chunk in queued:
+            self.counters.ingress_chunks += 1
+            if chunk.generation != generation:
+                log.warning(
+                    "Discarding ingress from a non-current attachment generation",
+                    queued_generation=chunk.generation,
+                    generation=generation,
+                )
+                self.counters.count_filtered("stale_generation", len(chunk.events))
+                continue
+            continuity = self._classify_cursor(chunk)
+            if continuity is Continuity.DUPLICATE:
+                continue
+            if continuity is Continuity.RESTARTED:
+                # The final Worker barrier follows at once, so no restart barrier is needed here.
+                self.counters.restarts += 1
+                self._reset_cursor()
+            self._observe_cursor_lossy(chunk, "detach drain")
+            self.counters.events_in += len(chunk.events)
+            if chunk.source_fault is not None:
+                self._fail_source(generation, chunk.source_fault)
+                continue
+            if chunk.cache_owner_fault is not None:
+                self._fail_cache_owner(generation, chunk.cache_owner_fault)
+            cache_owner_events = [e for e in chunk.events if e.domain is ResidencyDomain.CACHE_OWNER]
+            # Worker mutations are superseded by the final Worker reset.
+            self.counters.count_filtered("detach_worker_dropped", len(chunk.events) - len(cache_owner_events))
+            try:
+                self._apply_and_publish(self._without_failed_cache_owner(cache_owner_events))
+            except CoordinatorError as error:
+                log.error("Failed to drain CacheOwner residency during detach", error=str(error))
+        if self._cursor.active is not None:
+            log.warning(
+                "Detaching after an incomplete raw source batch; CacheOwner remains advisory",
+                generation=generation,
+            )
+            self.counters.dropped_events += 1
+            self._reset_cursor()
+
+    # -- source cursor (3.5, plus in-place restart detection) --------------------------------------
+
+    def _classify_cursor(self, chunk: IngressChunk) -> Continuity:
+        if chunk.chunk_index == 0:
+            self._skipping_sequence = None
+        continuity = classify_chunk(self._cursor, self._skipping_sequence, chunk)
+        if continuity is Continuity.DUPLICATE:
+            self._drop_duplicate(chunk)
+        return continuity
+
+    def _drop_duplicate(self, chunk: IngressChunk) -> None:
+        self._skipping_sequence = None if chunk.final else chunk.source_cursor
+        log.warning(
+            "Dropping a duplicate raw KV batch",
+            generation=chunk.generation,
+            source_cursor=chunk.source_cursor,
+            chunk_index=chunk.chunk_index,
+        )
+        self.counters.count_filtered("duplicate_source_chunk")
+
+    def _restart_in_place(self, chunk: IngressChunk) -> None:
+        """The engine's sequence went backwards: its Worker state is gone, so reset ours (issue #6)."""
+        attachment = self._require_attachment()
+        self.counters.restarts += 1
+        log.warning(
+            "Raw KV source sequence regressed; engine restarted in place, resetting Worker residency",
+            generation=chunk.generation,
+            source_cursor=chunk.source_cursor,
+            previous_cursor=self._cursor.last_seen(),
+        )
+        try:
+            self._apply_and_publish_reset(attachment.worker)
+        except CoordinatorError as error:
+            raise CoordinatorError("failed to publish Worker restart barrier", code="internal") from error
+        self._reset_cursor()
+        self._dedup.reset_domain(attachment.worker.dp_rank, ResidencyDomain.WORKER)
+
+    def _observe_cursor_lossy(self, chunk: IngressChunk, phase: str) -> None:
+        if self._cursor.observe(chunk):
+            return
+        previous = self._cursor.completed
+        missing = 1
+        if previous is not None and chunk.source_cursor - (previous + 1) > 0:
+            missing = chunk.source_cursor - (previous + 1)
+        log.warning(
+            "Raw KV source cursor gap or regression; continuing with advisory residency",
+            generation=chunk.generation,
+            source_cursor=chunk.source_cursor,
+            previous_cursor=previous,
+            chunk_index=chunk.chunk_index,
+            phase=phase,
+        )
+        self.counters.dropped_events += missing
+        self._cursor.accept_after_loss(chunk)
+
+    def _reset_cursor(self) -> None:
+        self._cursor = SourceCursorTracker()
+        self._skipping_sequence = None
+
+    # -- failure functions (3.6) -------------------------------------------------------------------
+
+    def _quarantine(self, generation: int, reason: str) -> bool:
+        """Internal quarantine: True when it affected the current attachment."""
+        attachment = self._attachment
+        if attachment is None or attachment.generation != generation:
+            return False
+        self._attachment = attrs.evolve(attachment, ready=False)
+        self._ingress_generation = None
+        log.warning("Quarantining vLLM KV ingress", generation=generation, reason=reason)
+        self.counters.quarantines[reason] = self.counters.quarantines.get(reason, 0) + 1
+        self._publish_status()
+        return True
+
+    def _fail_source(self, generation: int, reason: str) -> None:
+        self._source_failed = True
+        self._worker_domain_failed = True
+        self._cache_owner_domain_failed = True
+        self._quarantine(generation, reason)
+        self._withdraw(generation)
+
+    def _fail_cache_owner(self, generation: int, reason: str) -> None:
+        self._cache_owner_domain_failed = True
+        self._ingress_generation = None
+        self._quarantine(generation, reason)
+        self._withdraw(generation)
+        log.error("CacheOwner residency failed closed", generation=generation, reason=reason)
+
+    def _fail_domain(self, generation: int, domain: ResidencyDomain, reason: str) -> None:
+        if domain is ResidencyDomain.CACHE_OWNER:
+            self._fail_cache_owner(generation, reason)
+            return
+        self._worker_domain_failed = True
+        self._ingress_generation = None
+        self._quarantine(generation, reason)
+        self._withdraw(generation)
+
+    def _withdraw(self, generation: int) -> None:
+        try:
+            self._request_withdrawal(generation)
+        except Exception as error:  # the supervisor's channel is closed: the agent is shutting down
+            log.warning(
+                "KV state-agent attachment withdrawal supervisor is closed",
+                generation=generation,
+                error=str(error),
+            )
+
+    # -- apply and publish (3.8, 3.9) ----------------------------------------------------------------
+
+    def _apply_and_publish_reset(self, worker: WorkerWithDpRank) -> int:
+        """Publish a Worker-domain Cleared for ``worker`` as its own chunk; returns its outbound id."""
+        barrier = PlacementEvent(CLEARED, StorageTier.DEVICE, ResidencyDomain.WORKER, worker.dp_rank)
+        self._apply_and_publish([barrier])
+        return self._next_outbound_id - 1
+
+    def _apply_and_publish(self, placement_events: Sequence[PlacementEvent]) -> None:
+        attachment = self._attachment
+        if attachment is None:
+            raise CoordinatorError("KV state agent has no framework attachment", code="not_ready")
+        generation = attachment.generation
+        worker_id = attachment.worker.worker_id
+        owner = self.identity.cache_owner_id
+        slot_rank = self.slot_rank
+        dedup = self._dedup.filter
+        apply = self.index.apply
+        output: list[RouterEvent] = []
+        cleared_domains: list[ResidencyDomain] = []
+        failed_barrier: CoordinatorError | None = None
+        swallowed = 0
+        first_id = self._next_outbound_id
+        try:
+            for coalesced in coalesce(placement_events):
+                if coalesced.dp_rank != slot_rank:
+                    self._fail_source(generation, "ingress rank does not match stable slot")
+                    raise CoordinatorError(
+                        f"ingress rank {coalesced.dp_rank} does not match stable slot rank {self.slot_rank}",
+                        code="bad_request",
+                    )
+                event = dedup(coalesced)
+                if event is None:
+                    swallowed += 1
+                    continue
+                event_id = self._next_outbound_id
+                if event_id >= U64_MAX:
+                    self._fail_source(generation, "state-agent outbound cursor exhausted")
+                    raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
+                self._next_outbound_id = event_id + 1
+                domain = event.domain
+                router_event = RouterEvent(
+                    worker_id, event.tier, domain, event_id, event.data, event.dp_rank, owner, event.session_id
+                )
+                is_barrier = type(event.data) is Cleared
+                # Stored/Removed are lossy (one admission, one best-effort publication); a Cleared is a strong
+                # barrier that is fully applied locally before it is published.
+                try:
+                    apply(router_event)
+                except Exception as error:
+                    if is_barrier:
+                        self._fail_domain(generation, domain, "local reset barrier failed")
+                        failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
+                        failed_barrier.__cause__ = error
+                        break
+                    log.warning(
+                        "Failed to admit ordinary residency event locally; continuing lossy stream",
+                        worker_id=worker_id,
+                        dp_rank=event.dp_rank,
+                        domain=domain.value,
+                        error=str(error),
+                    )
+                if is_barrier:
+                    cleared_domains.append(domain)
+                output.append(router_event)
+        finally:
+            self.counters.events_out_ids += self._next_outbound_id - first_id
+        if swallowed:
+            self.counters.count_filtered("dedup_swallowed_remove", swallowed)
+        if output:
+            self._publish(output, cleared_domains, generation)
+        if self._batching_ingress:
+            self._status_dirty = True
+        else:
+            self._publish_status()
+        if failed_barrier is not None:
+            raise failed_barrier
+
+    def _publish(
+        self, output: list[RouterEvent], cleared_domains: list[ResidencyDomain], generation: int
+    ) -> None:
+        # One publication per chunk, never one per event.
+        self.counters.publications += 1
+        try:
+            self.sink.publish(output)
+        except Exception as error:
+            self.counters.publication_failures += 1
+            if not cleared_domains:
+                log.warning(
+                    "Failed to publish ordinary state-agent events; continuing lossy stream",
+                    attempted_event_count=len(output),
+                    error=str(error),
+                )
+                return
+            for domain in cleared_domains:
+                self._fail_domain(generation, domain, "reset barrier publication failed")
+            self._publish_status()
+            raise CoordinatorError("failed to publish reset barrier", code="internal") from error
+        self.counters.events_published += len(output)
+
+    # -- status (3.11) -----------------------------------------------------------------------------
+
+    def _require_attachment(self) -> Attachment:
+        if self._attachment is None:
+            raise CoordinatorError("KV state agent is not attached", code="not_ready")
+        return self._attachment
+
+    @contextlib.contextmanager
+    def ingress_batch(self) -> Iterator[None]:
+        """Cursor advances inside publish one status snapshot at the end (the shell wraps each drain).
+
+        Other status changes stay immediate; every snapshot is complete, so none is ever older.
+        """
+        self._batching_ingress = True
+        try:
+            yield
+        finally:
+            self._batching_ingress = False
+            if self._status_dirty:
+                self._publish_status()
+
+    def _publish_status(self) -> None:
+        self._status_dirty = False
+        attachment = self._attachment
+        self.status.set(
+            AgentStatus(
+                identity=self.identity,
+                attachment=None if attachment is None else attachment.status(),
+                cache_owner_ready=not (self._cache_owner_domain_failed or self._cache_owner_untrusted),
+                outbound_cursor=self._next_outbound_id - 1,
+            )
+        )
+
+
+def _chunk_blocks(events: Sequence[PlacementEvent]) -> int:
+    return sum([len(event.data.block_hashes) for event in events])
+

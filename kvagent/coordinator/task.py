@@ -1,0 +1,295 @@
+"""The Trio shell around :class:`~kvagent.coordinator.machine.SlotCoordinator` (agent-semantics.md 3.2).
+
+``open_coordinator(core)`` returns a :class:`CoordinatorHandle` (what the agent and the listener hold) and
+``run(*, task_status)`` (the coordinator task).  Two channels feed the task:
+
+- **control**, bounded at 16: lifecycle commands, each with its own one-shot reply;
+- **ingress**, unbounded: the listener's chunks, admitted with ``send_nowait`` so that admission never
+  waits on coordinator progress (3.10: Stored/Removed are lossy, not flow-controlled).
+
+Priority is exact: before every command and every drain of ingress (at most :data:`DRAIN_CHUNKS` chunks,
+handled inside ``SlotCoordinator.ingress_batch``) the task tries control first, so a queued command is
+always handled before any queued ingress.  Work runs in slices of about :data:`SLICE_SECONDS` between
+checkpoints; when both channels are empty the task sleeps on a wakeup event that every send sets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import structlog
+import trio
+
+from kvagent.coordinator.machine import CoordinatorClosed, CoordinatorError, SlotCoordinator
+from kvagent.model.events import IngressChunk
+from kvagent.model.status import Attachment
+
+__all__ = [
+    "CONTROL_CAPACITY",
+    "CoordinatorHandle",
+    "admit_ingress",
+    "open_coordinator",
+    "open_ingress_channel",
+]
+
+log = structlog.get_logger(__name__)
+
+CONTROL_CAPACITY = 16
+# Work runs in slices of about a millisecond: long enough that checkpoints cost little throughput, short
+# enough that recovery requests and other tasks on the same event loop wait at most about that long.
+SLICE_SECONDS = 0.001
+DRAIN_CHUNKS = 8  # chunks taken per drain: at ~15 us per event, about a slice
+INGRESS_CLOSED = "state-agent ingress coordinator is closed"
+
+T = TypeVar("T")
+_Invoke = Callable[[SlotCoordinator, Iterable[IngressChunk]], T]
+
+
+class _Command(Generic[T]):
+    """One control command and its one-shot reply."""
+
+    __slots__ = ("_done", "_error", "_result", "dropped_message", "invoke", "stops")
+
+    def __init__(self, invoke: _Invoke[T], dropped_message: str, *, stops: bool = False) -> None:
+        self.invoke = invoke
+        self.dropped_message = dropped_message
+        self.stops = stops
+        self._done = trio.Event()
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    def execute(self, core: SlotCoordinator, queued: Iterable[IngressChunk]) -> None:
+        try:
+            self._result = self.invoke(core, queued)
+        except Exception as error:
+            self._error = error
+        self._done.set()
+
+    def drop(self) -> None:
+        self._error = CoordinatorClosed(self.dropped_message)
+        self._done.set()
+
+    async def wait(self) -> T:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]  # set whenever no error was recorded
+
+
+class _Wakeup:
+    """Set by every send; the task re-arms it only after finding both channels empty (no lost wakeups)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def arm(self) -> trio.Event:
+        self._event = trio.Event()
+        return self._event
+
+
+def open_ingress_channel() -> tuple[
+    trio.MemorySendChannel[IngressChunk], trio.MemoryReceiveChannel[IngressChunk]
+]:
+    # Unbounded on purpose: the listener must never wait on the coordinator (3.10, 7.5). Memory is bounded
+    # in practice by the engine's own event rate; the coordinator drains in batches.
+    return trio.open_memory_channel[IngressChunk](math.inf)
+
+
+def admit_ingress(channel: trio.MemorySendChannel[IngressChunk], chunk: IngressChunk) -> None:
+    """Queue one chunk without waiting; fails only when the coordinator is gone."""
+    try:
+        channel.send_nowait(chunk)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        raise CoordinatorClosed(INGRESS_CLOSED) from None
+
+
+class CoordinatorHandle:
+    """The caller side of a running coordinator: async lifecycle commands and non-blocking admission."""
+
+    def __init__(
+        self,
+        control: trio.MemorySendChannel[_Command[Any]],
+        ingress: trio.MemorySendChannel[IngressChunk],
+        wakeup: _Wakeup,
+    ) -> None:
+        self._control = control
+        self._ingress = ingress
+        self._wakeup = wakeup
+
+    def admit(self, chunk: IngressChunk) -> None:
+        admit_ingress(self._ingress, chunk)
+        self._wakeup.set()
+
+    @property
+    def ingress_backlog(self) -> int:
+        """Chunks admitted but not yet taken by the coordinator."""
+        return self._ingress.statistics().current_buffer_used
+
+    async def attach(self, attachment: Attachment) -> Attachment:
+        return await self._call(lambda core, _: core.attach(attachment), "state-agent attach was dropped")
+
+    async def begin_detach(self, generation: int) -> None:
+        await self._call(
+            lambda core, _: core.begin_detach(generation), "state-agent detach begin was dropped"
+        )
+
+    async def complete_detach(self, generation: int) -> int:
+        return await self._call(
+            lambda core, queued: core.complete_detach(generation, queued),
+            "state-agent detach completion was dropped",
+        )
+
+    async def quarantine(self, generation: int, reason: str) -> None:
+        await self._call(
+            lambda core, _: core.quarantine(generation, reason),
+            "state-agent quarantine acknowledgement was dropped",
+        )
+
+    async def abort_attach(self, generation: int) -> None:
+        await self._call(
+            lambda core, _: core.abort_attach(generation), "state-agent abort attach was dropped"
+        )
+
+    async def report_source_loss(self, generation: int, lost_batches: int) -> None:
+        await self._call(
+            lambda core, _: core.report_source_loss(generation, lost_batches),
+            "state-agent source loss report was dropped",
+        )
+
+    async def shutdown(self) -> None:
+        """Stop the coordinator after everything queued before it; a no-op when it is already gone."""
+        try:
+            await self._call(lambda core, _: None, "state-agent shutdown was dropped", stops=True)
+        except CoordinatorClosed:
+            return
+
+    def close(self) -> None:
+        """Close both send channels; the task stops once it sees the closed control channel."""
+        self._control.close()
+        self._ingress.close()
+        self._wakeup.set()
+
+    async def _call(self, invoke: _Invoke[T], dropped_message: str, *, stops: bool = False) -> T:
+        command = _Command(invoke, dropped_message, stops=stops)
+        try:
+            try:
+                self._control.send_nowait(command)
+            except trio.WouldBlock:
+                await self._control.send(command)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise CoordinatorClosed() from None
+        self._wakeup.set()
+        return await command.wait()
+
+
+class _CoordinatorTask:
+    def __init__(
+        self,
+        core: SlotCoordinator,
+        control: trio.MemoryReceiveChannel[_Command[Any]],
+        ingress: trio.MemoryReceiveChannel[IngressChunk],
+        wakeup: _Wakeup,
+    ) -> None:
+        self._core = core
+        self._control = control
+        self._ingress = ingress
+        self._wakeup = wakeup
+        self._started = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._started:
+            raise RuntimeError("a coordinator task can only run once")
+        self._started = True
+        try:
+            task_status.started()
+            await self._loop()
+        finally:
+            self._close()
+
+    async def _loop(self) -> None:
+        clock = time.perf_counter
+        slice_end = clock() + SLICE_SECONDS
+        while True:
+            try:
+                command: _Command[Any] | None = self._control.receive_nowait()
+            except trio.WouldBlock:
+                command = None
+            except trio.EndOfChannel:
+                return
+            if command is not None:
+                command.execute(self._core, self._queued())
+                if command.stops:
+                    return
+            else:
+                # No other task runs while this drain is handled, so no command can arrive meanwhile: taking
+                # several chunks at once keeps the priority of control exact.
+                chunks = self._take_ingress(DRAIN_CHUNKS)
+                if not chunks:
+                    await self._wakeup.arm().wait()
+                    slice_end = clock() + SLICE_SECONDS
+                    continue
+                with self._core.ingress_batch():
+                    for chunk in chunks:
+                        self._ingest(chunk)
+            if clock() >= slice_end:
+                await trio.lowlevel.checkpoint()
+                slice_end = clock() + SLICE_SECONDS
+
+    def _next_chunk(self) -> IngressChunk | None:
+        try:
+            return self._ingress.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
+
+    def _take_ingress(self, limit: int) -> list[IngressChunk]:
+        chunks: list[IngressChunk] = []
+        receive = self._ingress.receive_nowait
+        try:
+            while len(chunks) < limit:
+                chunks.append(receive())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            pass
+        return chunks
+
+    def _queued(self) -> Iterator[IngressChunk]:
+        """Every chunk already queued, taken without waiting (the CompleteDetach drain)."""
+        while (chunk := self._next_chunk()) is not None:
+            yield chunk
+
+    def _ingest(self, chunk: IngressChunk) -> None:
+        try:
+            self._core.handle_ingress(chunk)
+        except CoordinatorError as error:
+            log.error("KV state-agent ingress failed", error=str(error), code=error.code)
+        except Exception:
+            log.exception("KV state-agent ingress failed")
+
+    def _close(self) -> None:
+        # Answer every command still queued so no caller waits forever, then close both receive sides so
+        # later sends and admissions fail with CoordinatorClosed.
+        while True:
+            try:
+                self._control.receive_nowait().drop()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        self._control.close()
+        self._ingress.close()
+
+
+def open_coordinator(
+    core: SlotCoordinator,
+) -> tuple[CoordinatorHandle, Callable[..., Awaitable[None]]]:
+    """The handle and the ``run(*, task_status=trio.TASK_STATUS_IGNORED)`` coroutine function of one core."""
+    control_send, control_receive = trio.open_memory_channel[_Command[Any]](CONTROL_CAPACITY)
+    ingress_send, ingress_receive = open_ingress_channel()
+    wakeup = _Wakeup()
+    task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup)
+    handle = CoordinatorHandle(control_send, ingress_send, wakeup)
+    core.bind_ingress_queue_depth(lambda: handle.ingress_backlog)
+    return handle, task.run

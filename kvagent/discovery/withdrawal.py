@@ -1,0 +1,149 @@
+"""Attachment-advertisement withdrawal: the required withdrawal (agent-semantics 7.4 step 2) and the
+generation-fenced withdrawal supervisor (7.6).
+
+Both retry forever with exponential backoff (100 ms doubling to 5 s): an advertisement that stays
+registered after its attachment failed would make routers trust a dead engine, so giving up is never the
+right answer; only cancellation (the agent's lease ending) stops the retries.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import trio
+
+from kvagent.discovery.base import Discovery, DiscoveryRecord
+from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
+from kvagent.model.ids import attachment_record_id
+
+__all__ = [
+    "AttachmentRecordHolder",
+    "WithdrawalCounters",
+    "run_withdrawal_supervisor",
+    "unregister_required",
+]
+
+log = logging.getLogger(__name__)
+
+INITIAL_BACKOFF = 0.1
+MAX_BACKOFF = 5.0
+
+
+@attrs.define
+class WithdrawalCounters:
+    """Plain counters, read by metrics at scrape time."""
+
+    withdrawals: int = 0  # supervisor unregistered the generation's record
+    retries: int = 0  # failed attempts (supervisor and required withdrawals) that were retried
+    stale_noops: int = 0  # requests fenced off: no record held, or it belongs to another generation
+    required_withdrawals: int = 0  # unregister_required successes
+
+
+class AttachmentRecordHolder:
+    """The currently registered attachment advertisement, shared by the agent and the supervisor."""
+
+    def __init__(self) -> None:
+        self._record: DiscoveryRecord | None = None
+        self.counters = WithdrawalCounters()
+
+    @property
+    def record(self) -> DiscoveryRecord | None:
+        return self._record
+
+    def set(self, record: DiscoveryRecord | None) -> None:
+        self._record = record
+
+    def forget_if(self, record: DiscoveryRecord) -> bool:
+        """Forget the held record only if it is still ``record`` (a newer one is never dropped)."""
+        if self._record is not None and self._record == record:
+            self._record = None
+            return True
+        return False
+
+
+def _next_delay(delay: float, cap: float) -> float:
+    return min(delay * 2, cap)
+
+
+async def unregister_required(
+    discovery: Discovery,
+    holder: AttachmentRecordHolder,
+    record: DiscoveryRecord | None,
+    *,
+    initial: float = INITIAL_BACKOFF,
+    cap: float = MAX_BACKOFF,
+) -> None:
+    """Withdraw ``record`` until it succeeds, then forget it if the holder still holds it.
+
+    Cancellation propagates (the caller reports ``state-agent lease ended before attachment
+    advertisement was withdrawn``).
+    """
+    if record is None:
+        return
+    delay = initial
+    while True:
+        try:
+            await discovery.unregister(record.topic, record.record_id)
+            break
+        except Exception as exc:  # any backend failure is retried; Cancelled is not an Exception
+            holder.counters.retries += 1
+            log.warning(
+                "Retrying required discovery withdrawal: record %d on %s: %s (retry in %.1fs)",
+                record.record_id,
+                record.topic,
+                exc,
+                delay,
+            )
+        await trio.sleep(delay)
+        delay = _next_delay(delay, cap)
+    holder.counters.required_withdrawals += 1
+    holder.forget_if(record)
+
+
+async def _withdraw_generation(
+    discovery: Discovery, holder: AttachmentRecordHolder, publisher_id: int, generation: int
+) -> None:
+    expected_id = attachment_record_id(publisher_id, generation)
+    current = holder.record
+    if current is None or current.record_id != expected_id or current.topic != KV_STATE_ATTACHMENTS_TOPIC:
+        # The fence: a late request never removes a newer attachment's record.
+        holder.counters.stale_noops += 1
+        return
+    await discovery.unregister(current.topic, current.record_id)
+    holder.forget_if(current)
+    holder.counters.withdrawals += 1
+
+
+async def run_withdrawal_supervisor(
+    *,
+    discovery: Discovery,
+    holder: AttachmentRecordHolder,
+    publisher_id: int,
+    requests: trio.MemoryReceiveChannel[int],
+    initial_backoff: float = INITIAL_BACKOFF,
+    max_backoff: float = MAX_BACKOFF,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Withdraw each requested generation's advertisement; ends when ``requests`` is closed and drained.
+
+    Takes ownership of ``requests`` and closes it on exit, so later senders see BrokenResourceError.
+    """
+    with requests:
+        task_status.started()
+        async for generation in requests:
+            delay = initial_backoff
+            while True:
+                try:
+                    await _withdraw_generation(discovery, holder, publisher_id, generation)
+                    break
+                except Exception as exc:  # retried until success; cancellation stops it
+                    holder.counters.retries += 1
+                    log.warning(
+                        "Retrying failed KV state attachment withdrawal: generation %d: %s (retry in %.1fs)",
+                        generation,
+                        exc,
+                        delay,
+                    )
+                await trio.sleep(delay)
+                delay = _next_delay(delay, max_backoff)

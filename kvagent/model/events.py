@@ -1,0 +1,269 @@
+"""Value types shared by every layer: tiers, domains, placement events, RouterEvents, recovery answers.
+
+Block data is kept as parallel tuples (hashes, local hashes, optional MM infos) instead of one object per
+block: the ingest hot path creates one object per event, not one per block.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, TypeAlias
+
+import attrs
+
+from kvagent.model.ids import CacheOwnerId
+
+__all__ = [
+    "U32_MAX",
+    "U64_MAX",
+    "CLEARED",
+    "MAX_CHUNK_BLOCKS",
+    "MAX_CHUNK_EVENTS",
+    "MAX_COALESCED_BLOCKS",
+    "MAX_RAW_PAYLOAD_BYTES",
+    "Cleared",
+    "EventData",
+    "EventsAnswer",
+    "IngressChunk",
+    "IngressProtocol",
+    "InvalidRangeAnswer",
+    "MmExtraInfo",
+    "MmObject",
+    "PlacementEvent",
+    "RangeAnswer",
+    "Removed",
+    "ResetScope",
+    "ResidencyDomain",
+    "RouterEvent",
+    "StorageTier",
+    "Stored",
+    "TooNewAnswer",
+    "TreeDumpAnswer",
+    "TreeDumpFailedAnswer",
+    "WorkerWithDpRank",
+    "block_count",
+]
+
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
+MAX_CHUNK_EVENTS = 128
+MAX_CHUNK_BLOCKS = 8192
+MAX_COALESCED_BLOCKS = 128
+MAX_RAW_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+KV_STATE_EVENTS_TOPIC = "kv-state-events-v2"
+KV_STATE_SOURCES_TOPIC = "kv-state-sources-v2"
+KV_STATE_ATTACHMENTS_TOPIC = "kv-state-attachments-v2"
+KV_STATE_HOSTS_TOPIC = "kv-state-hosts-v2"
+KV_STATE_ATTACHMENT_INTENTS_TOPIC = "kv-state-attachment-intents-v2"
+
+
+class StorageTier(enum.Enum):
+    DEVICE = "device"
+    HOST_PINNED = "host_pinned"
+    DISK = "disk"
+    EXTERNAL = "external"
+
+    # Members are singletons compared by identity; Enum's own __hash__ is a Python-level call, and tiers
+    # are hashed in dict keys for every event on the hot path.
+    __hash__ = object.__hash__
+
+    @classmethod
+    def from_medium(cls, medium: str | None) -> StorageTier | None:
+        """Dynamo's ``StorageTier::from_kv_medium``: case-sensitive, ``None`` for an unknown medium."""
+        if not medium:
+            return cls.DEVICE
+        return _MEDIUM_TIERS.get(medium)
+
+    @property
+    def canonical_medium(self) -> str | None:
+        return _CANONICAL_MEDIA[self]
+
+
+_MEDIUM_TIERS = {
+    "GPU": StorageTier.DEVICE,
+    "DEVICE": StorageTier.DEVICE,
+    "CPU": StorageTier.HOST_PINNED,
+    "CPU_PINNED": StorageTier.HOST_PINNED,
+    "CPU_TIER1": StorageTier.HOST_PINNED,
+    "CPU_TIER2": StorageTier.DISK,
+    "DISK": StorageTier.DISK,
+    "NVME": StorageTier.DISK,
+    "STORAGE": StorageTier.DISK,
+    "EXTERNAL": StorageTier.EXTERNAL,
+    "NETWORK": StorageTier.EXTERNAL,
+    "REMOTE": StorageTier.EXTERNAL,
+    "SHARED": StorageTier.EXTERNAL,
+}
+_CANONICAL_MEDIA = {
+    StorageTier.DEVICE: None,
+    StorageTier.HOST_PINNED: "CPU_PINNED",
+    StorageTier.DISK: "DISK",
+    StorageTier.EXTERNAL: "EXTERNAL",
+}
+
+
+class ResidencyDomain(enum.Enum):
+    WORKER = "worker"
+    CACHE_OWNER = "cache_owner"
+
+    __hash__ = object.__hash__  # see StorageTier
+
+
+class IngressProtocol(enum.Enum):
+    FRAMEWORK_V1 = "framework_v1"
+    VLLM_RESIDENCY_V1 = "vllm_residency_v1"
+
+
+@attrs.frozen(slots=True)
+class WorkerWithDpRank:
+    worker_id: int
+    dp_rank: int
+
+
+@attrs.frozen(slots=True)
+class MmObject:
+    mm_hash: int
+    offsets: tuple[tuple[int, int], ...]
+
+
+@attrs.frozen(slots=True)
+class MmExtraInfo:
+    mm_objects: tuple[MmObject, ...]
+
+
+@attrs.frozen(slots=True)
+class Stored:
+    """A chain of stored blocks; ``mm_extra_infos`` is ``None`` when no block carries MM info."""
+
+    parent_hash: int | None
+    block_hashes: tuple[int, ...]
+    tokens_hashes: tuple[int, ...]
+    mm_extra_infos: tuple[MmExtraInfo | None, ...] | None = None
+    start_position: int | None = None
+
+
+@attrs.frozen(slots=True)
+class Removed:
+    block_hashes: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class Cleared:
+    # Not a field: a Cleared carries no blocks, and a uniform ``len(data.block_hashes)`` keeps the block
+    # counting of chunking and coalescing free of type dispatch.
+    block_hashes: ClassVar[tuple[int, ...]] = ()
+
+
+CLEARED = Cleared()
+
+EventData: TypeAlias = Stored | Removed | Cleared
+
+
+def block_count(data: EventData) -> int:
+    """Blocks of a Stored, hashes of a Removed, 0 for a Cleared (the chunking and coalescing measure)."""
+    return len(data.block_hashes)
+
+
+@attrs.frozen(slots=True)
+class PlacementEvent:
+    """A normalized engine event, before the coordinator gives it an outbound id.
+
+    The exact residency owner is implied by ``domain``: the attached worker for Worker events, the
+    agent's CacheOwnerId for CacheOwner events.
+    """
+
+    data: EventData
+    tier: StorageTier
+    domain: ResidencyDomain
+    dp_rank: int
+    session_id: str | None = None
+
+
+@attrs.frozen(slots=True)
+class RouterEvent:
+    """One outbound event, field for field Dynamo's ``RouterEvent``."""
+
+    worker_id: int
+    storage_tier: StorageTier
+    residency_domain: ResidencyDomain
+    event_id: int
+    data: EventData
+    dp_rank: int
+    state_source: CacheOwnerId | None = None
+    session_id: str | None = None
+
+
+@attrs.frozen(slots=True)
+class IngressChunk:
+    """A bounded slice of one raw batch, as the listener hands it to the coordinator."""
+
+    generation: int
+    source_cursor: int
+    chunk_index: int
+    final: bool
+    events: tuple[PlacementEvent, ...]
+    source_fault: str | None = None
+    cache_owner_fault: str | None = None
+
+
+@attrs.frozen(slots=True)
+class ResetScope:
+    """``All`` when ``domain`` is None, else ``Domain(domain)``."""
+
+    domain: ResidencyDomain | None = None
+
+    def to_json(self) -> object:
+        return "all" if self.domain is None else {"domain": self.domain.value}
+
+
+RESET_ALL = ResetScope()
+
+
+@attrs.frozen(slots=True)
+class EventsAnswer:
+    events: tuple[RouterEvent, ...]
+    last_event_id: int
+
+
+@attrs.frozen(slots=True)
+class TreeDumpAnswer:
+    events: tuple[RouterEvent, ...]
+    last_event_id: int
+    reset_scope: ResetScope = RESET_ALL
+
+
+@attrs.frozen(slots=True)
+class TooNewAnswer:
+    requested_start: int | None
+    requested_end: int | None
+    newest_available: int
+
+
+@attrs.frozen(slots=True)
+class InvalidRangeAnswer:
+    start_id: int
+    end_id: int
+
+
+@attrs.frozen(slots=True)
+class TreeDumpFailedAnswer:
+    last_event_id: int
+    message: str
+
+
+RangeAnswer: TypeAlias = (
+    EventsAnswer | TreeDumpAnswer | TooNewAnswer | InvalidRangeAnswer | TreeDumpFailedAnswer
+)
+
+
+ResidencyOwner: TypeAlias = WorkerWithDpRank | CacheOwnerId
+"""Exact residency owner: the worker for Worker-domain residency, the CacheOwnerId for CacheOwner."""
+
+
+def residency_owner(event: RouterEvent) -> ResidencyOwner | None:
+    """The exact owner of an outbound event's residency, or None when a CacheOwner event has no source."""
+    if event.residency_domain is ResidencyDomain.WORKER:
+        return WorkerWithDpRank(event.worker_id, event.dp_rank)
+    return event.state_source

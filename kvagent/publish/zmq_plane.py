@@ -1,0 +1,180 @@
+"""The outbound ZMQ event plane: every coordinator publication on a PUB socket.
+
+Message: ``[b"kv-state-events-v2", publisher_id (u64 BE), first event_id (u64 BE), payload]`` where the
+payload is the Dynamo-identical msgpack ``Vec<RouterEvent>``, split at event boundaries into batches of at
+most 128 events and 8192 blocks.  A slow or absent subscriber never blocks the coordinator: sends are
+non-blocking, drops at the high-water mark are counted, and subscribers detect gaps by event id and repair
+them with the websocket ``recover`` op (``kvagent.recovery.subscribe.subscribe`` does exactly that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import zmq
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from kvagent._util.zmqtrio import TrioSocket
+from kvagent.model.events import MAX_CHUNK_BLOCKS, MAX_CHUNK_EVENTS, RouterEvent, block_count
+from kvagent.publish.sinks import SinkError
+from kvagent.wire.router_event import decode_router_events, encode_router_events
+
+__all__ = [
+    "EVENT_PLANE_TOPIC",
+    "EventPlaneCounters",
+    "PlaneSink",
+    "ZmqEventPlane",
+    "decode_event_plane_message",
+    "split_publication",
+]
+
+EVENT_PLANE_TOPIC = b"kv-state-events-v2"
+
+
+@attrs.define
+class EventPlaneCounters:
+    messages_sent: int = 0
+    events_sent: int = 0
+    dropped_messages: int = 0
+    dropped_events: int = 0
+    subscriptions: int = 0  # subscribe notifications seen (first subscriber per topic prefix)
+
+
+def split_publication(
+    events: Sequence[RouterEvent], max_events: int = MAX_CHUNK_EVENTS, max_blocks: int = MAX_CHUNK_BLOCKS
+) -> list[Sequence[RouterEvent]]:
+    """Split at event boundaries; a single event larger than the block bound goes alone."""
+    batches: list[Sequence[RouterEvent]] = []
+    start = 0
+    blocks = 0
+    for i, event in enumerate(events):
+        size = block_count(event.data)
+        if i > start and (i - start >= max_events or blocks + size > max_blocks):
+            batches.append(events[start:i])
+            start, blocks = i, 0
+        blocks += size
+    if start < len(events):
+        batches.append(events[start:])
+    return batches
+
+
+class ZmqEventPlane:
+    """One PUB (an XPUB, see below) per process, shared by every slot (each message names its slot's publisher id).
+
+    Several coordinator tasks publish through this socket, but they only ever send non-blocking and
+    never wait on its FD, so no task contends for it.
+    """
+
+    def __init__(
+        self, endpoint: str, *, sndhwm: int = 100_000, context: zmq.Context[Any] | None = None
+    ) -> None:
+        ctx = context if context is not None else zmq.Context.instance()
+        # An XPUB with XPUB_NODROP behaves as a PUB whose send reports EAGAIN at the high-water mark
+        # instead of dropping silently, so drops can be counted (subscribers repair them via recover).
+        sock = ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        self.last_endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket = TrioSocket(sock)
+        self.counters = EventPlaneCounters()
+
+    def poll_subscriptions(self) -> int:
+        """Take the XPUB's pending (un)subscribe notifications; returns ``counters.subscriptions``.
+
+        Called on every publish as well: libzmq queues these notifications without bound, so a socket
+        that never reads them grows with every subscriber that comes and goes.
+        """
+        sock = self._socket.socket
+        while True:
+            try:
+                note = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.counters.subscriptions
+            except zmq.ZMQError as exc:
+                raise SinkError(f"event plane receive failed: {exc}") from exc
+            if note[:1] == b"\x01":
+                self.counters.subscriptions += 1
+
+    async def wait_for_subscriber(self, count: int = 1) -> None:
+        """Return once ``count`` subscriptions have reached the PUB (tests: the slow-joiner window is over).
+
+        The caller becomes the one task waiting on the socket's FD; publishing never waits on it.
+        """
+        while self.poll_subscriptions() < count:
+            await self._socket.wait_readable()
+
+    def publish(self, publisher_id: int, events: Sequence[RouterEvent]) -> None:
+        self.poll_subscriptions()
+        prefix = publisher_id.to_bytes(8, "big")
+        for batch in split_publication(events):
+            frames = [
+                EVENT_PLANE_TOPIC,
+                prefix,
+                batch[0].event_id.to_bytes(8, "big"),
+                encode_router_events(batch),
+            ]
+            try:
+                sent = self._socket.send_multipart_nowait(frames)
+            except zmq.ZMQError as exc:
+                raise SinkError(f"event plane send failed: {exc}") from exc
+            if sent:
+                self.counters.messages_sent += 1
+                self.counters.events_sent += len(batch)
+            else:
+                self.counters.dropped_messages += 1
+                self.counters.dropped_events += len(batch)
+
+    def collect_metrics(self) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("kvagent_event_plane_messages_sent", "Event-plane messages sent", self.counters.messages_sent),
+            ("kvagent_event_plane_events_sent", "Events sent on the event plane", self.counters.events_sent),
+            (
+                "kvagent_event_plane_dropped_messages",
+                "Event-plane messages dropped at the HWM",
+                self.counters.dropped_messages,
+            ),
+            (
+                "kvagent_event_plane_dropped_events",
+                "Events dropped at the event-plane HWM",
+                self.counters.dropped_events,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+    def sink_for(self, slot_config: object = None) -> PlaneSink:
+        return PlaneSink(self)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class PlaneSink:
+    """An :class:`~kvagent.publish.sinks.EventSink` for one slot; the agent sets ``publisher_id`` when it starts."""
+
+    def __init__(self, plane: ZmqEventPlane, publisher_id: int | None = None) -> None:
+        self.plane = plane
+        self.publisher_id = publisher_id
+
+    def publish(self, events: Sequence[RouterEvent]) -> None:
+        if self.publisher_id is None:
+            raise SinkError("event plane sink has no publisher id yet")
+        self.plane.publish(self.publisher_id, events)
+
+
+def decode_event_plane_message(frames: Sequence[bytes]) -> tuple[int, int, list[RouterEvent]]:
+    """``(publisher_id, first_event_id, events)`` of one event-plane message."""
+    if len(frames) != 4 or frames[0] != EVENT_PLANE_TOPIC or len(frames[1]) != 8 or len(frames[2]) != 8:
+        raise ValueError(
+            "not a kv-state-events-v2 message: expected [topic, publisher_id(8), event_id(8), payload]"
+        )
+    events = decode_router_events(frames[3])
+    first = int.from_bytes(frames[2], "big")
+    if events and events[0].event_id != first:
+        raise ValueError(f"first event id {events[0].event_id} does not match the header {first}")
+    return int.from_bytes(frames[1], "big"), first, events

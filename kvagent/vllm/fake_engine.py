@@ -1,0 +1,539 @@
+"""A fake vLLM engine that speaks vLLM 0.32.0's KV event wire protocol, and a workload to drive it.
+
+:class:`FakeVllmEngine` follows vllm-wire.md §13: live batches ``[topic, seq8, payload]`` on a PUB-like
+socket (an XPUB, so :meth:`FakeVllmEngine.wait_for_subscriber` knows when a SUB has really subscribed —
+the slow-joiner fix for tests), a ``deque(maxlen=buffer_steps)`` replay buffer served over a ROUTER, and
+fault injection (skipped seqs, live drops kept for replay, used-up seqs, restarts, raw frames).
+
+:class:`SimulatedWorkload` produces realistic GPU prefix-cache events: requests sharing system prompts,
+chained block hashes derived as vLLM's ``sha256_cbor`` does (§7.2), LRU evictions at capacity with one
+remove per block (§8), rare prefix-cache resets, and some CPU offload stores/removes.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, cast
+
+import msgpack
+import trio
+import zmq
+
+from kvagent._util.zmqtrio import TrioSocket
+from kvagent.model.events import U64_MAX
+
+__all__ = [
+    "NONE_HASH",
+    "FakeVllmEngine",
+    "SimulatedWorkload",
+    "all_blocks_cleared",
+    "block_removed",
+    "block_stored",
+    "cbor_encode",
+    "chain_block_hash",
+    "fold_hash",
+    "run_simulated_engine",
+    "to_legacy",
+]
+
+log = logging.getLogger(__name__)
+
+REPLAY_END_SEQ = b"\xff" * 8
+
+Event = dict[str, Any] | list[Any]
+
+
+# --- hashes (vllm-wire.md §7.1, §7.2) -------------------------------------------------------------------
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    if value < 24:
+        return bytes([major << 5 | value])
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if value < 1 << (8 * size):
+            return bytes([major << 5 | info]) + value.to_bytes(size, "big")
+    raise ValueError("CBOR integer out of range")
+
+
+def cbor_encode(value: object) -> bytes:
+    """Canonical CBOR for the few types vLLM hashes: ints, bytes, str, None, tuples and lists."""
+    if value is None:
+        return b"\xf6"
+    if isinstance(value, bool):
+        return b"\xf5" if value else b"\xf4"
+    if isinstance(value, int):
+        return _cbor_head(0, value) if value >= 0 else _cbor_head(1, -1 - value)
+    if isinstance(value, bytes):
+        return _cbor_head(2, len(value)) + value
+    if isinstance(value, str):
+        encoded = value.encode()
+        return _cbor_head(3, len(encoded)) + encoded
+    if isinstance(value, tuple | list):
+        return _cbor_head(4, len(value)) + b"".join(cbor_encode(item) for item in value)
+    raise TypeError(f"cannot CBOR-encode {type(value).__name__}")
+
+
+def sha256_cbor(value: object) -> bytes:
+    return hashlib.sha256(cbor_encode(value)).digest()
+
+
+NONE_HASH = sha256_cbor("vllm-none-hash")
+
+
+def chain_block_hash(parent_digest: bytes | None, tokens: Sequence[int], extra: object = None) -> bytes:
+    """The full 32-byte digest of one block; the chain always uses full parent digests."""
+    return sha256_cbor((parent_digest if parent_digest is not None else NONE_HASH, tuple(tokens), extra))
+
+
+def fold_hash(digest: bytes) -> int:
+    """What events carry by default: the low 64 bits of the digest."""
+    return int.from_bytes(digest, "big") & U64_MAX
+
+
+# --- event builders (vLLM 0.32.0 map form, key order of vllm-wire.md §1 / §6.3) -------------------------
+
+
+def block_stored(
+    hashes: Sequence[int | bytes],
+    parent: int | bytes | None,
+    tokens: Sequence[int],
+    block_size: int,
+    medium: str | None = "GPU",
+    *,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
+    extra_keys: Sequence[object] | None = None,
+    group_idx: int | None = 0,
+    kv_cache_spec_kind: str | None = "full_attention",
+    kv_cache_spec_sliding_window: int | None = None,
+    locality: str | None = None,
+    ownership: str | None = None,
+    session_id: str | None = None,
+) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": block_size,
+        "lora_id": lora_id,
+        "medium": medium,
+        "lora_name": lora_name,
+        # A list of None is not the default None, so live GPU stores always carry it.
+        "extra_keys": list(extra_keys) if extra_keys is not None else [None] * len(hashes),
+    }
+    optional = {
+        "group_idx": group_idx,
+        "kv_cache_spec_kind": kv_cache_spec_kind,
+        "kv_cache_spec_sliding_window": kv_cache_spec_sliding_window,
+        "locality": locality,
+        "ownership": ownership,
+        "session_id": session_id,
+    }
+    event.update((key, value) for key, value in optional.items() if value is not None)
+    return event
+
+
+def block_removed(
+    hashes: Sequence[int | bytes],
+    medium: str | None = "GPU",
+    *,
+    group_idx: int | None = 0,
+    locality: str | None = None,
+    ownership: str | None = None,
+) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+    optional = {"group_idx": group_idx, "locality": locality, "ownership": ownership}
+    event.update((key, value) for key, value in optional.items() if value is not None)
+    return event
+
+
+def all_blocks_cleared() -> dict[str, Any]:
+    return {"type": "AllBlocksCleared"}
+
+
+_LEGACY_STORED = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+_LEGACY_REMOVED = ("block_hashes", "medium", "group_idx")
+
+
+def to_legacy(event: Event) -> list[Any]:
+    """The positional (array_like, pre-PR #42892) form: tag first, every declared field, full length."""
+    if isinstance(event, list):
+        return event
+    tag = event["type"]
+    fields = {"BlockStored": _LEGACY_STORED, "BlockRemoved": _LEGACY_REMOVED}.get(tag, ())
+    return [tag, *(event.get(name) for name in fields)]
+
+
+# --- the engine ------------------------------------------------------------------------------------------
+
+
+class FakeVllmEngine:
+    """One DP rank's vLLM KV event publisher: XPUB for live batches, optional ROUTER for replay."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        replay_endpoint: str | None = None,
+        topic: bytes | str = b"kv-events",
+        dp_rank: int = 0,
+        block_size: int = 16,
+        mode: Literal["map", "legacy"] = "map",
+        buffer_steps: int = 10_000,
+        replay_layout: Literal["v0.26", "v0.25", "sglang"] = "v0.26",  # sglang: the 3-frame v0.25 form
+        context: zmq.Context[Any] | None = None,
+        *,
+        replay_hwm: int | None = None,
+    ) -> None:
+        self.configured_endpoint = endpoint
+        self.configured_replay_endpoint = replay_endpoint
+        self.topic = topic.encode() if isinstance(topic, str) else topic
+        self.dp_rank = dp_rank
+        self.block_size = block_size
+        self.mode = mode
+        self.replay_layout = replay_layout
+        self.context = context if context is not None else zmq.Context.instance()
+        # vLLM's ROUTER runs at the libzmq default (1000) and drops silently beyond it; by default the
+        # fake lets one whole buffer through so simulated cold attaches are complete.
+        self.replay_hwm = replay_hwm if replay_hwm is not None else buffer_steps + 2
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self.next_seq = 0
+        self.published = 0
+        self.replay_requests = 0
+        self.subscriptions = 0
+        self._pub: TrioSocket | None = None
+        self._endpoint: str | None = None
+        self._replay_endpoint: str | None = None
+        self._subscribed = trio.Event()
+        self._subscription_changed = trio.Event()
+        self.replay_served = trio.Event()
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("the fake engine is not running yet")
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        if self.configured_replay_endpoint is None:
+            return None
+        if self._replay_endpoint is None:
+            raise RuntimeError("the fake engine is not running yet")
+        return self._replay_endpoint
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        xpub = self.context.socket(zmq.XPUB)
+        router: zmq.Socket[Any] | None = None
+        sockets: list[TrioSocket] = []
+        try:
+            xpub.setsockopt(zmq.LINGER, 0)
+            xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first per topic
+            xpub.bind(self.configured_endpoint)
+            self._endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._pub = TrioSocket(xpub)
+            sockets.append(self._pub)
+            if self.configured_replay_endpoint is not None:
+                router = self.context.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.SNDHWM, self.replay_hwm)
+                router.bind(self.configured_replay_endpoint)
+                self._replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+                sockets.append(TrioSocket(router))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_subscriptions)
+                if len(sockets) > 1:
+                    nursery.start_soon(self._serve_replay, sockets[1])
+                task_status.started()
+        finally:
+            self._pub = None
+            if not sockets:
+                xpub.close(linger=0)
+            for sock in sockets:
+                sock.close()
+
+    # -- subscriptions ----------------------------------------------------------------------------------
+
+    def _drain_subscriptions(self) -> None:
+        pub = self._pub
+        if pub is None:
+            return
+        while True:
+            try:
+                message = pub.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                self.subscriptions += 1
+                self._subscribed.set()
+                self._subscription_changed.set()
+                self._subscription_changed = trio.Event()
+
+    async def _watch_subscriptions(self) -> None:
+        # The only task that waits on the XPUB's FD. Sends (in publish_batch) never wait, and they drain
+        # subscriptions themselves because a send can consume the FD's edge (landscape.md §3).
+        pub = self._pub
+        assert pub is not None
+        fd = cast(int, pub.socket.getsockopt(zmq.FD))
+        while True:
+            self._drain_subscriptions()
+            if not cast(int, pub.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                await trio.lowlevel.wait_readable(fd)
+
+    async def wait_for_subscriber(self, count: int = 1) -> None:
+        """Return once ``count`` subscriptions have reached the publisher (live sends then reach them)."""
+        self._drain_subscriptions()
+        while self.subscriptions < count:
+            await self._subscription_changed.wait()
+
+    # -- live path --------------------------------------------------------------------------------------
+
+    def encode_batch(self, events: Sequence[Event], *, ts: float | None = None) -> bytes:
+        encoded = [to_legacy(e) for e in events] if self.mode == "legacy" else list(events)
+        stamp = float(time.time() if ts is None else ts)  # always msgpack float64
+        return bytes(msgpack.packb([stamp, encoded, self.dp_rank], use_bin_type=True))
+
+    def _send(self, frames: list[bytes]) -> None:
+        pub = self._pub
+        if pub is None:
+            raise RuntimeError("the fake engine is not running")
+        pub.send_multipart_nowait(frames)  # a PUB drops at its HWM; so does this
+        self._drain_subscriptions()
+
+    async def publish_batch(
+        self,
+        events: Sequence[Event],
+        *,
+        skip_seq: bool = False,
+        drop_live: bool = False,
+        unbuffered: bool = False,
+    ) -> int:
+        """Publish one engine step; returns the seq it used.
+
+        ``skip_seq``: a seq number is used up before this batch (a gap replay cannot fill).
+        ``drop_live``: not sent live but kept in the replay buffer (a recoverable HWM/slow-joiner drop).
+        ``unbuffered``: the seq is used up and nothing is sent or buffered (an encode/send failure).
+        """
+        await trio.lowlevel.checkpoint()
+        if skip_seq:
+            self.next_seq += 1
+        seq = self.next_seq
+        self.next_seq += 1
+        if unbuffered:
+            return seq
+        payload = self.encode_batch(events)
+        if not drop_live:
+            self._send([self.topic, seq.to_bytes(8, "big"), payload])
+        self.buffer.append((seq, payload))
+        self.published += 1
+        return seq
+
+    async def publish_frames(self, frames: Sequence[bytes]) -> None:
+        """Send raw frames on the live socket (malformed messages; nothing is buffered)."""
+        await trio.lowlevel.checkpoint()
+        self._send(list(frames))
+
+    publish_raw = publish_frames
+
+    async def send_payload(self, payload: bytes, *, seq: int | None = None) -> int:
+        """Publish an already-encoded batch payload under the next seq (or ``seq``) and buffer it."""
+        await trio.lowlevel.checkpoint()
+        if seq is None:
+            seq = self.next_seq
+        self.next_seq = seq + 1
+        self._send([self.topic, seq.to_bytes(8, "big"), payload])
+        self.buffer.append((seq, payload))
+        self.published += 1
+        return seq
+
+    async def publish_frames_sequence(self, messages: Sequence[Sequence[bytes]]) -> None:
+        """Send captured live messages verbatim (e.g. the ``sub`` lines of the 0.32.0 capture), in order."""
+        for frames in messages:
+            await self.publish_frames(frames)
+
+    def load_replay_buffer(self, pairs: Iterable[tuple[int, bytes]]) -> None:
+        """Serve replay from these ``(seq, payload)`` pairs (e.g. the capture's ``replay`` lines)."""
+        self.buffer.clear()
+        self.buffer.extend(pairs)
+        if self.buffer:
+            self.next_seq = max(self.next_seq, self.buffer[-1][0] + 1)
+
+    def restart(self) -> None:
+        """An in-place engine restart: seq back to 0, the replay buffer gone, no AllBlocksCleared."""
+        self.next_seq = 0
+        self.buffer.clear()
+
+    # -- replay -----------------------------------------------------------------------------------------
+
+    def replay_replies(self, start: int) -> list[list[bytes]]:
+        """The DEALER-side frames for a request from ``start`` (identity not included)."""
+        v26 = self.replay_layout == "v0.26"
+        replies = [
+            [b"", self.topic, seq.to_bytes(8, "big"), payload]
+            if v26
+            else [b"", seq.to_bytes(8, "big"), payload]
+            for seq, payload in self.buffer
+            if seq >= start
+        ]
+        replies.append([b"", b"", REPLAY_END_SEQ, b""] if v26 else [b"", REPLAY_END_SEQ, b""])
+        return replies
+
+    async def _serve_replay(self, router: TrioSocket) -> None:
+        while True:
+            request = await router.recv_multipart()
+            if len(request) != 3 or request[1] != b"":
+                log.warning("Invalid replay request: %d frames", len(request))
+                continue  # vLLM answers nothing at all
+            identity = request[0]
+            self.replay_requests += 1
+            # Served in one go like vLLM's publisher thread; ROUTER drops beyond its HWM instead of blocking.
+            for reply in self.replay_replies(int.from_bytes(request[2], "big")):
+                router.send_multipart_nowait([identity, *reply])
+            self.replay_served.set()
+            self.replay_served = trio.Event()
+
+
+# --- the workload ----------------------------------------------------------------------------------------
+
+
+class SimulatedWorkload:
+    """Deterministic (per seed) engine steps with prefix sharing, LRU eviction and some CPU offload."""
+
+    def __init__(
+        self,
+        seed: int,
+        block_size: int,
+        capacity_blocks: int = 512,
+        system_prompts: int = 3,
+        *,
+        clear_probability: float = 0.002,
+        offload_probability: float = 0.1,
+        cpu_capacity_blocks: int | None = None,
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.clear_probability = clear_probability
+        self.offload_probability = offload_probability
+        self.cpu_capacity_blocks = cpu_capacity_blocks if cpu_capacity_blocks is not None else capacity_blocks
+        rng = self.rng
+        self.system_prompts = [
+            [rng.randrange(1, 50_000) for _ in range(block_size * rng.randint(2, 6))]
+            for _ in range(system_prompts)
+        ]
+        # folded hash -> (parent folded hash, tokens, physical copies); insertion order is LRU order.
+        self.gpu: collections.OrderedDict[int, tuple[int | None, tuple[int, ...], int]] = (
+            collections.OrderedDict()
+        )
+        self.cpu: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.steps = 0
+
+    def _request_tokens(self) -> list[int]:
+        rng = self.rng
+        prompt = list(rng.choice(self.system_prompts))
+        user_blocks = rng.randint(1, 4)
+        # A little extra beyond full blocks: partial blocks are never hashed or stored.
+        prompt += [
+            rng.randrange(1, 50_000)
+            for _ in range(user_blocks * self.block_size + rng.randrange(self.block_size))
+        ]
+        return prompt
+
+    def _schedule_request(self, events: list[dict[str, Any]]) -> None:
+        tokens = self._request_tokens()
+        size = self.block_size
+        parent_digest: bytes | None = None
+        parent: int | None = None
+        new_hashes: list[int] = []
+        new_tokens: list[int] = []
+        store_parent: int | None = None
+        for start in range(0, len(tokens) - size + 1, size):
+            block = tuple(tokens[start : start + size])
+            parent_digest = chain_block_hash(parent_digest, block)
+            folded = fold_hash(parent_digest)
+            if not new_hashes and folded in self.gpu:
+                self.gpu.move_to_end(folded)  # a prefix-cache hit: no event
+            else:
+                if not new_hashes:
+                    store_parent = parent
+                new_hashes.append(folded)
+                new_tokens.extend(block)
+                # Past the first miss vLLM allocates fresh blocks even for hashes it already caches: a
+                # second physical copy, stored again and evicted (removed) separately.
+                copies = self.gpu.pop(folded, (parent, block, 0))[2]
+                self.gpu[folded] = (parent, block, copies + 1)
+            parent = folded
+        if new_hashes:
+            events.append(block_stored(new_hashes, store_parent, new_tokens, size))
+        while len(self.gpu) > self.capacity_blocks:
+            evicted, (_, _, copies) = self.gpu.popitem(last=False)
+            events.extend(block_removed([evicted]) for _ in range(copies))
+
+    def _offload(self, events: list[dict[str, Any]]) -> None:
+        candidates = [h for h in self.gpu if h not in self.cpu]
+        if not candidates:
+            return
+        chosen = self.rng.choice(candidates)
+        parent, block, _ = self.gpu[chosen]
+        # A self-describing CPU store from the offloading connector (framework-owned: no ownership key).
+        events.append(block_stored([chosen], parent, block, self.block_size, medium="CPU"))
+        self.cpu[chosen] = None
+        while len(self.cpu) > self.cpu_capacity_blocks:
+            evicted, _ = self.cpu.popitem(last=False)
+            events.append(block_removed([evicted], medium="CPU"))
+
+    def next_step(self) -> list[dict[str, Any]]:
+        """The events of one engine step (possibly none: an idle step publishes nothing)."""
+        self.steps += 1
+        rng = self.rng
+        events: list[dict[str, Any]] = []
+        if self.gpu and rng.random() < self.clear_probability:
+            # reset_prefix_cache(): one AllBlocksCleared; the source's tiers are gone.
+            events.append(all_blocks_cleared())
+            self.gpu.clear()
+            self.cpu.clear()
+        for _ in range(rng.randint(0, 3)):
+            self._schedule_request(events)
+        if rng.random() < self.offload_probability:
+            self._offload(events)
+        return events
+
+
+async def run_simulated_engine(
+    engine: FakeVllmEngine,
+    workload: SimulatedWorkload,
+    *,
+    steps_per_second: float = 20.0,
+    max_steps: int | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Publish one batch per engine step that has events; ``engine.run`` must already have started."""
+    task_status.started()
+    interval = 1.0 / steps_per_second if steps_per_second > 0 else 0.0
+    deadline = trio.current_time()
+    steps = 0
+    while max_steps is None or steps < max_steps:
+        events = workload.next_step()
+        steps += 1
+        if events:
+            await engine.publish_batch(events)
+        # Pacing, not synchronization: a fixed engine step rate without drift.
+        deadline += interval
+        await trio.sleep_until(deadline)

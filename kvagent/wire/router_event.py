@@ -1,0 +1,388 @@
+"""RouterEvent codec: Dynamo's named-map msgpack encoding (agent-semantics.md 8) and its JSON twin.
+
+The wire map and the JSON object use the same names and shapes, so one builder produces both and one
+validator reads both.  The encoder is on the hot path (every publication): it builds dicts with literal
+keys in the 8.2 field order and lets msgpack write integers in their shortest form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgpack
+
+from kvagent.model.events import (
+    CLEARED,
+    U32_MAX,
+    U64_MAX,
+    EventData,
+    MmExtraInfo,
+    MmObject,
+    Removed,
+    ResidencyDomain,
+    RouterEvent,
+    StorageTier,
+    Stored,
+)
+from kvagent.model.ids import CacheOwnerId, IdentityError
+
+__all__ = [
+    "CodecError",
+    "checked_router_event_from_wire",
+    "decode_router_events",
+    "encode_router_events",
+    "mm_extra_info_from_wire",
+    "mm_extra_info_to_wire",
+    "router_event_from_json",
+    "router_event_from_wire",
+    "router_event_to_json",
+    "router_event_to_wire",
+    "state_source_from_wire",
+    "state_source_to_wire",
+]
+
+
+_TIERS = {tier.value: tier for tier in StorageTier}
+_DOMAINS = {domain.value: domain for domain in ResidencyDomain}
+
+
+class CodecError(ValueError):
+    """A RouterEvent payload that cannot be decoded; the message names the offending field."""
+
+
+# --- state_source: the one place that fixes its wire form -------------------------------------------
+
+
+def state_source_to_wire(owner: CacheOwnerId) -> str:
+    """kvagent defines: a CacheOwnerId travels as its canonical text ``<32hex>:<32hex>/<16hex>/<32hex>``."""
+    return str(owner)
+
+
+def state_source_from_wire(value: object, field: str = "state_source") -> CacheOwnerId:
+    if not isinstance(value, str):
+        raise CodecError(f"{field} must be a CacheOwnerId string, got {type(value).__name__}")
+    try:
+        return CacheOwnerId.parse(value)
+    except IdentityError as exc:
+        raise CodecError(f"{field}: {exc}") from None
+
+
+# --- encoding ---------------------------------------------------------------------------------------
+
+
+def mm_extra_info_to_wire(info: MmExtraInfo | None) -> dict[str, object] | None:
+    if info is None:
+        return None
+    return {
+        "mm_objects": [
+            {"mm_hash": obj.mm_hash, "offsets": [[start, end] for start, end in obj.offsets]}
+            for obj in info.mm_objects
+        ]
+    }
+
+
+def _data_to_wire(data: EventData) -> object:
+    if isinstance(data, Stored):
+        infos = data.mm_extra_infos
+        if infos is None:
+            blocks: list[dict[str, object]] = [
+                {"block_hash": block_hash, "tokens_hash": tokens_hash, "mm_extra_info": None}
+                for block_hash, tokens_hash in zip(data.block_hashes, data.tokens_hashes, strict=True)
+            ]
+        else:
+            blocks = [
+                {
+                    "block_hash": block_hash,
+                    "tokens_hash": tokens_hash,
+                    "mm_extra_info": mm_extra_info_to_wire(info),
+                }
+                for block_hash, tokens_hash, info in zip(
+                    data.block_hashes, data.tokens_hashes, infos, strict=True
+                )
+            ]
+        return {
+            "stored": {
+                "parent_hash": data.parent_hash,
+                "start_position": data.start_position,
+                "blocks": blocks,
+            }
+        }
+    if isinstance(data, Removed):
+        return {"removed": {"block_hashes": list(data.block_hashes)}}
+    return "cleared"
+
+
+def router_event_to_wire(event: RouterEvent) -> dict[str, object]:
+    """The 8.2 named map; ``state_source`` and ``session_id`` are omitted when None."""
+    wire: dict[str, object] = {
+        "worker_id": event.worker_id,
+        "storage_tier": event.storage_tier.value,
+        "residency_domain": event.residency_domain.value,
+        "event": {
+            "event_id": event.event_id,
+            "data": _data_to_wire(event.data),
+            "dp_rank": event.dp_rank,
+        },
+    }
+    if event.state_source is not None:
+        wire["state_source"] = state_source_to_wire(event.state_source)
+    if event.session_id is not None:
+        wire["session_id"] = event.session_id
+    return wire
+
+
+def encode_router_events(events: Sequence[RouterEvent]) -> bytes:
+    """A msgpack array of named maps, byte-identical to Dynamo's encoding (golden vector 8.3)."""
+    try:
+        return msgpack.packb([router_event_to_wire(event) for event in events], use_bin_type=True)  # type: ignore[no-any-return]
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise CodecError(f"router event cannot be encoded: {exc}") from exc
+
+
+def router_event_to_json(event: RouterEvent) -> dict[str, object]:
+    """JSON-safe form with the wire names; integers stay integers (u64 hashes are exact in Python JSON)."""
+    return router_event_to_wire(event)
+
+
+# --- decoding ---------------------------------------------------------------------------------------
+
+
+def _uint(value: object, field: str, maximum: int = U64_MAX) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CodecError(f"{field} must be an unsigned integer, got {type(value).__name__}")
+    if not 0 <= value <= maximum:
+        raise CodecError(f"{field} must be between 0 and {maximum}, got {value}")
+    return value
+
+
+def _optional_uint(value: object, field: str, maximum: int = U64_MAX) -> int | None:
+    return None if value is None else _uint(value, field, maximum)
+
+
+def _map(value: object, field: str) -> dict[object, object]:
+    if not isinstance(value, dict):
+        raise CodecError(f"{field} must be a map, got {type(value).__name__}")
+    return value
+
+
+def _list(value: object, field: str) -> list[object]:
+    if not isinstance(value, list | tuple):
+        raise CodecError(f"{field} must be an array, got {type(value).__name__}")
+    return list(value)
+
+
+def _required(obj: dict[object, object], key: str, field: str) -> object:
+    try:
+        return obj[key]
+    except KeyError:
+        raise CodecError(f"{field}.{key} is missing") from None
+
+
+def _mm_extra_info_from_wire(value: object, field: str) -> MmExtraInfo | None:
+    if value is None:
+        return None
+    info = _map(value, field)
+    objects: list[MmObject] = []
+    for index, raw_object in enumerate(_list(_required(info, "mm_objects", field), f"{field}.mm_objects")):
+        obj_field = f"{field}.mm_objects[{index}]"
+        obj = _map(raw_object, obj_field)
+        mm_hash = _uint(_required(obj, "mm_hash", obj_field), f"{obj_field}.mm_hash")
+        offsets: list[tuple[int, int]] = []
+        for offset_index, raw_offset in enumerate(
+            _list(_required(obj, "offsets", obj_field), f"{obj_field}.offsets")
+        ):
+            offset_field = f"{obj_field}.offsets[{offset_index}]"
+            pair = _list(raw_offset, offset_field)
+            if len(pair) != 2:
+                raise CodecError(f"{offset_field} must be [start, end], got {len(pair)} elements")
+            offsets.append((_uint(pair[0], offset_field), _uint(pair[1], offset_field)))
+        objects.append(MmObject(mm_hash, tuple(offsets)))
+    return MmExtraInfo(tuple(objects))
+
+
+def mm_extra_info_from_wire(value: object, field: str = "mm_extra_info") -> MmExtraInfo | None:
+    """Validate one ``mm_extra_info`` value (nil or a map) from either encoding."""
+    return _mm_extra_info_from_wire(value, field)
+
+
+def _stored_from_wire(value: object, field: str) -> Stored:
+    stored = _map(value, field)
+    parent_hash = _optional_uint(stored.get("parent_hash"), f"{field}.parent_hash")
+    start_position = _optional_uint(stored.get("start_position"), f"{field}.start_position", U32_MAX)
+    block_hashes: list[int] = []
+    tokens_hashes: list[int] = []
+    infos: list[MmExtraInfo | None] = []
+    for index, raw_block in enumerate(_list(_required(stored, "blocks", field), f"{field}.blocks")):
+        block_field = f"{field}.blocks[{index}]"
+        block = _map(raw_block, block_field)
+        block_hashes.append(_uint(_required(block, "block_hash", block_field), f"{block_field}.block_hash"))
+        tokens_hashes.append(
+            _uint(_required(block, "tokens_hash", block_field), f"{block_field}.tokens_hash")
+        )
+        infos.append(_mm_extra_info_from_wire(block.get("mm_extra_info"), f"{block_field}.mm_extra_info"))
+    mm_extra_infos = tuple(infos) if any(info is not None for info in infos) else None
+    return Stored(parent_hash, tuple(block_hashes), tuple(tokens_hashes), mm_extra_infos, start_position)
+
+
+def _data_from_wire(value: object, field: str) -> EventData:
+    if value == "cleared":
+        return CLEARED
+    if isinstance(value, str):
+        raise CodecError(f"{field} must be 'cleared' or a stored/removed map, got {value!r}")
+    data = _map(value, field)
+    if len(data) != 1:
+        raise CodecError(f"{field} must have exactly one variant key, got {sorted(map(str, data))}")
+    ((variant, body),) = data.items()
+    if variant == "stored":
+        return _stored_from_wire(body, f"{field}.stored")
+    if variant == "removed":
+        removed = _map(body, f"{field}.removed")
+        hashes_field = f"{field}.removed.block_hashes"
+        hashes = _list(_required(removed, "block_hashes", f"{field}.removed"), hashes_field)
+        return Removed(tuple(_uint(h, f"{hashes_field}[{i}]") for i, h in enumerate(hashes)))
+    if variant == "cleared":
+        return CLEARED
+    raise CodecError(f"{field} has unknown variant {variant!r}")
+
+
+# Parsed state_source strings: an agent's events all carry the same few owners.
+_SOURCES: dict[str, CacheOwnerId] = {}
+_SOURCES_MAX = 1024
+
+
+def _fast_blocks(blocks: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if type(blocks) is not list:
+        return None
+    hashes: list[int] = []
+    tokens: list[int] = []
+    for block in blocks:
+        if type(block) is not dict or block.get("mm_extra_info") is not None:
+            return None
+        block_hash, tokens_hash = block.get("block_hash"), block.get("tokens_hash")
+        if type(block_hash) is not int or type(tokens_hash) is not int:
+            return None
+        if not (0 <= block_hash <= U64_MAX and 0 <= tokens_hash <= U64_MAX):
+            return None
+        hashes.append(block_hash)
+        tokens.append(tokens_hash)
+    return tuple(hashes), tuple(tokens)
+
+
+def _fast_data(data: object) -> EventData | None:
+    if data == "cleared":
+        return CLEARED
+    if type(data) is not dict or len(data) != 1:
+        return None
+    stored = data.get("stored")
+    if type(stored) is dict:
+        parent, start = stored.get("parent_hash"), stored.get("start_position")
+        if parent is not None and not (type(parent) is int and 0 <= parent <= U64_MAX):
+            return None
+        if start is not None and not (type(start) is int and 0 <= start <= U32_MAX):
+            return None
+        columns = _fast_blocks(stored.get("blocks"))
+        return None if columns is None else Stored(parent, columns[0], columns[1], None, start)
+    removed = data.get("removed")
+    if type(removed) is dict:
+        hashes = removed.get("block_hashes")
+        if type(hashes) is not list or not all(type(h) is int and 0 <= h <= U64_MAX for h in hashes):
+            return None
+        return Removed(tuple(hashes))
+    return None
+
+
+def _fast_event(obj: dict[object, object]) -> RouterEvent | None:
+    """The common, valid shapes without building error texts; None sends the value down the checked path.
+
+    Anything unusual (mm info, lists as tuples, a bad value anywhere) returns None, and the checked path
+    then produces the same result or the precise error.
+    """
+    worker_id, tier, domain = obj.get("worker_id"), obj.get("storage_tier", "device"), obj.get(
+        "residency_domain", "worker"
+    )
+    if type(worker_id) is not int or not 0 <= worker_id <= U64_MAX or type(tier) is not str:
+        return None
+    if type(domain) is not str:
+        return None
+    storage_tier, residency_domain = _TIERS.get(tier), _DOMAINS.get(domain)
+    inner = obj.get("event")
+    if storage_tier is None or residency_domain is None or type(inner) is not dict:
+        return None
+    event_id, dp_rank = inner.get("event_id"), inner.get("dp_rank", 0)
+    if type(event_id) is not int or not 0 <= event_id <= U64_MAX:
+        return None
+    if type(dp_rank) is not int or not 0 <= dp_rank <= U32_MAX:
+        return None
+    data = _fast_data(inner.get("data"))
+    raw_source, session_id = obj.get("state_source"), obj.get("session_id")
+    if data is None or (session_id is not None and type(session_id) is not str):
+        return None
+    source = None
+    if raw_source is not None:
+        if type(raw_source) is not str:
+            return None
+        source = _SOURCES.get(raw_source)
+        if source is None:
+            try:
+                source = CacheOwnerId.parse(raw_source)
+            except IdentityError:
+                return None
+            if len(_SOURCES) >= _SOURCES_MAX:
+                _SOURCES.clear()
+            _SOURCES[raw_source] = source
+    return RouterEvent(worker_id, storage_tier, residency_domain, event_id, data, dp_rank, source, session_id)
+
+
+def router_event_from_wire(value: object, field: str = "event") -> RouterEvent:
+    """Validate one named map (msgpack-decoded or JSON-parsed) into a RouterEvent."""
+    if type(value) is dict:
+        event = _fast_event(value)
+        if event is not None:
+            return event
+    return checked_router_event_from_wire(value, field)
+
+
+def checked_router_event_from_wire(value: object, field: str = "event") -> RouterEvent:
+    """:func:`router_event_from_wire` field by field, naming the offending field in its errors."""
+    obj = _map(value, field)
+    worker_id = _uint(_required(obj, "worker_id", field), f"{field}.worker_id")
+
+    raw_tier = obj.get("storage_tier", StorageTier.DEVICE.value)
+    tier = _TIERS.get(raw_tier) if isinstance(raw_tier, str) else None
+    if tier is None:
+        raise CodecError(f"{field}.storage_tier is unknown: {raw_tier!r}")
+
+    # Absent means a legacy Worker event; an explicit null or an unknown name is an error.
+    raw_domain = obj.get("residency_domain", ResidencyDomain.WORKER.value)
+    domain = _DOMAINS.get(raw_domain) if isinstance(raw_domain, str) else None
+    if domain is None:
+        raise CodecError(f"{field}.residency_domain must be 'worker' or 'cache_owner', got {raw_domain!r}")
+
+    inner_field = f"{field}.event"
+    inner = _map(_required(obj, "event", field), inner_field)
+    event_id = _uint(_required(inner, "event_id", inner_field), f"{inner_field}.event_id")
+    data = _data_from_wire(_required(inner, "data", inner_field), f"{inner_field}.data")
+    dp_rank = _uint(inner.get("dp_rank", 0), f"{inner_field}.dp_rank", U32_MAX)
+
+    raw_source = obj.get("state_source")
+    state_source = None if raw_source is None else state_source_from_wire(raw_source, f"{field}.state_source")
+    session_id = obj.get("session_id")
+    if session_id is not None and not isinstance(session_id, str):
+        raise CodecError(f"{field}.session_id must be a string, got {type(session_id).__name__}")
+    return RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, state_source, session_id)
+
+
+def decode_router_events(payload: bytes) -> list[RouterEvent]:
+    """Decode a msgpack array of RouterEvent maps, accepting legacy payloads (8.2)."""
+    try:
+        decoded = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+        raise CodecError(f"payload is not valid msgpack: {exc}") from None
+    return [
+        router_event_from_wire(value, f"events[{index}]")
+        for index, value in enumerate(_list(decoded, "events"))
+    ]
+
+
+def router_event_from_json(obj: object) -> RouterEvent:
+    return router_event_from_wire(obj)

@@ -1,0 +1,347 @@
+"""``kvagent serve`` as a subprocess: a real PUB socket feeds it, a real websocket client checks it.
+
+The client here speaks the documented protocol (docs/protocol.md) with raw trio-websocket frames, so
+these tests pin the wire protocol itself, not just the bundled client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import zmq
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+from tests.io.test_agent import XpubEngine, batch, gpu_store
+from tests.support.vectors import load_live
+
+TIMEOUT = 60
+
+
+class LineLog:
+    """stderr lines as they arrive, with a wait for a matching line (no polling, no sleeps)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._added = trio.Event()
+
+    def append(self, line: str) -> None:
+        self.lines.append(line)
+        self._added.set()
+        self._added = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[str], bool]) -> str:
+        checked = 0
+        while True:
+            for line in self.lines[checked:]:
+                if predicate(line):
+                    return line
+            checked = len(self.lines)
+            await self._added.wait()
+
+
+class ServeProcess:
+    def __init__(self, process: trio.Process, url: str, tmp: Path, log: LineLog) -> None:
+        self.process = process
+        self.url = url
+        self.tmp = tmp
+        self.log = log
+        self.stderr_lines = log.lines
+
+    @property
+    def token(self) -> str:
+        return (self.tmp / "token").read_text().strip()
+
+    def discovery_files(self) -> list[Path]:
+        return sorted(p for p in (self.tmp / "discovery").rglob("*.json"))
+
+
+async def _read_lines(stream: Any, lines: LineLog, ready: trio.Event, found: list[str]) -> None:
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            text = line.decode(errors="replace")
+            lines.append(text)
+            if "serving" in text and "ws://" in text and not ready.is_set():
+                found.append(text.split("ws://", 1)[1].split("/v1/slots", 1)[0])
+                ready.set()
+
+
+@asynccontextmanager
+async def serve(tmp: Path, *args: str) -> AsyncIterator[ServeProcess]:
+    command = [
+        sys.executable,
+        "-m",
+        "kvagent.cli.main",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--discovery",
+        f"file:{tmp / 'discovery'}",
+        "--token-file",
+        str(tmp / "token"),
+        "--status-interval",
+        "1",
+        *args,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    async with trio.open_nursery() as nursery:
+        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=env)
+        lines = LineLog()
+        found: list[str] = []
+        ready = trio.Event()
+        assert process.stderr is not None
+        nursery.start_soon(_read_lines, process.stderr, lines, ready, found)
+        try:
+            with trio.fail_after(30):
+                while not ready.is_set():
+                    with trio.move_on_after(0.5):
+                        await ready.wait()
+                    if process.poll() is not None:
+                        raise AssertionError("kvagent serve exited early:\n" + "\n".join(lines.lines))
+            yield ServeProcess(process, f"ws://{found[0]}", tmp, lines)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            with trio.move_on_after(10, shield=True):
+                await process.wait()
+            nursery.cancel_scope.cancel()
+
+
+class Client:
+    def __init__(self, ws: WebSocketConnection) -> None:
+        self.ws = ws
+        self.next_id = 0
+
+    async def send(self, op: str, **fields: object) -> int:
+        self.next_id += 1
+        await self.ws.send_message(json.dumps({"id": self.next_id, "op": op, **fields}))
+        return self.next_id
+
+    async def frame(self) -> dict[str, Any]:
+        message = await self.ws.get_message()
+        value = json.loads(message) if isinstance(message, str) else msgpack.unpackb(message)
+        assert isinstance(value, dict)
+        return value
+
+    async def request(self, op: str, **fields: object) -> dict[str, Any]:
+        """One request; a streamed answer is reassembled (events lists concatenated)."""
+        request_id = await self.send(op, **fields)
+        merged: dict[str, Any] | None = None
+        while True:
+            frame = await self.frame()
+            assert frame["id"] == request_id
+            if merged is None:
+                merged = frame
+            else:
+                merged.setdefault("events", []).extend(frame.get("events", []))
+                merged.update({k: v for k, v in frame.items() if k != "events"})
+            if not frame.get("more"):
+                return merged
+
+
+@asynccontextmanager
+async def client(url: str, slot: str = "s0", **kwargs: Any) -> AsyncIterator[Client]:
+    async with open_websocket_url(f"{url}/v1/slots/{slot}", **kwargs) as ws:
+        yield Client(ws)
+
+
+def stored_hashes(events: list[dict[str, Any]]) -> set[int]:
+    resident: set[int] = set()
+    for event in events:
+        data = event["event"]["data"]
+        if isinstance(data, dict) and "stored" in data:
+            resident.update(b["block_hash"] for b in data["stored"]["blocks"])
+    return resident
+
+
+def live_model(messages: list[list[bytes]]) -> set[int]:
+    model: set[int] = set()
+    for frames in messages:
+        _, events, _ = msgpack.unpackb(frames[2], strict_map_key=False)
+        for event in events:
+            if event["type"] == "BlockStored":
+                model.update(event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                model.difference_update(event["block_hashes"])
+            else:
+                model.clear()
+    return model
+
+
+async def follow_until(c: Client, sentinel: int, from_: int | None) -> list[dict[str, Any]]:
+    """Follow and collect every event until the sentinel block's store arrives."""
+    request_id = await c.send("follow", **{"from": from_})
+    events: list[dict[str, Any]] = []
+    while True:
+        frame = await c.frame()
+        assert frame["id"] == request_id and frame["ok"], frame
+        events.extend(frame.get("events", []))
+        if sentinel in stored_hashes(frame.get("events", [])):
+            return events
+
+
+async def test_serve_end_to_end_recover_follow_control_and_sigterm(tmp_path: Path) -> None:
+    sub_messages, _ = load_live()
+    context: zmq.Context[Any] = zmq.Context()
+    engine = XpubEngine(context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with serve(tmp_path, "--slot", f"s0={engine.endpoint}", "--block-size", "32") as agent:
+                await engine.wait_subscribed()
+                async with client(agent.url) as c:
+                    status = (await c.request("status"))["status"]
+                    assert status["attachment"]["ready"] is True
+                    assert status["attachment"]["generation"] == 1
+                    assert status["outbound_cursor"] == status["attachment"]["ready_at_outbound_cursor"] == 1
+
+                    for frames in sub_messages:
+                        await engine.send_frames(frames)
+                    await engine.send_payload(batch([gpu_store([0xFEED])]), seq=len(sub_messages))
+                    await follow_until(c, 0xFEED, None)
+
+                async with client(agent.url) as c:
+                    dump = await c.request("recover", start=None, end=None)
+                    assert dump["ok"] and dump["kind"] == "tree_dump"
+                    assert stored_hashes(dump["events"]) == live_model(sub_messages) | {0xFEED}
+                    newest = dump["last_event_id"]
+                    assert dump["receipt"]["recovered_through_cursor"] == newest
+
+                    tail = await c.request("recover", start=newest - 3, end=None)
+                    assert tail["kind"] == "events"
+                    assert [e["event"]["event_id"] for e in tail["events"]] == list(range(newest - 3, newest + 1))
+
+                    too_new = await c.request("recover", start=newest + 10, end=None)
+                    assert too_new["kind"] == "too_new"
+                    assert too_new["newest_available"] == newest
+
+                    # Follow across a burst: gap-free and duplicate-free across the backlog/live hand-off.
+                    request_from = newest - 2
+                    async with trio.open_nursery() as nursery:
+                        collected: list[list[dict[str, Any]]] = []
+
+                        async def collect() -> None:
+                            collected.append(await follow_until(c, 0xBEEF, request_from))
+
+                        nursery.start_soon(collect)
+                        seq = len(sub_messages) + 1
+                        for i in range(300):
+                            await engine.send_payload(batch([gpu_store([1_000_000 + i])]), seq=seq + i)
+                        await engine.send_payload(batch([gpu_store([0xBEEF])]), seq=seq + 300)
+                    ids = [e["event"]["event_id"] for e in collected[0]]
+                    assert ids == list(range(request_from + 1, request_from + 1 + len(ids)))
+                    assert len(ids) >= 302
+
+                async with client(agent.url) as c:
+                    denied = await c.request("detach", generation=1)
+                    assert denied["ok"] is False and denied["error"]["code"] == "unauthorized"
+                    wrong = await c.request("detach", generation=1, token="not-the-token")
+                    assert wrong["error"]["code"] == "unauthorized"
+                    assert agent.token not in "\n".join(agent.stderr_lines)
+
+                assert len(agent.discovery_files()) == 2  # source + attachment advertisements
+                agent.process.send_signal(signal.SIGTERM)
+                with trio.fail_after(20):
+                    returncode = await agent.process.wait()
+                assert returncode == 0, "\n".join(agent.stderr_lines)
+                assert agent.discovery_files() == []
+    finally:
+        engine.close()
+        context.destroy(linger=0)
+
+
+async def test_json_log_lines_of_a_slot_carry_its_name_and_generation(tmp_path: Path) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    engine = XpubEngine(context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with serve(
+                tmp_path, "--slot", f"s0={engine.endpoint}", "--block-size", "32", "--log-format", "json"
+            ) as agent:
+                await engine.wait_subscribed()
+                await engine.send_payload(b"\xc1 is never valid msgpack")
+                line = await agent.log.wait_for(lambda text: "listener failed" in text)
+                record = json.loads(line)
+                assert (record["slot"], record["generation"], record["level"]) == ("s0", 1, "warning")
+                # The coordinator's own lines (another task) carry the slot as well.
+                quarantined = json.loads(await agent.log.wait_for(lambda text: "Quarantining" in text))
+                assert quarantined["slot"] == "s0"
+    finally:
+        engine.close()
+        context.destroy(linger=0)
+
+
+async def test_simulated_demo_serves_a_ready_advancing_slot(tmp_path: Path) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with serve(tmp_path, "--slot", "demo", "--simulate") as agent, client(agent.url, "demo") as c:
+            first = (await c.request("status"))["status"]
+            assert first["attachment"]["ready"] is True
+            request_id = await c.send("follow", **{"from": first["outbound_cursor"]})
+            while True:
+                frame = await c.frame()
+                assert frame["id"] == request_id and frame["ok"]
+                if frame.get("kind") == "live" and frame["events"]:
+                    break
+            async with client(agent.url, "demo") as other:  # a fresh connection: no follow frames interleave
+                later = (await other.request("status"))["status"]
+            assert later["outbound_cursor"] > first["outbound_cursor"]
+            agent.process.send_signal(signal.SIGINT)
+            with trio.fail_after(20):
+                assert await agent.process.wait() == 0
+
+
+@pytest.mark.parametrize("argv", [["--slot", "x", "--block-size", "0"], ["--slot", "bad/name"]])
+async def test_bad_configuration_is_a_clear_error(tmp_path: Path, argv: list[str]) -> None:
+    result = await trio.run_process(
+        [sys.executable, "-m", "kvagent.cli.main", "serve", *argv], capture_stderr=True, check=False
+    )
+    assert result.returncode == 2
+    assert b"kvagent serve:" in result.stderr
+
+
+@pytest.mark.parametrize("moment", ["attach", "dump", "follow"])
+async def test_sigterm_mid_operation_exits_zero_and_withdraws_ads(tmp_path: Path, moment: str) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    engine = XpubEngine(context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with serve(tmp_path, "--slot", "waiting", "--block-size", "32") as agent:
+                async with client(agent.url, "waiting") as c:
+                    attached = await c.request(
+                        "attach", worker_id=5, dp_rank=0, endpoint=engine.endpoint, topic="", token=agent.token
+                    )
+                    assert attached["ok"], attached
+                    await engine.wait_subscribed()
+                    for i in range(200):
+                        await engine.send_payload(batch([gpu_store([5000 + i, 9000 + i])]))
+                    await engine.send_payload(batch([gpu_store([0xFEED])]))
+                    await follow_until(c, 0xFEED, None)
+                async with client(agent.url, "waiting") as c:
+                    if moment == "attach":
+                        await c.send("detach", generation=1, token=agent.token)
+                        await c.send("attach", worker_id=6, dp_rank=0, endpoint=engine.endpoint, token=agent.token)
+                    elif moment == "dump":
+                        await c.send("recover", start=None, end=None)
+                    else:
+                        await c.send("follow", **{"from": None})
+                        await c.frame()
+                    agent.process.send_signal(signal.SIGTERM)
+                    with trio.fail_after(20):
+                        returncode = await agent.process.wait()
+                assert returncode == 0, "\n".join(agent.stderr_lines)
+                assert agent.discovery_files() == []
+    finally:
+        engine.close()
+        context.destroy(linger=0)

@@ -1,0 +1,71 @@
+"""Several slots in one process: isolation and per-slot state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import zmq
+
+from kvagent.agent.host import SlotStateKind, open_host
+from kvagent.agent.slot import AttachmentConfig, SlotAgentConfig
+from kvagent.discovery.memory import MemoryDiscovery
+from kvagent.model.ids import derive_cache_owner_id
+from tests.io.test_agent import XpubEngine, batch, gpu_store, is_store_of, wait_for_event
+
+
+def slot_config(name: str) -> SlotAgentConfig:
+    return SlotAgentConfig(
+        name=name, cache_owner_id=derive_cache_owner_id(name, kv_block_size=32), kv_block_size=32
+    )
+
+
+async def test_a_fault_in_one_slot_quarantines_that_slot_only() -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        with trio.fail_after(20):
+            discovery = MemoryDiscovery()
+            async with open_host(discovery=discovery, zmq_context=context) as host:
+                engines = {}
+                for name in ("a", "b"):
+                    agent = await host.add_slot(slot_config(name))
+                    engine = engines[name] = XpubEngine(context)
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(engine.wait_subscribed)
+                        await agent.attach(AttachmentConfig(worker_id=1, dp_rank=0, endpoint=engine.endpoint))
+                assert set(host.registry.names()) == {"a", "b"}
+                a, b = host.agent("a"), host.agent("b")
+                await engines["a"].send_payload(batch([gpu_store([1])], rank=7))  # a rank fault in slot a
+                await a.status_cell.wait_for(lambda s: s.attachment is not None and not s.attachment.ready)
+                await engines["b"].send_payload(batch([gpu_store([2])]))
+                await wait_for_event(b, is_store_of(2))
+                status_b = b.status()
+                assert status_b.attachment is not None and status_b.attachment.ready
+                assert {k: v.kind for k, v in host.states.items()} == {
+                    "a": SlotStateKind.RUNNING,
+                    "b": SlotStateKind.RUNNING,
+                }
+                await host.remove_slot("a")
+                assert host.states["a"].kind is SlotStateKind.STOPPED
+                assert host.registry.names() == ["b"]
+                for engine in engines.values():
+                    engine.close()
+            assert discovery.records == {}
+    finally:
+        context.destroy(linger=0)
+
+
+async def test_a_slot_that_fails_to_start_is_reported_and_others_keep_running() -> None:
+    discovery = MemoryDiscovery()
+    async with open_host(discovery=discovery) as host:
+        await host.add_slot(slot_config("good"))
+        discovery.fail_next(1, on=("register",))
+        try:
+            await host.add_slot(slot_config("bad"))
+        except Exception as exc:
+            assert "failed to advertise persistent state source" in str(exc)
+        else:
+            raise AssertionError("the failing slot started")
+        assert host.states["bad"].kind is SlotStateKind.FAILED
+        assert host.states["good"].kind is SlotStateKind.RUNNING
+        assert host.registry.names() == ["good"]

@@ -1,0 +1,28 @@
+"""Loaders for the real vLLM byte vectors in ../shared/vectors (CI has ../shared beside the checkout)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VECTORS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "vectors"
+
+
+def load_structs() -> dict[str, tuple[str, list[bytes]]]:
+    cases: dict[str, tuple[str, list[bytes]]] = {}
+    with (VECTORS_DIR / "vllm-0.32.0-structs.jsonl").open() as handle:
+        for line in handle:
+            case = json.loads(line)
+            cases[case["case"]] = (case["note"], [bytes.fromhex(f) for f in case["frames"]])
+    return cases
+
+
+def load_live() -> tuple[list[list[bytes]], list[list[bytes]]]:
+    sub: list[list[bytes]] = []
+    replay: list[list[bytes]] = []
+    with (VECTORS_DIR / "vllm-0.32.0-live.jsonl").open() as handle:
+        for line in handle:
+            message = json.loads(line)
+            frames = [bytes.fromhex(f) for f in message["frames"]]
+            (sub if message["socket"] == "sub" else replay).append(frames)
+    return sub, replay

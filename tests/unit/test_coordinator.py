@@ -1,0 +1,598 @@
+"""The SlotCoordinator core: pinned behaviours 9.2, 9.5, 9.6 and section 3 (the shell: test_coordinator_task)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvagent.coordinator.machine import CoordinatorError, SlotCoordinator
+from kvagent.index.recovery_index import IndexApplyError, RecoveryIndex
+from kvagent.model.events import (
+    CLEARED,
+    Cleared,
+    IngressChunk,
+    PlacementEvent,
+    Removed,
+    ResidencyDomain,
+    RouterEvent,
+    StorageTier,
+    Stored,
+    TreeDumpAnswer,
+    WorkerWithDpRank,
+)
+from kvagent.model.ids import (
+    CacheOwnerId,
+    CacheSemanticsId,
+    DcId,
+    IndexerDomainId,
+    KvStateAgentIdentity,
+    PoolId,
+    RoutingScopeId,
+    StableDpSlotId,
+)
+from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, StatusCell
+from kvagent.publish.sinks import RecordingSink
+
+W = ResidencyDomain.WORKER
+C = ResidencyDomain.CACHE_OWNER
+HP = StorageTier.HOST_PINNED
+DISK = StorageTier.DISK
+DEVICE = StorageTier.DEVICE
+
+OWNER = CacheOwnerId(
+    PoolId(
+        IndexerDomainId(CacheSemanticsId(bytes([1] * 16)), RoutingScopeId(bytes([2] * 16))),
+        DcId(3),
+    ),
+    StableDpSlotId(bytes([4] * 16)),
+)
+IDENTITY = KvStateAgentIdentity(OWNER, 41)
+SLOT_RANK = 3
+FIRST = WorkerWithDpRank(17, 3)
+REPLACEMENT = WorkerWithDpRank(29, 3)
+
+
+def attachment_for(worker: WorkerWithDpRank, endpoint: str = "tcp://framework") -> Attachment:
+    return Attachment(
+        worker=worker,
+        source=AttachmentSource(endpoint=endpoint, topic="kv-events-v2"),
+        producer_instance=f"test/producer/raw-kv/{worker.worker_id}",
+        intent_incarnation=worker.worker_id,
+    )
+
+
+def store(
+    domain: ResidencyDomain,
+    parent: int | None,
+    block: int,
+    local: int,
+    *,
+    worker: WorkerWithDpRank = FIRST,
+    tier: StorageTier = HP,
+) -> PlacementEvent:
+    return PlacementEvent(Stored(parent, (block,), (local,)), tier, domain, worker.dp_rank)
+
+
+def remove(
+    domain: ResidencyDomain, *blocks: int, tier: StorageTier = HP, rank: int = SLOT_RANK
+) -> PlacementEvent:
+    return PlacementEvent(Removed(blocks), tier, domain, rank)
+
+
+def chunk(
+    generation: int,
+    cursor: int,
+    events: Sequence[PlacementEvent] = (),
+    *,
+    index: int = 0,
+    final: bool = True,
+    source_fault: str | None = None,
+    cache_owner_fault: str | None = None,
+) -> IngressChunk:
+    return IngressChunk(generation, cursor, index, final, tuple(events), source_fault, cache_owner_fault)
+
+
+class FlakyIndex:
+    """The real RecoveryIndex, with injectable local-admit failures."""
+
+    def __init__(self, inner: RecoveryIndex) -> None:
+        self.inner = inner
+        self.fail_clears = False
+        self.fail_ordinary = False
+
+    def apply(self, event: RouterEvent) -> None:
+        is_clear = isinstance(event.data, Cleared)
+        if (is_clear and self.fail_clears) or (not is_clear and self.fail_ordinary):
+            raise IndexApplyError("injected local admit failure")
+        self.inner.apply(event)
+
+    def current_event_id(self) -> int:
+        return self.inner.current_event_id()
+
+
+class Slot:
+    """One coordinator core with the seed test fixtures: owner, identity 41, rank 3, index (4, 32)."""
+
+    def __init__(self, *, strict_cache_owner: bool = False) -> None:
+        self.index = RecoveryIndex(4, ring_capacity=32)
+        self.local = FlakyIndex(self.index)
+        self.sink = RecordingSink()
+        self.status = StatusCell(AgentStatus(IDENTITY))
+        self.withdrawals: list[int] = []
+        self.core = SlotCoordinator(
+            identity=IDENTITY,
+            slot_rank=SLOT_RANK,
+            index=self.local,
+            sink=self.sink,
+            status=self.status,
+            request_withdrawal=self.withdrawals.append,
+            strict_cache_owner=strict_cache_owner,
+        )
+
+    # Methods rather than properties: mypy would narrow a property across the mutating calls in between.
+    def current(self) -> AgentStatus:
+        return self.status.get()
+
+    def active_batch(self) -> tuple[int, int] | None:
+        return self.core.cursor.active
+
+    @property
+    def ready(self) -> bool:
+        attachment = self.current().attachment
+        return attachment is not None and attachment.ready
+
+    def ids(self) -> list[int]:
+        return [event.event_id for event in self.sink.events]
+
+    def detach(self, generation: int, queued: Sequence[IngressChunk] = ()) -> int:
+        self.core.begin_detach(generation)
+        return self.core.complete_detach(generation, queued)
+
+    def dump(self) -> TreeDumpAnswer:
+        answer = self.index.events_in_range(None, None)
+        assert isinstance(answer, TreeDumpAnswer)
+        return answer
+
+    def owner_dump_events(self) -> list[RouterEvent]:
+        return [event for event in self.dump().events if event.state_source == OWNER]
+
+
+def cleared_count(events: Sequence[RouterEvent]) -> int:
+    return sum(isinstance(event.data, Cleared) for event in events)
+
+
+# -- 9.2 coordinator half ----------------------------------------------------------------------------
+
+
+def test_production_named_map_ownership_reaches_exact_local_recovery_owners() -> None:
+    slot = Slot()
+    attached = slot.core.attach(attachment_for(FIRST))
+    events = [
+        PlacementEvent(Stored(None, (101,), (1,)), HP, C, 3),
+        PlacementEvent(Stored(101, (102, 202), (2, 3)), DISK, C, 3),
+        PlacementEvent(Removed((102,)), DISK, C, 3),
+        PlacementEvent(Stored(None, (105,), (4,)), HP, C, 3),
+        PlacementEvent(Removed((101,)), HP, C, 3),
+        PlacementEvent(Stored(None, (106,), (5,)), HP, W, 3),
+        PlacementEvent(Stored(None, (104,), (6,)), DEVICE, W, 3),
+    ]
+    slot.core.handle_ingress(chunk(attached.generation, 1, events))
+
+    owner_events = slot.owner_dump_events()
+    assert {event.storage_tier for event in owner_events} == {HP, DISK}
+    owner_blocks = {
+        (event.storage_tier, block)
+        for event in owner_events
+        if isinstance(event.data, Stored)
+        for block in event.data.block_hashes
+    }
+    assert owner_blocks == {(HP, 105), (DISK, 202)}
+    assert all(event.residency_domain is C for event in owner_events)
+    # No two adjacent events coalesce: one id each after the attach barrier.
+    assert slot.ids() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert slot.sink.calls == 2
+
+
+# -- 9.5 ------------------------------------------------------------------------------------------
+
+
+def test_detach_accepts_cache_owner_ingress_after_readiness_withdrawal() -> None:
+    slot = Slot()
+    attached = slot.core.attach(attachment_for(FIRST))
+    assert (attached.generation, attached.ready_at_outbound_cursor) == (1, 1)
+    slot.core.begin_detach(1)
+    assert not slot.ready
+    slot.core.handle_ingress(chunk(1, 1, [store(W, None, 101, 11), store(C, None, 201, 21)]))
+    assert slot.core.complete_detach(1, []) == 4
+    assert [(e.event_id, e.residency_domain, isinstance(e.data, Cleared)) for e in slot.sink.events] == [
+        (1, W, True),
+        (2, W, False),
+        (3, C, False),
+        (4, W, True),
+    ]
+    assert len(slot.owner_dump_events()) == 1
+
+    replacement = slot.core.attach(attachment_for(FIRST, "tcp://framework-2"))
+    assert (replacement.generation, replacement.ready_at_outbound_cursor) == (2, 5)
+    slot.core.handle_ingress(chunk(2, 1, [store(C, None, 301, 31)], final=False))
+    assert slot.core.outbound_cursor == 6
+    assert slot.active_batch() == (1, 0)
+    dropped_before = slot.core.counters.dropped_events
+    assert slot.detach(2) == 7
+    assert slot.core.counters.dropped_events == dropped_before + 1
+    assert slot.active_batch() is None
+    assert slot.current().cache_owner_ready
+    assert slot.core.counters.dropped_events == 1
+
+
+# -- 9.6 ------------------------------------------------------------------------------------------
+
+
+def test_lossy_sequence_and_publication_failures_do_not_reuse_outbound_ids() -> None:
+    slot = Slot()
+    attached = slot.core.attach(attachment_for(FIRST))
+    assert (attached.generation, attached.ready_at_outbound_cursor) == (1, 1)
+
+    with pytest.raises(CoordinatorError, match="^ingress is closed for attachment generation 2$"):
+        slot.core.handle_ingress(chunk(2, 1, [store(W, None, 99, 9)] * 129))
+    assert slot.ready
+    assert slot.withdrawals == []
+
+    slot.sink.fail = True
+    slot.core.handle_ingress(chunk(1, 1, [store(W, None, 101, 11)]))
+    assert slot.index.current_event_id() == 2
+    assert slot.current().outbound_cursor == 2
+    assert slot.current().cache_owner_ready
+    assert slot.ready
+    assert slot.core.counters.publication_failures == 1
+
+    slot.sink.fail = False
+    slot.core.handle_ingress(chunk(1, 3, [store(W, 101, 102, 12)]))
+    assert slot.current().outbound_cursor == 3
+    assert slot.ready
+    assert slot.core.counters.dropped_events == 1
+    assert slot.ids() == [1, 3]
+    assert slot.sink.calls == 3
+
+
+# -- control commands (3.3) ----------------------------------------------------------------------
+
+
+def test_attach_errors_and_stale_generations() -> None:
+    slot = Slot()
+    with pytest.raises(CoordinatorError, match="^KV state agent is not attached$"):
+        slot.core.begin_detach(1)
+    with pytest.raises(CoordinatorError, match="^KV state agent is not attached$"):
+        slot.core.complete_detach(1, [])
+    slot.core.attach(attachment_for(FIRST))
+    with pytest.raises(CoordinatorError, match="^KV state agent already has an attachment$") as caught:
+        slot.core.attach(attachment_for(REPLACEMENT))
+    assert caught.value.code == "conflict"
+    with pytest.raises(CoordinatorError, match="^stale attachment generation 5$") as stale:
+        slot.core.begin_detach(5)
+    assert stale.value.code == "generation_mismatch"
+    with pytest.raises(CoordinatorError, match="^attachment must be unready before detach cleanup$"):
+        slot.core.complete_detach(1, [])
+    assert slot.ready and slot.ids() == [1]
+
+
+def test_quarantine_of_a_stale_generation_does_nothing() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    before = slot.current()
+    slot.core.quarantine(7, "late listener")
+    assert slot.current() is before
+    assert slot.withdrawals == []
+    assert slot.core.counters.quarantines == {}
+    slot.core.quarantine(1, "framework listener terminated")
+    assert not slot.ready
+    assert slot.withdrawals == [1]
+    assert slot.core.counters.quarantines == {"framework listener terminated": 1}
+    with pytest.raises(CoordinatorError, match="^ingress is closed for attachment generation 1$"):
+        slot.core.handle_ingress(chunk(1, 1, [store(W, None, 1, 1)]))
+
+
+def test_abort_attach_publishes_no_barrier() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.abort_attach(9)
+    assert slot.current().attachment is not None
+    slot.core.abort_attach(1)
+    assert slot.current().attachment is None
+    assert slot.sink.calls == 1
+    assert slot.withdrawals == []
+    again = slot.core.attach(attachment_for(FIRST))
+    assert (again.generation, again.ready_at_outbound_cursor) == (2, 2)
+
+
+def test_detach_drain_applies_only_cache_owner_and_discards_other_generations() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.begin_detach(1)
+    queued = [
+        chunk(1, 1, [store(W, None, 101, 11), store(C, None, 201, 21)]),
+        chunk(9, 1, [store(C, None, 901, 91)]),
+        chunk(1, 2, [store(C, 201, 202, 22)]),
+    ]
+    assert slot.core.complete_detach(1, queued) == 4
+    assert [(e.event_id, e.residency_domain) for e in slot.sink.events] == [(1, W), (2, C), (3, C), (4, W)]
+    assert slot.core.counters.filtered["detach_worker_dropped"] == 1
+    assert slot.core.counters.filtered["stale_generation"] == 1
+    assert slot.current().attachment is None
+
+
+# -- failure paths (3.6, 3.8) ---------------------------------------------------------------------
+
+
+def test_source_fault_fails_the_source_and_retires_the_worker_domain() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    with pytest.raises(CoordinatorError, match="^incompatible raw source: unknown raw event ownership$"):
+        slot.core.handle_ingress(
+            chunk(1, 1, [store(W, None, 101, 11)], source_fault="unknown raw event ownership")
+        )
+    assert slot.withdrawals == [1]
+    assert slot.ids() == [1]
+    assert not slot.ready and not slot.current().cache_owner_ready
+    assert slot.core.counters.quarantines == {"unknown raw event ownership": 1}
+    assert slot.detach(1) == 2
+    with pytest.raises(CoordinatorError, match="^Worker domain is retired after a local/publish failure$"):
+        slot.core.attach(attachment_for(REPLACEMENT))
+
+
+def test_oversized_envelope_fails_the_source() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    with pytest.raises(CoordinatorError, match="^oversized ingress envelope$"):
+        slot.core.handle_ingress(chunk(1, 1, [store(W, None, 99, 9)] * 129))
+    assert slot.withdrawals == [1]
+    assert slot.core.counters.quarantines == {"oversized ingress envelope": 1}
+    assert slot.core.source_failed and slot.core.worker_domain_failed
+    big = PlacementEvent(Removed(tuple(range(8193))), HP, W, 3)
+    other = Slot()
+    other.core.attach(attachment_for(FIRST))
+    with pytest.raises(CoordinatorError, match="^oversized ingress envelope$"):
+        other.core.handle_ingress(chunk(1, 1, [big]))
+
+
+def test_rank_mismatch_inside_a_chunk_fails_the_source_and_stops_the_chunk() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    events = [store(W, None, 101, 11), PlacementEvent(Stored(None, (102,), (12,)), HP, W, 4)]
+    with pytest.raises(CoordinatorError, match="^ingress rank 4 does not match stable slot rank 3$"):
+        slot.core.handle_ingress(chunk(1, 1, events))
+    assert slot.core.counters.quarantines == {"ingress rank does not match stable slot": 1}
+    assert slot.withdrawals == [1]
+    # The first event was admitted locally and consumed id 2, but nothing of the chunk was published.
+    assert slot.index.current_event_id() == 2
+    assert slot.core.outbound_cursor == 2
+    assert slot.sink.calls == 1
+
+
+def test_cache_owner_fault_filters_cache_owner_forever_but_allows_a_new_attach() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    fault = "KVCR ownership has an unsupported storage medium"
+    slot.core.handle_ingress(
+        chunk(1, 1, [store(W, None, 101, 11), store(C, None, 201, 21)], cache_owner_fault=fault)
+    )
+    assert [(e.event_id, e.residency_domain) for e in slot.sink.events] == [(1, W), (2, W)]
+    assert slot.withdrawals == [1]
+    assert not slot.current().cache_owner_ready and not slot.ready
+    with pytest.raises(CoordinatorError, match="^ingress is closed for attachment generation 1$"):
+        slot.core.handle_ingress(chunk(1, 2, [store(W, None, 102, 12)]))
+    assert slot.detach(1) == 3
+
+    again = slot.core.attach(attachment_for(REPLACEMENT))
+    assert again.generation == 2
+    slot.core.handle_ingress(
+        chunk(
+            2, 1, [store(C, None, 301, 31, worker=REPLACEMENT), store(W, None, 302, 32, worker=REPLACEMENT)]
+        )
+    )
+    assert [(e.event_id, e.residency_domain) for e in slot.sink.events][-1] == (5, W)
+    assert slot.core.counters.filtered["cache_owner_failed"] == 2
+    assert slot.owner_dump_events() == []
+    assert not slot.current().cache_owner_ready
+
+
+def test_local_barrier_failure_at_attach_retires_the_worker_domain() -> None:
+    slot = Slot()
+    slot.local.fail_clears = True
+    with pytest.raises(
+        CoordinatorError, match="^failed to establish Worker reset barrier before attach$"
+    ) as caught:
+        slot.core.attach(attachment_for(FIRST))
+    assert isinstance(caught.value.__cause__, CoordinatorError)
+    assert str(caught.value.__cause__) == "local reset barrier failed"
+    assert slot.withdrawals == [1]
+    assert slot.core.counters.quarantines == {
+        "local reset barrier failed": 1,
+        "attach reset transaction failed": 1,
+    }
+    # The id stays consumed though nothing was published.
+    assert slot.sink.calls == 0
+    assert slot.current().outbound_cursor == 1
+    attachment = slot.current().attachment
+    assert attachment is not None and attachment.generation == 1 and not attachment.ready
+    slot.core.abort_attach(1)
+    with pytest.raises(CoordinatorError, match="^Worker domain is retired after a local/publish failure$"):
+        slot.core.attach(attachment_for(FIRST))
+
+
+def test_barrier_publication_failure_at_attach() -> None:
+    slot = Slot()
+    slot.sink.fail = True
+    with pytest.raises(
+        CoordinatorError, match="^failed to establish Worker reset barrier before attach$"
+    ) as caught:
+        slot.core.attach(attachment_for(FIRST))
+    assert str(caught.value.__cause__) == "failed to publish reset barrier"
+    assert slot.withdrawals == [1]
+    assert slot.core.counters.quarantines["reset barrier publication failed"] == 1
+    assert slot.sink.calls == 1
+    assert slot.index.current_event_id() == 1
+    assert slot.current().outbound_cursor == 1
+    assert slot.core.worker_domain_failed
+
+
+def test_final_barrier_failure_keeps_the_attachment_and_retires_the_worker_domain() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.begin_detach(1)
+    slot.sink.fail = True
+    with pytest.raises(CoordinatorError, match="^failed to publish final Worker detach barrier$"):
+        slot.core.complete_detach(1, [])
+    assert slot.withdrawals == [1]
+    assert slot.current().attachment is not None
+    assert slot.core.worker_domain_failed
+    assert slot.current().outbound_cursor == 2
+
+
+def test_cache_owner_clear_publication_failure_fails_cache_owner_closed() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.sink.fail = True
+    with pytest.raises(CoordinatorError, match="^failed to publish reset barrier$"):
+        slot.core.handle_ingress(chunk(1, 1, [PlacementEvent(CLEARED, DEVICE, C, 3)]))
+    assert slot.withdrawals == [1]
+    assert not slot.current().cache_owner_ready
+    assert not slot.core.worker_domain_failed
+    assert slot.core.counters.quarantines == {"reset barrier publication failed": 1}
+
+
+def test_ordinary_local_admit_failure_is_lossy_and_still_published() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.local.fail_ordinary = True
+    slot.core.handle_ingress(chunk(1, 1, [store(W, None, 101, 11)]))
+    assert slot.ids() == [1, 2]
+    assert slot.ready and slot.withdrawals == []
+
+
+def test_swallowed_removes_consume_no_id_but_refresh_status() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.handle_ingress(chunk(1, 1, [store(W, None, 7, 70)]))
+    slot.core.handle_ingress(chunk(1, 2, [store(W, None, 7, 70)]))
+    before = slot.current()
+    slot.core.handle_ingress(chunk(1, 3, [remove(W, 7)]))
+    assert slot.current() is not before
+    assert slot.current().outbound_cursor == 3
+    assert slot.sink.calls == 3
+    slot.core.handle_ingress(chunk(1, 4, [remove(W, 7)]))
+    assert slot.ids() == [1, 2, 3, 4]
+    assert isinstance(slot.sink.events[-1].data, Removed)
+
+
+def test_outbound_cursor_exhaustion_fails_the_source() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core._next_outbound_id = (1 << 64) - 1
+    with pytest.raises(CoordinatorError, match="^state-agent outbound cursor exhausted$"):
+        slot.core.handle_ingress(chunk(1, 1, [store(W, None, 1, 1)]))
+    assert slot.core.counters.quarantines == {"state-agent outbound cursor exhausted": 1}
+    assert slot.withdrawals == [1]
+
+
+# -- source cursor and restart detection ------------------------------------------------------------
+
+
+def test_engine_restart_in_place_resets_worker_residency_and_keeps_cache_owner() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.handle_ingress(chunk(1, 0, [store(W, None, 101, 11), store(C, None, 201, 21)]))
+    slot.core.handle_ingress(chunk(1, 1, [store(W, None, 101, 11)]))
+    slot.core.handle_ingress(chunk(1, 2, [store(W, None, 102, 12)]))
+    assert cleared_count(slot.sink.events) == 1
+    slot.core.handle_ingress(chunk(1, 0, [store(W, None, 301, 31)]))
+    assert cleared_count(slot.sink.events) == 2
+    assert slot.core.counters.restarts == 1
+    assert slot.core.counters.dropped_events == 0
+    resident = slot.index.resident_blocks()
+    assert {(owner, block) for owner, _tier, block in resident} == {(FIRST, 301), (OWNER, 201)}
+    # The dedup counts of the old incarnation are gone: one remove of 101 is no longer swallowed.
+    slot.core.handle_ingress(chunk(1, 1, [remove(W, 101)]))
+    assert isinstance(slot.sink.events[-1].data, Removed)
+    assert slot.ready and slot.withdrawals == []
+
+
+def test_duplicate_raw_batch_is_dropped_without_applying() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.handle_ingress(chunk(1, 5, [store(W, None, 101, 11)]))
+    slot.core.handle_ingress(chunk(1, 5, [store(W, None, 101, 11)]))
+    assert slot.ids() == [1, 2]
+    assert slot.core.counters.filtered["duplicate_source_chunk"] == 1
+    assert slot.core.counters.dropped_events == 0
+    # A multi-chunk duplicate is dropped chunk by chunk.
+    slot.core.handle_ingress(chunk(1, 6, [store(W, None, 1, 1)], final=False))
+    slot.core.handle_ingress(chunk(1, 6, [store(W, None, 2, 2)], index=1))
+    slot.core.handle_ingress(chunk(1, 6, [store(W, None, 3, 3)], final=False))
+    slot.core.handle_ingress(chunk(1, 6, [store(W, None, 4, 4)], index=1))
+    assert slot.ids() == [1, 2, 3, 4]
+    slot.core.handle_ingress(chunk(1, 7, [store(W, None, 5, 5)]))
+    assert slot.ids() == [1, 2, 3, 4, 5]
+    assert slot.core.counters.dropped_events == 0
+    assert slot.core.counters.filtered["duplicate_source_chunk"] == 3
+    assert slot.core.counters.restarts == 0
+
+
+def test_cursor_gaps_are_counted_and_accepted() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    slot.core.handle_ingress(chunk(1, 10))
+    slot.core.handle_ingress(chunk(1, 14))
+    assert slot.core.counters.dropped_events == 3
+    slot.core.handle_ingress(chunk(1, 15, index=2))
+    assert slot.core.counters.dropped_events == 4
+    slot.core.handle_ingress(chunk(1, 16, final=False))
+    slot.core.handle_ingress(chunk(1, 17))
+    assert slot.core.counters.dropped_events == 5
+    assert slot.current().cache_owner_ready and slot.ready
+
+
+def test_strict_cache_owner_source_loss_untrusts_cache_owner_until_next_attach() -> None:
+    lenient = Slot()
+    lenient.core.attach(attachment_for(FIRST))
+    lenient.core.report_source_loss(1, 2)
+    assert lenient.current().cache_owner_ready
+    assert lenient.core.counters.source_losses == 2
+
+    strict = Slot(strict_cache_owner=True)
+    strict.core.attach(attachment_for(FIRST))
+    strict.core.report_source_loss(5, 1)
+    assert strict.current().cache_owner_ready
+    strict.core.report_source_loss(1, 1)
+    assert not strict.current().cache_owner_ready
+    strict.detach(1)
+    assert not strict.current().cache_owner_ready
+    strict.core.attach(attachment_for(REPLACEMENT))
+    assert strict.current().cache_owner_ready
+
+
+def test_an_ingress_batch_publishes_one_status_at_its_end() -> None:
+    slot = Slot()
+    generation = slot.core.attach(attachment_for(FIRST)).generation
+    barrier_cursor = slot.current().outbound_cursor
+    published: list[AgentStatus] = []
+    original_set = slot.status.set
+
+    def recording_set(status: AgentStatus) -> None:
+        published.append(status)
+        original_set(status)
+
+    slot.status.set = recording_set  # type: ignore[method-assign]
+    with slot.core.ingress_batch():
+        slot.core.handle_ingress(chunk(generation, 0, [store(W, None, 10, 110, tier=DEVICE)]))
+        slot.core.handle_ingress(chunk(generation, 1, [store(W, 10, 11, 111, tier=DEVICE)]))
+        assert slot.current().outbound_cursor == barrier_cursor  # deferred while the batch runs
+        assert published == []
+    assert [status.outbound_cursor for status in published] == [barrier_cursor + 2]
+    assert slot.core.outbound_cursor == barrier_cursor + 2
+    # A batch that moved nothing publishes nothing; outside a batch every chunk publishes at once.
+    with slot.core.ingress_batch():
+        pass
+    slot.core.handle_ingress(chunk(generation, 2, [remove(W, 10, tier=DEVICE, rank=FIRST.dp_rank)]))
+    assert [status.outbound_cursor for status in published] == [barrier_cursor + 2, barrier_cursor + 3]

@@ -1,0 +1,225 @@
+"""The ingest fast path agrees with the general decoder + normalizer (which define behaviour) on every input.
+
+Each check runs two attachment normalizers in lockstep over the same stream, one through
+``decode_typed_payload`` + ``normalize_typed_batch`` and one through ``decode_payload`` + ``normalize``, so
+learned state (attention groups, cache namespaces) is compared too, not only single events.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvagent.model.events import WorkerWithDpRank
+from kvagent.vllm.decode import RawMessage, WireDecodeError, decode_payload
+from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch
+from kvagent.vllm.typed import (
+    TypedMessage,
+    decode_live_frames,
+    decode_typed_payload,
+    normalize_typed_batch,
+    to_raw_batch,
+)
+from tests.support.vectors import load_live, load_structs
+
+BLOCK_SIZE = 4
+WORKER = WorkerWithDpRank(7, 0)
+
+
+def _normalizer(block_size: int = BLOCK_SIZE) -> AttachmentNormalizer:
+    return AttachmentNormalizer(kv_block_size=block_size, worker=WORKER, image_token_id=32000)
+
+
+class Lockstep:
+    """The fast and the general path over one stream; every payload must give the same outcome."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.fast = _normalizer(block_size)
+        self.general = _normalizer(block_size)
+        self.fast_hits = 0
+
+    def feed(self, payload: bytes) -> NormalizedBatch | None:
+        try:
+            expected_raw = decode_payload(payload)
+        except WireDecodeError as error:
+            if decode_typed_payload(payload) is not None:
+                # The one deliberate difference: msgspec skips keys it does not know, and their values,
+                # without decoding them, so invalid UTF-8 there cannot fail the batch.
+                assert "can't decode" in str(error), f"fast path accepted a payload the decoder refuses: {error}"
+            return None
+        expected = self.general.normalize(expected_raw)
+        batch = decode_typed_payload(payload)
+        if batch is None:
+            # Declined: the listener hands the same payload to the general path, so state stays in step.
+            self.fast.normalize(expected_raw)
+            return expected
+        self.fast_hits += 1
+        assert to_raw_batch(batch) == expected_raw
+        assert normalize_typed_batch(self.fast, batch) == expected
+        assert self.fast.framework._groups == self.general.framework._groups
+        assert self.fast.framework._namespaces == self.general.framework._namespaces
+        return expected
+
+
+def test_live_capture_takes_the_fast_path_and_agrees() -> None:
+    lockstep = Lockstep(block_size=32)  # the capture's engine ran with block size 32
+    payloads = [frames[2] for frames in load_live()[0]]
+    for payload in payloads:
+        assert lockstep.feed(payload) is not None
+    assert lockstep.fast_hits == len(payloads) == 68
+
+
+def test_struct_vectors_agree_whichever_path_takes_them() -> None:
+    cases = load_structs()
+    assert cases
+    for _note, frames in cases.values():
+        Lockstep(block_size=16).feed(frames[-1])
+
+
+def test_live_frames_use_the_fast_decoder_and_fall_back_for_other_forms() -> None:
+    store = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+             "token_ids": [1, 2, 3, 4], "block_size": 4}
+    seq = (5).to_bytes(8, "big")
+    fast = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store], 0])])
+    assert isinstance(fast, TypedMessage) and fast.seq == 5 and fast.topic == b"kv"
+    positional = ["BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU"]
+    typed = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [positional], 0])])
+    assert isinstance(typed, TypedMessage)
+    # One batch mixing both forms is legal (vllm-wire.md 0.4) but not typed: the general decoder takes it.
+    general = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store, positional], 0])])
+    assert isinstance(general, RawMessage) and general.seq == 5
+    assert to_raw_batch(typed.batch).events[0] == general.batch.events[1]
+    with pytest.raises(WireDecodeError, match="token_ids"):
+        decode_live_frames([b"kv", seq, msgpack.packb([1.0, [{**store, "token_ids": [True]}], 0])])
+    with pytest.raises(WireDecodeError, match="sequence frame"):
+        decode_live_frames([b"kv", b"\x00", msgpack.packb([1.0, [store], 0])])
+    with pytest.raises(WireDecodeError, match="exceeds"):
+        decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store], 0])], max_payload_bytes=8)
+
+
+# --- generated streams ---------------------------------------------------------------------------------
+
+_hash = st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1), st.integers(-(2**63), -1))
+_maybe_str = st.one_of(st.none(), st.sampled_from(["", "GPU", "CPU", "DISK", "kvcr", "LOCAL", "x"]))
+_kind = st.one_of(
+    st.none(), st.sampled_from(["", "full_attention", "sliding_window", "mamba", "weird_kind"])
+)
+_extra_entry = st.one_of(
+    st.none(),
+    st.just("dynamo-cache-salt:tenant-a"),
+    st.just("lora-x"),
+    st.just("00000000000000ab" + "0" * 48),
+    st.lists(st.sampled_from(["dynamo-cache-salt:b", "00000000000000cd" + "0" * 48, 3]), max_size=2),
+)
+
+
+@st.composite
+def _store(draw: st.DrawFn) -> dict[str, Any]:
+    hashes = draw(st.lists(_hash, min_size=0, max_size=4))
+    block_size = draw(st.sampled_from([BLOCK_SIZE, BLOCK_SIZE, BLOCK_SIZE, 2]))
+    tokens = draw(
+        st.lists(st.integers(0, 40_000), min_size=max(0, len(hashes) * BLOCK_SIZE - 2),
+                 max_size=len(hashes) * BLOCK_SIZE + 2)
+    )
+    event: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": draw(st.one_of(st.none(), _hash, st.sampled_from([*hashes, None]))),
+        "token_ids": tokens,
+        "block_size": block_size,
+    }
+    optional = {
+        "lora_id": st.one_of(st.none(), st.integers(0, 3)),
+        "medium": st.one_of(st.none(), st.sampled_from(["GPU", "", "CPU_PINNED", "DISK", "NVME", "TAPE"])),
+        "lora_name": st.one_of(st.none(), st.just(""), st.just("lora-x")),
+        "extra_keys": st.one_of(st.none(), st.lists(_extra_entry, max_size=4)),
+        "group_idx": st.one_of(st.none(), st.integers(0, 2)),
+        "kv_cache_spec_kind": _kind,
+        "kv_cache_spec_sliding_window": st.one_of(st.none(), st.integers(1, 64)),
+        "locality": st.one_of(st.none(), st.sampled_from(["LOCAL", "REMOTE"])),
+        "ownership": st.one_of(st.none(), st.none(), st.sampled_from(["kvcr", "other"])),
+        "session_id": st.one_of(st.none(), st.just("s1")),
+        "cache_salt": st.one_of(st.none(), st.just(""), st.just("salt")),
+    }
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            event[key] = draw(strategy)
+    return event
+
+
+@st.composite
+def _remove(draw: st.DrawFn) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": draw(st.lists(_hash, max_size=3))}
+    for key, strategy in {
+        "medium": _maybe_str,
+        "group_idx": st.one_of(st.none(), st.integers(0, 2)),
+        "kv_cache_spec_kind": _kind,
+        "locality": st.one_of(st.none(), st.sampled_from(["LOCAL", "REMOTE"])),
+        "ownership": st.one_of(st.none(), st.none(), st.sampled_from(["kvcr", "other"])),
+    }.items():
+        if draw(st.booleans()):
+            event[key] = draw(strategy)
+    return event
+
+
+_cleared = st.fixed_dictionaries(
+    {"type": st.just("AllBlocksCleared")},
+    optional={"medium": _maybe_str, "ownership": st.sampled_from([None, "kvcr"])},
+)
+_event = st.one_of(
+    _store(), _store(), _remove(), _cleared, st.just({"type": "TierBlocksCleared", "tier": "CPU"})
+)
+_STORED_SLOTS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                 "locality", "ownership")
+_REMOVED_SLOTS = ("block_hashes", "medium", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                  "locality", "ownership")
+
+
+@st.composite
+def _positional(draw: st.DrawFn) -> list[Any]:
+    """The same events in vLLM's older positional form, cut after a random number of slots."""
+    event = draw(_event)
+    tag = event["type"]
+    slots = {"BlockStored": _STORED_SLOTS, "BlockRemoved": _REMOVED_SLOTS, "AllBlocksCleared": ("ownership",)}
+    values = [event.get(key) for key in slots.get(tag, ())]
+    required = {"BlockStored": 4, "BlockRemoved": 1}.get(tag, 0)
+    return [tag, *values[: draw(st.integers(required, len(values)))]]
+
+
+_batch = st.tuples(
+    st.one_of(st.floats(allow_nan=False), st.integers(0, 10)),
+    st.one_of(st.lists(_event, max_size=6), st.lists(_positional(), max_size=6)),
+    st.one_of(st.none(), st.just(0)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_batch, min_size=1, max_size=6))
+def test_generated_streams_agree(batches: list[tuple[Any, ...]]) -> None:
+    lockstep = Lockstep()
+    for batch in batches:
+        lockstep.feed(msgpack.packb(list(batch)))
+
+
+def test_mutated_payloads_never_diverge() -> None:
+    rng = random.Random(20261202)
+    store = {"type": "BlockStored", "block_hashes": [2**63 + 5, 7], "parent_block_hash": 3,
+             "token_ids": list(range(1000, 1008)), "block_size": BLOCK_SIZE, "lora_id": None,
+             "medium": "GPU", "lora_name": None, "extra_keys": [None, None], "group_idx": 0,
+             "kv_cache_spec_kind": "full_attention"}
+    remove = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}
+    seed = msgpack.packb([1.5, [store, remove, {"type": "AllBlocksCleared"}], 0])
+    accepted = 0
+    for _ in range(3000):
+        payload = bytearray(seed)
+        for _ in range(rng.randint(1, 3)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        if Lockstep().feed(bytes(payload)) is not None:
+            accepted += 1
+    assert accepted > 0  # some mutations stay valid (changed values), so both paths were compared

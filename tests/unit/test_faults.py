@@ -1,0 +1,119 @@
+"""Fault tests through the real agent: engine restarts in place, sink failures, discovery outages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from kvagent.agent.slot import AttachmentConfig
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
+from kvagent.publish.sinks import RecordingSink
+from tests.io.test_agent import (
+    OWNER,
+    XpubEngine,
+    attach,
+    attachment_ads,
+    batch,
+    gpu_store,
+    is_store_of,
+    kvcr_store,
+    running_agent,
+    wait_for_event,
+)
+
+TIMEOUT = 20
+
+
+def worker_blocks(agent: Any, worker_id: int = 17) -> set[int]:
+    worker = WorkerWithDpRank(worker_id, 0)
+    return {h for (owner, _tier, h) in agent.index.resident_blocks() if owner == worker}
+
+
+async def test_engine_restarted_on_the_same_endpoint_resets_worker_state_once() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_agent() as (agent, _discovery, sink, context):
+            engine = XpubEngine(context)
+            await attach(agent, engine)
+            for i in range(3):
+                await engine.send_payload(batch([gpu_store([100 + i])]))
+            await engine.send_payload(batch([kvcr_store([900])]))
+            await wait_for_event(agent, is_store_of(900))
+            assert worker_blocks(agent) == {100, 101, 102}
+            endpoint = engine.endpoint
+            engine.close()
+
+            # The same endpoint, a new process: seq starts at 0 again, no AllBlocksCleared.
+            restarted = await XpubEngine.rebind(context, endpoint)
+            await restarted.wait_subscribed()  # the agent's SUB reconnected by itself
+            barriers_before = sum(isinstance(e.data, Cleared) for e in sink.events)
+            await restarted.send_payload(batch([gpu_store([200])]))
+            await wait_for_event(agent, is_store_of(200))
+            barriers = [e for e in sink.events if isinstance(e.data, Cleared)]
+            assert len(barriers) == barriers_before + 1
+            assert barriers[-1].residency_domain is ResidencyDomain.WORKER
+            assert worker_blocks(agent) == {200}
+            # CacheOwner residency belongs to the slot and survives the engine restart.
+            assert (OWNER, StorageTier.HOST_PINNED, 900) in agent.index.resident_blocks()
+            assert agent.core.counters.restarts == 1
+            status = agent.status()
+            assert status.attachment is not None and status.attachment.ready
+            restarted.close()
+
+
+async def test_ordinary_publication_failures_are_lossy_and_keep_the_index() -> None:
+    with trio.fail_after(TIMEOUT):
+        sink = RecordingSink()
+        async with running_agent(sink=sink) as (agent, _discovery, _sink, context):
+            engine = XpubEngine(context)
+            await attach(agent, engine)
+            sink.fail = True
+            await engine.send_payload(batch([gpu_store([1])]))
+            await wait_for_event(agent, is_store_of(1))
+            sink.fail = False
+            await engine.send_payload(batch([gpu_store([2])]))
+            await wait_for_event(agent, is_store_of(2))
+            assert worker_blocks(agent) == {1, 2}
+            status = agent.status()
+            assert status.attachment is not None and status.attachment.ready
+            # id 2 was consumed by the failed publication and is never reused.
+            assert [e.event_id for e in sink.events] == [1, 3]
+            engine.close()
+
+
+async def test_barrier_publication_failure_retires_the_worker_domain() -> None:
+    with trio.fail_after(TIMEOUT):
+        sink = RecordingSink()
+        async with running_agent(sink=sink) as (agent, discovery, _sink, context):
+            engine = XpubEngine(context)
+            generation = await attach(agent, engine)
+            sink.fail = True
+            with pytest.raises(KvAgentError, match="failed to publish final Worker detach barrier"):
+                await agent.detach(generation)
+            sink.fail = False
+            engine2 = XpubEngine(context)
+            with pytest.raises(KvAgentError):
+                await agent.attach(AttachmentConfig(worker_id=18, dp_rank=0, endpoint=engine2.endpoint))
+            assert attachment_ads(discovery) == []
+            engine.close()
+            engine2.close()
+
+
+async def test_discovery_outage_during_quarantine_is_retried_then_succeeds() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_agent() as (agent, discovery, _sink, context):
+            engine = XpubEngine(context)
+            generation = await attach(agent, engine)
+            discovery.set_failing(True, on=("unregister",))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(agent.quarantine, generation, "operator test")
+                await discovery.wait_for_attempts(3, "unregister")
+                discovery.set_failing(False)
+            assert attachment_ads(discovery) == []
+            status = agent.status()
+            assert status.attachment is not None and not status.attachment.ready
+            cursor = await agent.detach(generation)
+            assert cursor == agent.status().outbound_cursor
+            engine.close()
