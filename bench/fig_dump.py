@@ -32,8 +32,9 @@ async def _client_dumps(index: Any, repetitions: int, dump_format: str, lazy: bo
     own tree would; RouterEvent decoding adds about 55 us per event on top.  ``lazy`` leaves the events
     encoded (server build + transfer only).
     """
+    from kvagent.agent.host import SlotRegistry
     from kvagent.recovery.client import connect_slot
-    from kvagent.recovery.server import SlotRegistry, serve_recovery
+    from kvagent.recovery.server import serve_recovery
 
     registry = SlotRegistry()
     registry.add(BenchSlot(index))

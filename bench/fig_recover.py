@@ -139,7 +139,8 @@ async def _clients(
 ) -> tuple[list[float], dict[str, int], int, float, list[int]]:
     import multiprocessing
 
-    from kvagent.recovery.server import SlotRegistry, serve_recovery
+    from kvagent.agent.host import SlotRegistry
+    from kvagent.recovery.server import serve_recovery
 
     registry = SlotRegistry()
     registry.add(BenchSlot(index))

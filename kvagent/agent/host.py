@@ -19,11 +19,30 @@ from kvagent.agent.slot import SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent.discovery.base import Discovery
 from kvagent.model.errors import KvAgentError
 from kvagent.publish.sinks import EventSink
-from kvagent.recovery.server import SlotRegistry
+from kvagent.recovery.protocol import SlotSurface
 
-__all__ = ["Host", "SlotState", "SlotStateKind", "open_host"]
+__all__ = ["Host", "SlotRegistry", "SlotState", "SlotStateKind", "open_host"]
 
 log = logging.getLogger(__name__)
+
+
+class SlotRegistry:
+    """Implements :class:`kvagent.recovery.protocol.SlotDirectory`. Slot name → surface; the host adds and removes slots as they start and stop."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, SlotSurface] = {}
+
+    def add(self, surface: SlotSurface) -> None:
+        self._slots[surface.name] = surface
+
+    def remove(self, name: str) -> None:
+        self._slots.pop(name, None)
+
+    def get(self, name: str) -> SlotSurface | None:
+        return self._slots.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._slots)
 
 
 class SlotStateKind(enum.Enum):

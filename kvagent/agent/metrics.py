@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvagent.recovery.server import SlotRegistry
+from kvagent.recovery.protocol import SlotDirectory
 
 __all__ = ["SlotMetricsCollector", "render_metrics", "serve_metrics"]
 
@@ -47,7 +47,7 @@ def _value(obj: object, name: str) -> float | None:
 
 
 class SlotMetricsCollector(Collector):
-    def __init__(self, registry: SlotRegistry, extra: list[Any] | None = None) -> None:
+    def __init__(self, registry: SlotDirectory, extra: list[Any] | None = None) -> None:
         self._registry = registry
         self._extra = extra or []
 
@@ -100,14 +100,14 @@ class SlotMetricsCollector(Collector):
             yield from source.collect_metrics()
 
 
-def render_metrics(registry: SlotRegistry, extra: list[Any] | None = None) -> bytes:
+def render_metrics(registry: SlotDirectory, extra: list[Any] | None = None) -> bytes:
     prometheus_registry = CollectorRegistry()
     prometheus_registry.register(SlotMetricsCollector(registry, extra))
     return generate_latest(prometheus_registry)
 
 
 async def serve_metrics(
-    registry: SlotRegistry,
+    registry: SlotDirectory,
     *,
     host: str = "127.0.0.1",
     port: int = 0,

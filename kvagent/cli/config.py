@@ -19,8 +19,9 @@ from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
 from kvagent.discovery import check_discovery_url
+from kvagent.model.errors import ConfigError, IdentityError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
-from kvagent.model.ids import CacheOwnerId, IdentityError, derive_cache_owner_id, explicit_material
+from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material
 
 __all__ = [
     "ConfigError",
@@ -36,14 +37,6 @@ __all__ = [
 ]
 
 EXTERNAL_INGRESS_ERROR = "external state-agent slots require vllm_residency_v1 ingress"
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; ``errors`` lists each ``path: problem`` line."""
-
-    def __init__(self, message: str, errors: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.errors = errors or (message,)
 
 
 def default_state_dir() -> Path:

@@ -10,14 +10,9 @@ from typing import Any
 
 import trio
 
-from kvagent.cli.config import (
-    ConfigError,
-    ServeConfig,
-    load_config_file,
-    parse_slot_arg,
-    structure_serve_config,
-)
-from kvagent.model.ids import IdentityError, resolve_stable_dp_slot_id
+from kvagent.cli.config import ServeConfig, load_config_file, parse_slot_arg, structure_serve_config
+from kvagent.model.errors import ConfigError, IdentityError
+from kvagent.model.ids import resolve_stable_dp_slot_id
 
 __all__ = ["build_parser", "main"]
 

@@ -8,7 +8,8 @@ import sys
 
 import trio
 
-from kvagent.recovery.client import FollowOverrun, RecoveryClientError, connect_slot
+from kvagent.model.errors import FollowOverrun, RecoveryClientError
+from kvagent.recovery.client import connect_slot
 from kvagent.wire.router_event import router_event_to_json
 
 __all__ = ["run_query"]

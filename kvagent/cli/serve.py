@@ -15,14 +15,14 @@ import blake3
 import trio
 import zmq
 
-from kvagent.agent.host import Host, open_host
+from kvagent.agent.host import Host, SlotRegistry, open_host
 from kvagent.agent.slot import AttachmentConfig, SlotAgent, SlotAgentConfig
 from kvagent.cli.config import ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
 from kvagent.discovery import open_discovery
 from kvagent.model.events import IngressProtocol
 from kvagent.publish.sinks import EventSink
-from kvagent.recovery.server import ServerStats, SlotRegistry, serve_recovery
+from kvagent.recovery.server import ServerStats, serve_recovery
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = ["derive_worker_id", "load_or_create_token", "run_serve"]

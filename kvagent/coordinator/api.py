@@ -6,21 +6,10 @@ from typing import Protocol
 
 import attrs
 
-from kvagent.model.errors import KvAgentError
+from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import RouterEvent
 
 __all__ = ["CoordinatorClosed", "CoordinatorCounters", "CoordinatorError", "LocalIndex"]
-
-
-class CoordinatorError(KvAgentError):
-    """A lifecycle command or an ingress chunk the coordinator refused or could not complete."""
-
-
-class CoordinatorClosed(KvAgentError):
-    """The coordinator task is gone; nothing can be sent to it any more."""
-
-    def __init__(self, message: str = "state-agent coordinator is closed") -> None:
-        super().__init__(message, code="internal")
 
 
 class LocalIndex(Protocol):

@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import attrs
 import structlog
 
-from kvagent.coordinator.api import CoordinatorClosed, CoordinatorCounters, CoordinatorError, LocalIndex
+from kvagent.coordinator.api import CoordinatorCounters, LocalIndex
 from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.cursor import Continuity, SourceCursorTracker, classify_chunk
 from kvagent.coordinator.dedup import DedupFilter
+from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import (
     CLEARED,
     MAX_CHUNK_BLOCKS,

@@ -23,7 +23,8 @@ from typing import Any, Generic, TypeVar
 import structlog
 import trio
 
-from kvagent.coordinator.machine import CoordinatorClosed, CoordinatorError, SlotCoordinator
+from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import IngressChunk
 from kvagent.model.status import Attachment
 

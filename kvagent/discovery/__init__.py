@@ -10,9 +10,10 @@ from typing import Any
 
 import trio
 
-from kvagent.discovery.base import Discovery, DiscoveryConflict, DiscoveryError, DiscoveryRecord
+from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.file import FileDiscovery
 from kvagent.discovery.memory import MemoryDiscovery
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = [
     "Discovery",

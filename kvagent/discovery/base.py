@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError
+
 __all__ = [
     "MAX_JSON_SAFE_ID",
     "Discovery",
@@ -26,14 +28,6 @@ __all__ = [
 MAX_JSON_SAFE_ID = (1 << 53) - 1
 # Topics become directory names (file backend) and key segments (etcd), so keep them to a safe alphabet.
 _TOPIC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-class DiscoveryError(Exception):
-    """A discovery backend failed, or a stored record is malformed."""
-
-
-class DiscoveryConflict(DiscoveryError):
-    """A record id is already registered with a different payload."""
 
 
 def check_topic(topic: object) -> str:

@@ -19,7 +19,7 @@ import httpx
 import structlog
 import trio
 
-from kvagent.discovery.base import DiscoveryConflict, DiscoveryError, DiscoveryRecord, check_topic
+from kvagent.discovery.base import DiscoveryRecord, check_topic
 from kvagent.discovery.etcd_gateway import (
     EtcdApiError,
     EtcdGateway,
@@ -33,6 +33,7 @@ from kvagent.discovery.etcd_gateway import (
     prefix_range,
     unb64,
 )
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = [
     "EtcdCounters",

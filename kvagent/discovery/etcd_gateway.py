@@ -15,7 +15,7 @@ import attrs
 import httpx
 import trio
 
-from kvagent.discovery.base import DiscoveryError
+from kvagent.model.errors import DiscoveryError
 
 __all__ = [
     "EtcdApiError",
@@ -113,7 +113,7 @@ class EtcdApiError(DiscoveryError):
 
     def __init__(self, status: int, code: int, message: str) -> None:
         super().__init__(f"etcd error (HTTP {status}, code {code}): {message}")
-        self.code = code
+        self.grpc_code = code
         self.etcd_message = message
 
 
@@ -148,7 +148,7 @@ class EtcdGateway:
         try:
             return await self._call_any(path, body, authenticated=True)
         except EtcdApiError as error:
-            if self._username is None or error.code != _GRPC_UNAUTHENTICATED:
+            if self._username is None or error.grpc_code != _GRPC_UNAUTHENTICATED:
                 raise
         self._token = None
         await self._authenticate()

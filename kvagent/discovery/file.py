@@ -19,7 +19,8 @@ from pathlib import Path
 
 import trio
 
-from kvagent.discovery.base import DiscoveryConflict, DiscoveryError, DiscoveryRecord, check_topic
+from kvagent.discovery.base import DiscoveryRecord, check_topic
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = ["FileDiscovery"]
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterable
 import attrs
 import trio
 
-from kvagent.discovery.base import DiscoveryConflict, DiscoveryError, DiscoveryRecord, check_topic
+from kvagent.discovery.base import DiscoveryRecord, check_topic
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = ["InjectedFailure", "MemoryDiscovery", "OperationAttempt"]
 

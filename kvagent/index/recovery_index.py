@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from kvagent._util.gcutil import gc_paused
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
+from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
     RESET_ALL,
     U64_MAX,
@@ -71,10 +72,6 @@ class DumpSnapshot(NamedTuple):
     groups: tuple[DumpGroup, ...]
     last_event_id: int
     events: int
-
-
-class IndexApplyError(RuntimeError):
-    """An event the index refuses; nothing of it was applied or buffered."""
 
 
 def _check_u64(values: tuple[int, ...], what: str) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import attrs
 import blake3
 
+from kvagent.model.errors import IdentityError
+
 __all__ = [
     "CacheOwnerId",
     "CacheSemanticsId",
@@ -61,10 +63,6 @@ WORKER_OWNER_TAG = b"dynamo/residency-owner/worker/v1"
 CACHE_OWNER_OWNER_TAG = b"dynamo/residency-owner/cache-owner/v1"
 ATTACHMENT_RECORD_TAG = b"dynamo/kv-state-attachment-record/v2"
 HOST_RECORD_TAG = b"dynamo/kv-state-host/v2"
-
-
-class IdentityError(ValueError):
-    """Identity material or text that cannot form a valid id."""
 
 
 class IdentitySource(enum.Enum):

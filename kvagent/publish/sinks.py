@@ -7,13 +7,10 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
+from kvagent.model.errors import SinkError
 from kvagent.model.events import RouterEvent
 
 __all__ = ["EventSink", "FanoutSink", "NullSink", "RecordingSink", "SinkError"]
-
-
-class SinkError(RuntimeError):
-    """A publication failed; Stored/Removed are lossy, a failed Cleared retires its domain."""
 
 
 @runtime_checkable

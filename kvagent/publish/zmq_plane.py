@@ -17,8 +17,8 @@ import zmq
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvagent._util.zmqtrio import TrioSocket
+from kvagent.model.errors import SinkError
 from kvagent.model.events import MAX_CHUNK_BLOCKS, MAX_CHUNK_EVENTS, RouterEvent, block_count
-from kvagent.publish.sinks import SinkError
 from kvagent.wire.router_event import decode_router_events, encode_router_events
 
 __all__ = [

@@ -21,6 +21,7 @@ import msgpack
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from kvagent._util.gcutil import gc_paused
+from kvagent.model.errors import CodecError, FollowOverrun, IdentityError, RecoveryClientError
 from kvagent.model.events import (
     MmExtraInfo,
     ResidencyDomain,
@@ -29,10 +30,9 @@ from kvagent.model.events import (
     Stored,
     WorkerWithDpRank,
 )
-from kvagent.model.ids import CacheOwnerId, IdentityError, KvStateAgentIdentity
+from kvagent.model.ids import CacheOwnerId, KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.wire.router_event import (
-    CodecError,
     decode_router_events,
     mm_extra_info_from_wire,
     router_event_from_json,
@@ -54,23 +54,6 @@ CLIENT_MAX_MESSAGE_BYTES = 4 << 20  # the server sends frames of at most 1 MiB; 
 # trio-websocket reads 4 KiB at a time by default: a 1 MiB frame then costs 256 reads, each through
 # wsproto's parser, which made the client's reader the bottleneck of many concurrent recoveries.
 CLIENT_RECEIVE_BYTES = 256 << 10
-
-
-class RecoveryClientError(Exception):
-    """An error response (``code`` is the protocol's error code) or an unusable server answer."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class FollowOverrun(Exception):
-    """The server dropped this follower for falling behind; resume with ``follow(last_sent)``."""
-
-    def __init__(self, last_sent: int) -> None:
-        super().__init__(f"follower overrun; resume from {last_sent}")
-        self.last_sent = last_sent
 
 
 _FLAG_ROOT, _FLAG_PARENT, _FLAG_DEAD = 0, 1, 2

@@ -11,12 +11,13 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import msgpack
 
-from kvagent.model.errors import KvAgentError
+from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import IdentityError, KvAgentError
 from kvagent.model.events import (
     RESET_ALL,
     U32_MAX,
@@ -29,11 +30,13 @@ from kvagent.model.events import (
     TooNewAnswer,
     TreeDumpAnswer,
 )
-from kvagent.model.ids import IdentityError, KvStateAgentIdentity
-from kvagent.model.status import AgentStatus
+from kvagent.model.ids import KvStateAgentIdentity
+from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.wire.router_event import router_event_to_wire
 
 __all__ = [
+    "SlotDirectory",
+    "SlotSurface",
     "MAX_FRAME_BYTES",
     "CACHE_OWNER_INCREMENTAL_UNSUPPORTED",
     "CHANGED_DURING_RECOVERY",
@@ -61,6 +64,35 @@ CACHE_OWNER_INCREMENTAL_UNSUPPORTED = (
 )
 CHANGED_DURING_RECOVERY = "KV state-agent identity, readiness or generation changed during recovery"
 STATUS_IDENTITY_MISMATCH = "KV state-agent status identity mismatch"
+
+
+class SlotSurface(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def slot_rank(self) -> int: ...
+
+    @property
+    def index(self) -> RecoveryIndex: ...
+
+    def status(self) -> AgentStatus: ...
+
+    async def control_attach(
+        self, *, worker_id: int, dp_rank: int, endpoint: str, topic: str, replay_endpoint: str | None
+    ) -> AttachmentStatus: ...
+
+    async def control_detach(self, generation: int) -> int: ...
+
+    async def control_quarantine(self, generation: int, reason: str) -> None: ...
+
+
+class SlotDirectory(Protocol):
+    """The slots a recovery server answers for, by name; the agent's host implements it."""
+
+    def get(self, name: str) -> SlotSurface | None: ...
+
+    def names(self) -> list[str]: ...
 
 
 class Encoding(enum.Enum):

@@ -13,7 +13,7 @@ import hmac
 import logging
 from collections.abc import Iterator, Mapping
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
@@ -21,7 +21,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
-from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
+from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import (
     U32_MAX,
@@ -32,7 +32,7 @@ from kvagent.model.events import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
-from kvagent.model.status import AgentStatus, AttachmentStatus
+from kvagent.model.status import AgentStatus
 from kvagent.recovery.dump import (
     columns_frames,
     encoded_ring,
@@ -45,6 +45,8 @@ from kvagent.recovery.follow import run_follow
 from kvagent.recovery.protocol import (
     Encoding,
     Fence,
+    SlotDirectory,
+    SlotSurface,
     check_recovery_fence,
     check_status_fence,
     decode_frame,
@@ -60,7 +62,7 @@ from kvagent.recovery.protocol import (
     too_new_response,
 )
 
-__all__ = ["RecoveryServerInfo", "ServerStats", "SlotRegistry", "SlotSurface", "serve_recovery"]
+__all__ = ["RecoveryServerInfo", "ServerStats", "serve_recovery"]
 
 log = logging.getLogger(__name__)
 
@@ -70,46 +72,6 @@ KNOWN_OPS = SLOT_OPS | {"list"}
 CLOSE_INTERNAL_ERROR = 1011
 HEARTBEAT_INTERVAL = 20.0
 HEARTBEAT_TIMEOUT = 20.0
-
-
-class SlotSurface(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def slot_rank(self) -> int: ...
-
-    @property
-    def index(self) -> RecoveryIndex: ...
-
-    def status(self) -> AgentStatus: ...
-
-    async def control_attach(
-        self, *, worker_id: int, dp_rank: int, endpoint: str, topic: str, replay_endpoint: str | None
-    ) -> AttachmentStatus: ...
-
-    async def control_detach(self, generation: int) -> int: ...
-
-    async def control_quarantine(self, generation: int, reason: str) -> None: ...
-
-
-class SlotRegistry:
-    """Slot name → surface; the host adds and removes slots as they start and stop."""
-
-    def __init__(self) -> None:
-        self._slots: dict[str, SlotSurface] = {}
-
-    def add(self, surface: SlotSurface) -> None:
-        self._slots[surface.name] = surface
-
-    def remove(self, name: str) -> None:
-        self._slots.pop(name, None)
-
-    def get(self, name: str) -> SlotSurface | None:
-        return self._slots.get(name)
-
-    def names(self) -> list[str]:
-        return sorted(self._slots)
 
 
 @attrs.frozen(slots=True)
@@ -180,7 +142,7 @@ class ServerStats:
 
 @attrs.frozen(slots=True)
 class _ServerConfig:
-    registry: SlotRegistry
+    registry: SlotDirectory
     token: str | None
     stats: ServerStats
     follow_buffer_events: int
@@ -545,7 +507,7 @@ def _op(request: dict[str, Any]) -> str:
 
 
 async def serve_recovery(
-    registry: SlotRegistry,
+    registry: SlotDirectory,
     *,
     host: str = "127.0.0.1",
     port: int = 8765,

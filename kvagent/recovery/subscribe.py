@@ -8,14 +8,13 @@ from typing import Any
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
+from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import RouterEvent
 from kvagent.recovery.client import (
     DumpColumns,
     FollowItem,
-    FollowOverrun,
     RecoverResult,
     RecoveryClient,
-    RecoveryClientError,
     agent_status_from_json,
     connect_slot,
 )

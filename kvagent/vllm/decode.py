@@ -37,6 +37,7 @@ from typing import Any, TypeAlias
 import attrs
 import msgpack
 
+from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, U32_MAX, U64_MAX
 
 __all__ = [
@@ -59,10 +60,6 @@ __all__ = [
 
 I64_MIN = -(1 << 63)
 REPLAY_END_SEQ = b"\xff" * 8
-
-
-class WireDecodeError(ValueError):
-    """A message or payload that is not a valid vLLM KV event batch."""
 
 
 @attrs.frozen(slots=True)

@@ -33,11 +33,11 @@ import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.coordinator.task import CoordinatorHandle
-from kvagent.model.errors import KvAgentError
+from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES
 from kvagent.model.status import Attachment, StatusCell
-from kvagent.vllm.decode import RawMessage, WireDecodeError
-from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, build_ingress_chunks
+from kvagent.vllm.decode import RawMessage
+from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.sequence import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
 from kvagent.vllm.typed import TypedMessage, decode_live_frames, normalize_typed_batch
 
@@ -48,10 +48,6 @@ log = logging.getLogger(__name__)
 LISTENER_TERMINATED = "framework listener terminated"
 QUARANTINE_TIMEOUT = 5.0
 SLICE_SECONDS = 0.001
-
-
-class ListenerError(Exception):
-    """A condition that ends the listener (and so quarantines its attachment)."""
 
 
 class _NotReady(Exception):

@@ -15,6 +15,7 @@ import attrs
 import structlog
 import xxhash
 
+from kvagent.model.errors import ChunkingError
 from kvagent.model.events import (
     CLEARED,
     MAX_CHUNK_BLOCKS,
@@ -80,10 +81,6 @@ xxh3 = xxhash.xxh3_64_intdigest
 log = structlog.get_logger(__name__)
 _AMBIGUOUS = object()
 _HEX16 = re.compile("[0-9a-fA-F]{16}")
-
-
-class ChunkingError(ValueError):
-    """A raw batch that cannot be split into bounded ingress chunks; it terminates the listener."""
 
 
 @attrs.define

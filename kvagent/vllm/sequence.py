@@ -21,7 +21,8 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.vllm.decode import RawMessage, WireDecodeError, decode_replay_reply
+from kvagent.model.errors import WireDecodeError
+from kvagent.vllm.decode import RawMessage, decode_replay_reply
 
 __all__ = ["ReplayAttempt", "ReplayClient", "SeqDecision", "SequenceGate"]
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import msgpack
 
+from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import (
     CLEARED,
     U32_MAX,
@@ -24,7 +25,7 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
 )
-from kvagent.model.ids import CacheOwnerId, IdentityError
+from kvagent.model.ids import CacheOwnerId
 
 __all__ = [
     "CodecError",
@@ -44,10 +45,6 @@ __all__ = [
 
 _TIERS = {tier.value: tier for tier in StorageTier}
 _DOMAINS = {domain.value: domain for domain in ResidencyDomain}
-
-
-class CodecError(ValueError):
-    """A RouterEvent payload that cannot be decoded; the message names the offending field."""
 
 
 # --- state_source: the one place that fixes its wire form -------------------------------------------

@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from kvagent.coordinator.machine import CoordinatorClosed, CoordinatorError
 from kvagent.coordinator.task import CoordinatorHandle, admit_ingress, open_coordinator, open_ingress_channel
+from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import residency_owner
 from tests.unit.test_coordinator import (
     FIRST,

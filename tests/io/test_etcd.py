@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from kvagent.discovery import open_discovery
-from kvagent.discovery.base import DiscoveryConflict, DiscoveryError, DiscoveryRecord
+from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.etcd import (
     EtcdDiscovery,
     EtcdTarget,
@@ -23,6 +23,7 @@ from kvagent.discovery.etcd import (
     open_etcd_discovery,
     parse_etcd_url,
 )
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 from tests.support.etcd_server import EtcdEndpoint, PrivateEtcd, _free_ports
 
 pytestmark = pytest.mark.etcd

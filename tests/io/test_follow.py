@@ -10,8 +10,9 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import RouterEvent
-from kvagent.recovery.client import FollowOverrun, RecoveryClientError, connect_slot
+from kvagent.recovery.client import connect_slot
 from kvagent.recovery.follow import LiveBuffer, open_follow
 from tests.io.test_recovery_server import FakeSlot, start_server
 

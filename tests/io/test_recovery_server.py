@@ -17,8 +17,9 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionRejected, open_websocket_url
 
+from kvagent.agent.host import SlotRegistry
 from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.errors import KvAgentError
+from kvagent.model.errors import KvAgentError, RecoveryClientError
 from kvagent.model.events import (
     CLEARED,
     ResidencyDomain,
@@ -38,9 +39,9 @@ from kvagent.model.ids import (
     StableDpSlotId,
 )
 from kvagent.model.status import AgentStatus, AttachmentStatus, StatusCell
-from kvagent.recovery.client import RecoveryClientError, connect_slot
+from kvagent.recovery.client import connect_slot
 from kvagent.recovery.protocol import CACHE_OWNER_INCREMENTAL_UNSUPPORTED, MAX_FRAME_BYTES
-from kvagent.recovery.server import RecoveryServerInfo, ServerStats, SlotRegistry, serve_recovery
+from kvagent.recovery.server import RecoveryServerInfo, ServerStats, serve_recovery
 from kvagent.wire.router_event import router_event_to_json
 
 OWNER = CacheOwnerId(

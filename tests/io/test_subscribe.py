@@ -8,12 +8,13 @@ from typing import Any
 import trio
 import zmq
 
+from kvagent.agent.host import SlotRegistry
 from kvagent.agent.slot import SlotAgentConfig, open_slot_agent
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import RouterEvent
 from kvagent.publish.zmq_plane import ZmqEventPlane
-from kvagent.recovery.server import SlotRegistry, serve_recovery
+from kvagent.recovery.server import serve_recovery
 from kvagent.recovery.subscribe import subscribe
 from tests.io.test_agent import OWNER, XpubEngine, attach, batch, gpu_store
 

@@ -16,9 +16,10 @@ import traceback
 
 import msgpack
 
+from kvagent.model.errors import ChunkingError, WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
-from kvagent.vllm.decode import RawMessage, WireDecodeError, decode_frames
-from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, NormalizedBatch, build_ingress_chunks
+from kvagent.vllm.decode import RawMessage, decode_frames
+from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch, build_ingress_chunks
 from kvagent.vllm.typed import TypedMessage, decode_live_frames, normalize_typed_batch, to_raw_batch
 from tests.support.vectors import load_live, load_structs
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvagent.model.errors import CodecError
 from kvagent.model.events import (
     CLEARED,
     MmExtraInfo,
@@ -22,7 +23,6 @@ from kvagent.model.events import (
 )
 from kvagent.model.ids import CacheOwnerId
 from kvagent.wire.router_event import (
-    CodecError,
     checked_router_event_from_wire,
     decode_router_events,
     encode_router_events,

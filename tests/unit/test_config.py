@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from kvagent.cli.config import (
-    ConfigError,
     EngineConfig,
     ServeConfig,
     SlotConfig,
@@ -18,6 +17,7 @@ from kvagent.cli.config import (
     resolve_cache_owner_id,
     structure_serve_config,
 )
+from kvagent.model.errors import ConfigError
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id
 
 OWNER_TEXT = "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvagent.coordinator.machine import CoordinatorError, SlotCoordinator
-from kvagent.index.recovery_index import IndexApplyError, RecoveryIndex
+from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import CoordinatorError, IndexApplyError
 from kvagent.model.events import (
     CLEARED,
     Cleared,

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvagent.coordinator.machine import CoordinatorError, SlotCoordinator
+from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
     Cleared,

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
-from kvagent.vllm.decode import RawMessage, WireDecodeError, decode_payload
+from kvagent.vllm.decode import RawMessage, decode_payload
 from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch
 from kvagent.vllm.typed import (
     TypedMessage,

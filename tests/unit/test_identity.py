@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvagent.model.errors import IdentityError
 from kvagent.model.ids import (
     CacheOwnerId,
-    IdentityError,
     IdentitySource,
     attachment_record_id,
     cache_semantics_material,

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvagent.index.recovery_index import IndexApplyError, RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
     CLEARED,
     RESET_ALL,

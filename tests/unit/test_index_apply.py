@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvagent.index.recovery_index import IndexApplyError, RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
     CLEARED,
     Removed,

@@ -8,6 +8,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvagent.model.errors import ChunkingError
 from kvagent.model.events import (
     CLEARED,
     IngressProtocol,
@@ -33,7 +34,6 @@ from kvagent.vllm.decode import (
 )
 from kvagent.vllm.normalize import (
     AttachmentNormalizer,
-    ChunkingError,
     NormalizedBatch,
     bounded_ingress_chunks,
     build_ingress_chunks,

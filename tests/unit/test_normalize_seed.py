@@ -6,15 +6,9 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import IngressProtocol, ResidencyDomain, StorageTier, WorkerWithDpRank
-from kvagent.vllm.decode import (
-    RawAllBlocksCleared,
-    RawBatch,
-    RawBlockStored,
-    WireDecodeError,
-    decode_frames,
-    decode_payload,
-)
+from kvagent.vllm.decode import RawAllBlocksCleared, RawBatch, RawBlockStored, decode_frames, decode_payload
 from kvagent.vllm.normalize import AttachmentNormalizer, preprocess_legacy
 from tests.support.vectors import load_live, load_structs
 

@@ -8,17 +8,17 @@ import msgpack
 import pytest
 import xxhash
 
+from kvagent.model.errors import ChunkingError, WireDecodeError
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, StorageTier, Stored, WorkerWithDpRank
 from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBlockRemoved,
     RawBlockStored,
-    WireDecodeError,
     decode_frames,
     decode_replay_reply,
     is_replay_end_marker,
 )
-from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, bounded_ingress_chunks
+from kvagent.vllm.normalize import AttachmentNormalizer, bounded_ingress_chunks
 from tests.support.vectors import load_live, load_structs
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER

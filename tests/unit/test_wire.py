@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
 from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBlockRemoved,
     RawBlockStored,
     RawIgnored,
-    WireDecodeError,
     decode_frames,
     decode_payload,
     decode_replay_reply,

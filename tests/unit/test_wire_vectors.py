@@ -8,6 +8,7 @@ import msgpack
 import pytest
 import xxhash
 
+from kvagent.model.errors import ChunkingError, WireDecodeError
 from kvagent.model.events import (
     CLEARED,
     IngressProtocol,
@@ -21,13 +22,12 @@ from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBlockRemoved,
     RawBlockStored,
-    WireDecodeError,
     decode_frames,
     decode_payload,
     decode_replay_reply,
     is_replay_end_marker,
 )
-from kvagent.vllm.normalize import AttachmentNormalizer, ChunkingError, bounded_ingress_chunks
+from kvagent.vllm.normalize import AttachmentNormalizer, bounded_ingress_chunks
 from tests.support.vectors import load_live, load_structs
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
