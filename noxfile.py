@@ -16,8 +16,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    session.install("-e", ".", "ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", "kvagent", "tests", "examples", "bench", "noxfile.py")
+    # The layer rules of docs/architecture.md, as import-linter contracts in pyproject.toml.
+    session.run("lint-imports")
 
 
 @nox.session
@@ -45,4 +47,4 @@ def soak(session: nox.Session) -> None:
     """Bounded soak: steady ingest with churn and periodic reattach; RSS must stay flat."""
     session.install("-e", ".[test]")
     session.env["KVAGENT_SOAK_SECONDS"] = session.posargs[0] if session.posargs else "600"
-    session.run("pytest", "-m", "slow", "tests/test_soak.py", "-s")
+    session.run("pytest", "-m", "slow", "tests/e2e/test_soak.py", "-s")
