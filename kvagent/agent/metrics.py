@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvagent.recovery.protocol import SlotDirectory
+from kvagent.recovery.protocol import ServerStatistics, SlotDirectory
 
 __all__ = ["SlotMetricsCollector", "render_metrics", "serve_metrics"]
 
@@ -97,7 +97,42 @@ class SlotMetricsCollector(Collector):
         yield from families.values()
         yield from (filtered, quarantines, cursor, ready, generation, owner_ready, blocks, depth)
         for source in self._extra:
-            yield from source.collect_metrics()
+            snapshot = source.statistics() if hasattr(source, "statistics") else None
+            if isinstance(snapshot, ServerStatistics):
+                yield from _server_families(snapshot)
+            else:
+                yield from source.collect_metrics()
+
+
+def _server_families(stats: ServerStatistics) -> Iterator[Metric]:
+    """The recovery server's families, from its statistics snapshot."""
+    yield GaugeMetricFamily(
+        "kvagent_recovery_connections_open", "Open recovery websocket connections", value=stats.connections_open
+    )
+    yield CounterMetricFamily(
+        "kvagent_recovery_connections", "Accepted recovery websocket connections", value=stats.connections_total
+    )
+    rejected = CounterMetricFamily(
+        "kvagent_recovery_rejected", "Refused recovery handshakes, by HTTP status", labels=["status"]
+    )
+    for status_code, count in sorted(stats.rejected.items()):
+        rejected.add_metric([str(status_code)], count)
+    yield rejected
+    requests = CounterMetricFamily("kvagent_recovery_requests", "Recovery requests, by op", labels=["op"])
+    for op, count in sorted(stats.requests.items()):
+        requests.add_metric([op], count)
+    yield requests
+    errors = CounterMetricFamily(
+        "kvagent_recovery_request_errors", "Recovery error responses, by code", labels=["code"]
+    )
+    for code, count in sorted(stats.request_errors.items()):
+        errors.add_metric([code], count)
+    yield errors
+    yield CounterMetricFamily(
+        "kvagent_recovery_request_seconds",
+        "Seconds spent answering recovery requests (follow excluded)",
+        value=stats.request_seconds_sum,
+    )
 
 
 def render_metrics(registry: SlotDirectory, extra: list[Any] | None = None) -> bytes:

@@ -1,4 +1,7 @@
-"""Recovery/control protocol v1: frame encoding, request validation, fencing and answer framing (sans-IO).
+"""Recovery/control protocol v1: frame encoding, request parsing, fencing and answer framing (sans-IO).
+
+Also the values a recovery session works with: the op tables, the answer headers and receipts, the slot
+protocols the server sees slots through, and the server's statistics snapshot.
 
 Text frames carry JSON, binary frames carry msgpack; a response uses the encoding of its request.  Event
 lists are framed by hand from individually encoded events so a large answer is split into frames of at most
@@ -23,20 +26,32 @@ from kvagent.model.events import (
     U32_MAX,
     U64_MAX,
     EventsAnswer,
+    InvalidRangeAnswer,
     RangeAnswer,
     ResetScope,
     ResidencyDomain,
     RouterEvent,
     TooNewAnswer,
     TreeDumpAnswer,
+    TreeDumpFailedAnswer,
 )
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.wire.router_event import router_event_to_wire
 
 __all__ = [
+    "CONTROL_OPS",
+    "KNOWN_OPS",
+    "SLOT_OPS",
+    "ServerStatistics",
     "SlotDirectory",
     "SlotSurface",
+    "frame_encoding",
+    "parse_request",
+    "range_header",
+    "receipt",
+    "request_op",
+    "single_frame_answer",
     "MAX_FRAME_BYTES",
     "CACHE_OWNER_INCREMENTAL_UNSUPPORTED",
     "CHANGED_DURING_RECOVERY",
@@ -64,6 +79,10 @@ CACHE_OWNER_INCREMENTAL_UNSUPPORTED = (
 )
 CHANGED_DURING_RECOVERY = "KV state-agent identity, readiness or generation changed during recovery"
 STATUS_IDENTITY_MISMATCH = "KV state-agent status identity mismatch"
+
+CONTROL_OPS = frozenset({"attach", "detach", "quarantine"})
+SLOT_OPS = frozenset({"status", "recover", "follow"}) | CONTROL_OPS  # ops that need /v1/slots/<slot>
+KNOWN_OPS = SLOT_OPS | {"list"}
 
 
 class SlotSurface(Protocol):
@@ -95,12 +114,40 @@ class SlotDirectory(Protocol):
     def names(self) -> list[str]: ...
 
 
+@attrs.frozen(slots=True)
+class ServerStatistics:
+    """A snapshot of the recovery server's counters (``ServerStats.statistics()``).
+
+    Attributes:
+        connections_open: websocket connections currently being served.
+        connections_total: websocket connections accepted since the server started.
+        rejected: refused handshakes by HTTP status (403 token in URL, 404 unknown path, 503 too many).
+        requests: requests by op; an op the server does not know counts as ``"invalid"``, so a hostile
+            client cannot grow the label set.
+        request_errors: error responses by error code.
+        request_seconds_sum: seconds spent answering requests, ``follow`` excluded (its duration is the
+            lifetime of a stream, not the cost of a request).
+    """
+
+    connections_open: int
+    connections_total: int
+    rejected: Mapping[int, int]
+    requests: Mapping[str, int]
+    request_errors: Mapping[str, int]
+    request_seconds_sum: float
+
+
 class Encoding(enum.Enum):
     JSON = "json"
     MSGPACK = "msgpack"
 
 
 # --- frames -----------------------------------------------------------------------------------------
+
+
+def frame_encoding(message: str | bytes) -> Encoding:
+    """The encoding a frame's answer uses, known even when the frame does not parse."""
+    return Encoding.MSGPACK if isinstance(message, bytes) else Encoding.JSON
 
 
 def decode_frame(message: str | bytes) -> tuple[Encoding, object]:
@@ -137,6 +184,51 @@ def too_new_response(request_id: int, answer: TooNewAnswer) -> dict[str, object]
         "requested_start": answer.requested_start,
         "requested_end": answer.requested_end,
         "newest_available": answer.newest_available,
+    }
+
+
+def single_frame_answer(
+    request_id: int, answer: TooNewAnswer | InvalidRangeAnswer | TreeDumpFailedAnswer
+) -> dict[str, object]:
+    """The answers that carry no events: one frame each."""
+    if isinstance(answer, TooNewAnswer):
+        return too_new_response(request_id, answer)
+    if isinstance(answer, InvalidRangeAnswer):
+        return {
+            "id": request_id,
+            "ok": True,
+            "kind": "invalid_range",
+            "start_id": answer.start_id,
+            "end_id": answer.end_id,
+        }
+    return {
+        "id": request_id,
+        "ok": True,
+        "kind": "tree_dump_failed",
+        "last_event_id": answer.last_event_id,
+        "message": answer.message,
+    }
+
+
+def range_header(request_id: int, answer: EventsAnswer | TreeDumpAnswer) -> dict[str, object]:
+    """The header every frame of an ``events`` or ``tree_dump`` answer repeats (the events follow it)."""
+    header: dict[str, object] = {
+        "id": request_id,
+        "ok": True,
+        "kind": "events" if isinstance(answer, EventsAnswer) else "tree_dump",
+        "last_event_id": answer.last_event_id,
+    }
+    if isinstance(answer, TreeDumpAnswer):
+        header["reset_scope"] = answer.reset_scope.to_json()
+    return header
+
+
+def receipt(status: AgentStatus, fence: Fence, recovered_through: int) -> dict[str, object]:
+    """What a ``recover`` answer vouches for: whose state, under which generation, through which cursor."""
+    return {
+        "identity": status.identity.to_json(),
+        "attachment_generation": fence.generation,
+        "recovered_through_cursor": recovered_through,
     }
 
 
@@ -210,7 +302,24 @@ def event_frames(
         yield _assemble(encoding, header, pending, False if more_flag else None)
 
 
-# --- request fields ---------------------------------------------------------------------------------
+# --- requests ---------------------------------------------------------------------------------------
+
+
+def parse_request(value: object) -> tuple[int, Mapping[str, Any]]:
+    """A decoded frame as (request id, request); KvAgentError(bad_request) unless it is a valid request."""
+    if not isinstance(value, dict):
+        raise KvAgentError("request must be an object", code="bad_request")
+    request_id = value.get("id")
+    if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id <= U64_MAX:
+        raise KvAgentError("request id must be an integer in [0, 2^64 - 1]", code="bad_request")
+    return request_id, value
+
+
+def request_op(request: Mapping[str, Any]) -> str:
+    op = request.get("op")
+    if not isinstance(op, str):
+        raise KvAgentError("op must be a string", code="bad_request")
+    return op
 
 
 def _is_int(value: object) -> bool:

@@ -37,7 +37,7 @@ from kvagent.recovery.client import _dump_columns, connect_slot
 from kvagent.recovery.dump import EncodedRing, columns_frames, fast_encode_event, legacy_dump_parts
 from kvagent.recovery.protocol import Encoding, encode_event
 from kvagent.wire.router_event import router_event_to_wire
-from tests.io.test_recovery_server import OTHER_OWNER, OWNER, WORKER, FakeSlot, start_server
+from tests.support.recovery import OTHER_OWNER, OWNER, WORKER, FakeSlot, start_server
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
 DEVICE, HOST = StorageTier.DEVICE, StorageTier.HOST_PINNED

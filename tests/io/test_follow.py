@@ -13,8 +13,8 @@ from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import RouterEvent
 from kvagent.recovery.client import connect_slot
-from kvagent.recovery.follow import LiveBuffer, open_follow
-from tests.io.test_recovery_server import FakeSlot, start_server
+from kvagent.recovery.session import LiveBuffer, open_follow
+from tests.support.recovery import FakeSlot, start_server
 
 PRELOADED = 1500
 BURST = 3000

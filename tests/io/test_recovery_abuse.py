@@ -10,7 +10,7 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
 
 from kvagent.recovery.client import connect_slot
-from tests.io.test_recovery_server import FakeSlot, start_server
+from tests.support.recovery import FakeSlot, start_server
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import partial
 from typing import Any
 
 import attrs
@@ -17,154 +16,34 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionRejected, open_websocket_url
 
-from kvagent.agent.host import SlotRegistry
 from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.errors import KvAgentError, RecoveryClientError
+from kvagent.model.errors import RecoveryClientError
 from kvagent.model.events import (
     CLEARED,
     ResidencyDomain,
     RouterEvent,
     StorageTier,
     Stored,
-    WorkerWithDpRank,
 )
 from kvagent.model.ids import (
-    CacheOwnerId,
-    CacheSemanticsId,
-    DcId,
-    IndexerDomainId,
     KvStateAgentIdentity,
-    PoolId,
-    RoutingScopeId,
-    StableDpSlotId,
 )
-from kvagent.model.status import AgentStatus, AttachmentStatus, StatusCell
+from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.client import connect_slot
-from kvagent.recovery.protocol import CACHE_OWNER_INCREMENTAL_UNSUPPORTED, MAX_FRAME_BYTES
-from kvagent.recovery.server import RecoveryServerInfo, ServerStats, serve_recovery
+from kvagent.recovery.protocol import CACHE_OWNER_INCREMENTAL_UNSUPPORTED, MAX_FRAME_BYTES, ServerStatistics
+from kvagent.recovery.server import ServerStats
 from kvagent.wire.router_event import router_event_to_json
-
-OWNER = CacheOwnerId(
-    PoolId(IndexerDomainId(CacheSemanticsId(bytes([1] * 16)), RoutingScopeId(bytes([2] * 16))), DcId(3)),
-    StableDpSlotId(bytes([4] * 16)),
+from tests.support.recovery import (
+    IDENTITY,
+    OTHER_OWNER,
+    OWNER,
+    TOKEN,
+    WORKER,
+    FakeSlot,
+    raw_request,
+    start_server,
+    structlog_via_stdlib,
 )
-OTHER_OWNER = CacheOwnerId(OWNER.pool, StableDpSlotId(bytes([9] * 16)))
-IDENTITY = KvStateAgentIdentity(OWNER, 41)
-WORKER = WorkerWithDpRank(17, 0)
-TOKEN = "s3cret-token-value-never-logged"
-
-
-class FakeSlot:
-    """A SlotSurface over a real RecoveryIndex; ``apply`` simulates the coordinator's ingest."""
-
-    def __init__(self, name: str = "a", *, ring_capacity: int = 1024) -> None:
-        self._name = name
-        self._index = RecoveryIndex(16, ring_capacity)
-        self.cell = StatusCell(AgentStatus(IDENTITY))
-        self.next_id = 1
-        self.control_calls: list[tuple[Any, ...]] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def slot_rank(self) -> int:
-        return 0
-
-    @property
-    def index(self) -> RecoveryIndex:
-        return self._index
-
-    def status(self) -> AgentStatus:
-        return self.cell.get()
-
-    def set_status(self, **changes: Any) -> None:
-        self.cell.set(attrs.evolve(self.cell.get(), **changes))
-
-    def apply(self, event: RouterEvent) -> None:
-        self._index.apply(event)
-        self.next_id = event.event_id + 1
-        self.set_status(outbound_cursor=event.event_id)
-
-    def store_worker(self, block_hash: int, parent: int | None = None) -> RouterEvent:
-        event = RouterEvent(
-            WORKER.worker_id,
-            StorageTier.DEVICE,
-            ResidencyDomain.WORKER,
-            self.next_id,
-            Stored(parent, (block_hash,), (block_hash + 1,)),
-            WORKER.dp_rank,
-            OWNER,
-        )
-        self.apply(event)
-        return event
-
-    def store_cache_owner(self, block_hash: int, owner: CacheOwnerId = OWNER) -> RouterEvent:
-        event = RouterEvent(
-            WORKER.worker_id,
-            StorageTier.HOST_PINNED,
-            ResidencyDomain.CACHE_OWNER,
-            self.next_id,
-            Stored(None, (block_hash,), (block_hash + 1,)),
-            WORKER.dp_rank,
-            owner,
-        )
-        self.apply(event)
-        return event
-
-    def attach_ready(self, generation: int = 1) -> None:
-        self.set_status(attachment=AttachmentStatus(generation, WORKER, True, self.next_id - 1))
-
-    async def control_attach(
-        self, *, worker_id: int, dp_rank: int, endpoint: str, topic: str, replay_endpoint: str | None
-    ) -> AttachmentStatus:
-        await trio.lowlevel.checkpoint()
-        self.control_calls.append(("attach", worker_id, dp_rank, endpoint, topic, replay_endpoint))
-        attachment = AttachmentStatus(7, WorkerWithDpRank(worker_id, dp_rank), True, self.next_id - 1)
-        self.set_status(attachment=attachment)
-        return attachment
-
-    async def control_detach(self, generation: int) -> int:
-        await trio.lowlevel.checkpoint()
-        self.control_calls.append(("detach", generation))
-        attachment = self.status().attachment
-        if attachment is None or attachment.generation != generation:
-            raise KvAgentError("state-agent attachment generation is not current", code="generation_mismatch")
-        self.set_status(attachment=None)
-        return self.next_id - 1
-
-    async def control_quarantine(self, generation: int, reason: str) -> None:
-        await trio.lowlevel.checkpoint()
-        self.control_calls.append(("quarantine", generation, reason))
-        if reason == "explode":
-            raise RuntimeError("surface bug")
-
-
-async def start_server(nursery: trio.Nursery, *slots: FakeSlot, **options: Any) -> str:
-    registry = SlotRegistry()
-    for slot in slots:
-        registry.add(slot)
-    options.setdefault("token", TOKEN)
-    info: RecoveryServerInfo = await nursery.start(
-        partial(serve_recovery, registry, host="127.0.0.1", port=0, **options)
-    )
-    assert info.port > 0
-    return f"ws://127.0.0.1:{info.port}"
-
-
-async def raw_request(url: str, request: Any, *, binary: bool = False) -> list[dict[str, Any]]:
-    """Send one request on a fresh connection and read frames until one without ``more``."""
-    frames: list[dict[str, Any]] = []
-    async with open_websocket_url(url, max_message_size=4 << 20) as ws:
-        await ws.send_message(msgpack.packb(request) if binary else json.dumps(request))
-        while True:
-            message = await ws.get_message()
-            assert isinstance(message, bytes) == binary
-            frame = msgpack.unpackb(message, strict_map_key=False) if binary else json.loads(message)
-            frames.append(frame)
-            if not frame.get("more"):
-                return frames
 
 
 @pytest.fixture
@@ -436,6 +315,21 @@ async def test_control_requires_token(
     nursery: trio.Nursery, slot: FakeSlot, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
+    with structlog_via_stdlib():
+        await _exercise_control_ops(nursery, slot)
+    assert any(record.exc_info for record in caplog.records)  # the surface bug was logged
+    # The only line allowed to show the URL is the test client's own trio-websocket "Connecting to" debug line.
+    leaks = [
+        record.getMessage()
+        for record in caplog.records
+        if ("wrong-token" in record.getMessage() or TOKEN in record.getMessage())
+        and not record.getMessage().startswith("Connecting to ")
+    ]
+    assert leaks == []
+    assert TOKEN not in "".join(str(record.exc_info) for record in caplog.records)
+
+
+async def _exercise_control_ops(nursery: trio.Nursery, slot: FakeSlot) -> None:
     url = await start_server(nursery, slot)
     attach: dict[str, Any] = {
         "worker_id": 17,
@@ -492,16 +386,6 @@ async def test_control_requires_token(
         ("quarantine", 7, "explode"),
         ("quarantine", 7, "r"),
     ]
-    assert any(record.exc_info for record in caplog.records)  # the surface bug was logged
-    # The only line allowed to show the URL is the test client's own trio-websocket "Connecting to" debug line.
-    leaks = [
-        record.getMessage()
-        for record in caplog.records
-        if ("wrong-token" in record.getMessage() or TOKEN in record.getMessage())
-        and not record.getMessage().startswith("Connecting to ")
-    ]
-    assert leaks == []
-    assert TOKEN not in "".join(str(record.exc_info) for record in caplog.records)
 
 
 async def test_control_disabled_without_server_token(nursery: trio.Nursery, slot: FakeSlot) -> None:
@@ -542,15 +426,17 @@ async def test_server_stats_count_connections_rejections_and_requests(
     assert stats.requests == {"status": 1, "recover": 1, "detach": 1, "invalid": 1}
     assert stats.request_errors == {"unauthorized": 1, "unknown_op": 1}
     assert stats.request_seconds_sum > 0
-    samples = {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in stats.collect_metrics()
-        for sample in family.samples
-    }
-    assert samples[("kvagent_recovery_connections_total", ())] == 2
-    assert samples[("kvagent_recovery_rejected_total", (("status", "403"),))] == 1
-    assert samples[("kvagent_recovery_requests_total", (("op", "invalid"),))] == 1
-    assert samples[("kvagent_recovery_connections_open", ())] == 0
+    snapshot = stats.statistics()
+    assert snapshot == ServerStatistics(
+        connections_open=0,
+        connections_total=2,
+        rejected={404: 1, 403: 1},
+        requests={"status": 1, "recover": 1, "detach": 1, "invalid": 1},
+        request_errors={"unauthorized": 1, "unknown_op": 1},
+        request_seconds_sum=stats.request_seconds_sum,
+    )
+    stats.count_request("status")  # a snapshot is a copy: later counting does not change it
+    assert snapshot.requests["status"] == 1
 
 
 # --- kvagent.recovery.subscribe.subscribe: event plane + websocket gap repair -------------------------------------
