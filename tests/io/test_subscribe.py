@@ -16,7 +16,7 @@ from kvagent.model.events import RouterEvent
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import serve_recovery
 from kvagent.recovery.subscribe import subscribe
-from tests.io.test_agent import OWNER, XpubEngine, attach, batch, gpu_store
+from tests.support.agent import OWNER, XpubEngine, attach, batch, gpu_store
 
 
 async def test_dropped_event_plane_messages_are_repaired_through_recover() -> None:
