@@ -8,14 +8,9 @@ The public API for embedders: run slot agents in your own Trio program (``open_s
 
 from __future__ import annotations
 
+from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.host import Host, SlotState, SlotStateKind, open_host
-from kvagent.agent.slot import (
-    AttachmentConfig,
-    SlotAgent,
-    SlotAgentConfig,
-    SlotStatistics,
-    open_slot_agent,
-)
+from kvagent.agent.slot import SlotAgent, SlotStatistics, open_slot_agent
 from kvagent.discovery import Discovery, DiscoveryRecord, FileDiscovery, MemoryDiscovery, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.errors import (
@@ -38,7 +33,7 @@ from kvagent.model.events import (
 )
 from kvagent.model.ids import CacheOwnerId, KvStateAgentIdentity, derive_cache_owner_id
 from kvagent.model.status import AgentStatus, AttachmentStatus
-from kvagent.recovery.client import RecoveryClient, RecoverResult, connect_slot, subscribe
+from kvagent.recovery.client import RecoverResult, RecoveryClient, connect_slot, subscribe
 from kvagent.wire.router_event import router_event_from_json
 
 __version__ = "0.1.0"

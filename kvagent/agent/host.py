@@ -15,8 +15,9 @@ import structlog
 import trio
 import zmq
 
+from kvagent.agent.config import SlotAgentConfig
 from kvagent.agent.groups import unwrap_sole_exception
-from kvagent.agent.slot import SlotAgent, SlotAgentConfig, open_slot_agent
+from kvagent.agent.slot import SlotAgent, open_slot_agent
 from kvagent.discovery.base import Discovery
 from kvagent.model.errors import KvAgentError
 from kvagent.model.ids import new_publisher_id

@@ -15,8 +15,9 @@ import blake3
 import trio
 import zmq
 
+from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.host import Host, SlotRegistry, open_host
-from kvagent.agent.slot import AttachmentConfig, SlotAgent, SlotAgentConfig
+from kvagent.agent.slot import SlotAgent
 from kvagent.cli.config import ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
 from kvagent.discovery import open_discovery

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import trio
 
-from kvagent.agent.slot import AttachmentConfig, SlotAgent
+from kvagent import AttachmentConfig, SlotAgent
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import (

@@ -8,8 +8,8 @@ from typing import Any
 import trio
 import zmq
 
+from kvagent import SlotAgentConfig, open_slot_agent
 from kvagent.agent.host import SlotRegistry
-from kvagent.agent.slot import SlotAgentConfig, open_slot_agent
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import RouterEvent

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import trio
 
-from kvagent.agent.slot import AttachmentConfig
+from kvagent import AttachmentConfig
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
 from kvagent.publish.sinks import RecordingSink
