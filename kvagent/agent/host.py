@@ -65,9 +65,9 @@ class SlotState:
     error: str | None = None
 
 
-# Called with the slot's config, whose ``publisher_id`` the host has already fixed (sinks that name their
-# publisher, like the ZMQ event plane's, are built for it).
-SinkFactory = Callable[[SlotAgentConfig], EventSink | None]
+# Called with the slot's config and its publisher id (fixed by the host before the slot starts), so sinks
+# that name their publisher, like the ZMQ event plane's, are built for it.
+SinkFactory = Callable[[SlotAgentConfig, int], EventSink | None]
 
 
 @attrs.define
@@ -146,9 +146,9 @@ class Host:
         task_status: trio.TaskStatus[SlotAgent] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         started = False
-        if config.publisher_id is None:
-            config = attrs.evolve(config, publisher_id=new_publisher_id())
-        sink = self._sink_factory(config) if self._sink_factory is not None else None
+        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
+        config = attrs.evolve(config, publisher_id=publisher_id)
+        sink = self._sink_factory(config, publisher_id) if self._sink_factory is not None else None
         try:
             async with open_slot_agent(
                 config, discovery=self._discovery, sink=sink, zmq_context=self._zmq_context
