@@ -27,8 +27,7 @@ def owner() -> Any:
 
 async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
                      cpu_window: tuple[float, float] | None, wait_limit: float) -> dict[str, Any]:
-    from kvagent.agent.slot import AttachmentConfig, SlotAgentConfig, open_slot_agent
-    from kvagent.discovery.memory import MemoryDiscovery
+    from kvagent import AttachmentConfig, MemoryDiscovery, SlotAgentConfig, open_slot_agent
 
     stats = publisher.stats
     context: zmq.Context[Any] = zmq.Context()
@@ -71,8 +70,9 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
             if paced is None:
                 await trio.to_thread.run_sync(publisher.wait_sent)
             cursor = agent.status().outbound_cursor
-            listener = agent.listener_stats
-            counters = agent.core.counters
+            statistics = agent.statistics()
+            listener = statistics.listener
+            counters = statistics.coordinator
             result.update(
                 seconds=finished - started,
                 events=events,

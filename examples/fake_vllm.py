@@ -14,7 +14,7 @@ from functools import partial
 
 import trio
 
-from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
+from kvagent.testing import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,9 +20,15 @@ from typing import Any
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from kvagent.discovery import open_discovery
-from kvagent.model.events import KV_STATE_SOURCES_TOPIC, Cleared, Removed, ResidencyDomain, Stored
-from kvagent.wire.router_event import router_event_from_json
+from kvagent import (
+    KV_STATE_SOURCES_TOPIC,
+    Cleared,
+    Removed,
+    ResidencyDomain,
+    Stored,
+    open_discovery,
+    router_event_from_json,
+)
 
 
 class SlotView:

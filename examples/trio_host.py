@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import trio
 
-from kvagent.agent.host import open_host
-from kvagent.agent.slot import AttachmentConfig, SlotAgentConfig
-from kvagent.discovery.memory import MemoryDiscovery
-from kvagent.model.ids import derive_cache_owner_id
-from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
+from kvagent import AttachmentConfig, MemoryDiscovery, SlotAgentConfig, derive_cache_owner_id, open_host
+from kvagent.testing import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 
 BLOCK_SIZE = 16
 

@@ -6,28 +6,35 @@ A slot that crashes is recorded as failed and withdrawn from the registry; the o
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import structlog
 import trio
 import zmq
 
-from kvagent.agent.slot import SlotAgent, SlotAgentConfig, open_slot_agent
+from kvagent.agent.config import SlotAgentConfig
+from kvagent.agent.groups import unwrap_sole_exception
+from kvagent.agent.slot import SlotAgent, open_slot_agent
 from kvagent.discovery.base import Discovery
 from kvagent.model.errors import KvAgentError
+from kvagent.model.ids import new_publisher_id
 from kvagent.publish.sinks import EventSink
 from kvagent.recovery.protocol import SlotSurface
 
-__all__ = ["Host", "SlotRegistry", "SlotState", "SlotStateKind", "open_host"]
+__all__ = ["Host", "SinkFactory", "SlotRegistry", "SlotState", "SlotStateKind", "open_host"]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 
 class SlotRegistry:
-    """Implements :class:`kvagent.recovery.protocol.SlotDirectory`. Slot name → surface; the host adds and removes slots as they start and stop."""
+    """A :class:`kvagent.recovery.protocol.SlotDirectory`: slot name → surface.
+
+    The host adds and removes its slots as they start and stop; a recovery server can also be given a
+    registry filled by hand (tests, embedders serving slots they run themselves).
+    """
 
     def __init__(self) -> None:
         self._slots: dict[str, SlotSurface] = {}
@@ -58,7 +65,9 @@ class SlotState:
     error: str | None = None
 
 
-SinkFactory = Callable[[SlotAgentConfig], EventSink | None]
+# Called with the slot's config and its publisher id (fixed by the host before the slot starts), so sinks
+# that name their publisher, like the ZMQ event plane's, are built for it.
+SinkFactory = Callable[[SlotAgentConfig, int], EventSink | None]
 
 
 @attrs.define
@@ -69,7 +78,11 @@ class _SlotTask:
 
 
 class Host:
-    """The slots of one process. ``add_slot`` returns once the slot agent is running."""
+    """The slots of one process. ``add_slot`` returns once the slot agent is running.
+
+    The host is the :class:`kvagent.recovery.protocol.SlotDirectory` of its running slots (``get`` and
+    ``names``), so a recovery server can serve it directly.
+    """
 
     def __init__(
         self,
@@ -102,6 +115,13 @@ class Host:
     def agents(self) -> list[SlotAgent]:
         return [task.agent for task in self._tasks.values() if task.agent is not None]
 
+    # --- SlotDirectory ---------------------------------------------------------------------------
+    def get(self, name: str) -> SlotSurface | None:
+        return self.registry.get(name)
+
+    def names(self) -> list[str]:
+        return self.registry.names()
+
     async def add_slot(self, config: SlotAgentConfig) -> SlotAgent:
         if config.name in self._tasks and not self._tasks[config.name].stopped.is_set():
             raise KvAgentError(f"slot {config.name!r} already exists", code="conflict")
@@ -126,7 +146,9 @@ class Host:
         task_status: trio.TaskStatus[SlotAgent] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         started = False
-        sink = self._sink_factory(config) if self._sink_factory is not None else None
+        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
+        config = attrs.evolve(config, publisher_id=publisher_id)
+        sink = self._sink_factory(config, publisher_id) if self._sink_factory is not None else None
         try:
             async with open_slot_agent(
                 config, discovery=self._discovery, sink=sink, zmq_context=self._zmq_context
@@ -143,7 +165,7 @@ class Host:
                 self._states[config.name] = SlotState(SlotStateKind.FAILED, str(exc))
                 raise
             # Isolation: one slot's crash is recorded and contained; the host keeps serving the others.
-            log.exception("slot %s failed", config.name)
+            log.exception("slot_failed", slot=config.name)
             self._states[config.name] = SlotState(SlotStateKind.FAILED, str(exc))
         finally:
             self.registry.remove(config.name)
@@ -165,22 +187,21 @@ async def open_host(
     sink_factory: SinkFactory | None = None,
     zmq_context: zmq.Context[Any] | None = None,
 ) -> AsyncIterator[Host]:
-    """Host slot agents; on exit every slot shuts down in the seed's order."""
-    body_error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        host = Host(
-            nursery,
-            discovery=discovery,
-            registry=registry if registry is not None else SlotRegistry(),
-            sink_factory=sink_factory,
-            zmq_context=zmq_context,
-        )
-        try:
-            yield host
-        except BaseException as exc:
-            body_error = exc
-        finally:
-            with trio.CancelScope(shield=True):
-                await host.stop_all()
-    if body_error is not None:
-        raise body_error
+    """Host slot agents; on exit every slot shuts down in the seed's order.
+
+    An exception from the block is re-raised as itself once every slot has stopped.
+    """
+    with unwrap_sole_exception():
+        async with trio.open_nursery() as nursery:
+            host = Host(
+                nursery,
+                discovery=discovery,
+                registry=registry if registry is not None else SlotRegistry(),
+                sink_factory=sink_factory,
+                zmq_context=zmq_context,
+            )
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True):
+                    await host.stop_all()

@@ -1,152 +1,264 @@
-"""Prometheus metrics, collected at scrape time from the plain counters each component keeps.
+"""Prometheus metrics: every component's ``statistics()`` snapshot, rendered in this one place.
 
-The hot paths only increment attributes of plain objects; nothing here runs per event. A custom
-collector walks the slot registry when ``/metrics`` is scraped.
+The hot paths only increment plain private counters; nothing here runs per event. When ``/metrics`` is
+scraped, the collector takes one frozen snapshot per component (each slot's :class:`SlotStatistics`, the
+recovery server's, the event plane's, the etcd backend's) and maps its fields to metric families.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
+import attrs
+import structlog
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvagent.recovery.protocol import ServerStatistics, SlotDirectory
+from kvagent.agent.slot import SlotAgent
+from kvagent.discovery.etcd import EtcdStatistics
+from kvagent.publish.zmq_plane import EventPlaneStatistics
+from kvagent.recovery.protocol import ServerStatistics
 
-__all__ = ["SlotMetricsCollector", "render_metrics", "serve_metrics"]
+__all__ = ["MetricSources", "SlotMetricsCollector", "render_metrics", "serve_metrics"]
 
-log = logging.getLogger(__name__)
-
-_COORDINATOR_COUNTERS = {
-    "events_in": "Placement events received from the listener",
-    "events_published": "Outbound events handed to the sinks",
-    "dropped_events": "Raw events lost to source-cursor gaps or incomplete batches",
-    "attachments": "Successful attachments",
-    "restarts": "Engine restarts detected in place (sequence regression)",
-    "publications": "Sink publications (one per chunk)",
-    "publication_failures": "Failed sink publications",
-    "source_losses": "Unrepairable raw batches reported by the listener",
-    "ingress_chunks": "Ingress chunks handled",
-}
-_LISTENER_COUNTERS = {
-    "messages": "Raw ZMQ messages received",
-    "decode_errors": "Raw messages that failed to decode",
-    "gaps": "Raw sequence gaps seen",
-    "repaired_batches": "Raw batches recovered from the engine's replay buffer",
-    "lost_batches": "Raw batches that could not be repaired",
-}
+log = structlog.get_logger(__name__)
 
 
-def _value(obj: object, name: str) -> float | None:
-    value = getattr(obj, name, None)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+@attrs.frozen
+class MetricSources:
+    """Where the collector reads its snapshots: the running slots and the process-wide components."""
+
+    slots: Callable[[], Iterable[SlotAgent]]
+    server: Callable[[], ServerStatistics] | None = None
+    event_plane: Callable[[], EventPlaneStatistics] | None = None
+    etcd: Callable[[], EtcdStatistics] | None = None
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled(name: str, doc: str, label: str, counts: Mapping[str, int] | Mapping[int, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, count in sorted(counts.items(), key=lambda item: str(item[0])):
+        family.add_metric([str(key)], count)
+    return family
+
+
+class _SlotFamilies:
+    """The per-slot families (label ``slot``), filled from one snapshot per slot."""
+
+    def __init__(self) -> None:
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ("slot",)) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvagent_{name}", doc, labels=list(labels))
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"kvagent_{name}", doc, labels=["slot"])
+
+        self.events_in = counter("events_in", "Placement events received from the listener")
+        self.events_published = counter("events_published", "Outbound events handed to the sinks")
+        self.dropped_events = counter(
+            "dropped_events", "Raw events lost to source-cursor gaps or incomplete batches"
+        )
+        self.attachments = counter("attachments", "Successful attachments")
+        self.restarts = counter("restarts", "Engine restarts detected in place (sequence regression)")
+        self.publications = counter("publications", "Sink publications (one per chunk)")
+        self.publication_failures = counter("publication_failures", "Failed sink publications")
+        self.source_losses = counter("source_losses", "Unrepairable raw batches reported by the listener")
+        self.ingress_chunks = counter("ingress_chunks", "Ingress chunks handled")
+        self.messages = counter("messages", "Raw ZMQ messages received")
+        self.decode_errors = counter("decode_errors", "Raw messages that failed to decode")
+        self.gaps = counter("gaps", "Raw sequence gaps seen")
+        self.repaired_batches = counter(
+            "repaired_batches", "Raw batches recovered from the engine's replay buffer"
+        )
+        self.lost_batches = counter("lost_batches", "Raw batches that could not be repaired")
+        self.filtered = counter("events_filtered", "Events filtered, by reason", ("slot", "reason"))
+        self.quarantines = counter("quarantines", "Quarantines, by reason", ("slot", "reason"))
+        self.cursor = gauge("outbound_cursor", "Last assigned outbound event id")
+        self.ready = gauge("attachment_ready", "1 when the attachment is ready")
+        self.generation = gauge("attachment_generation", "Current attachment generation")
+        self.owner_ready = gauge("cache_owner_ready", "1 when CacheOwner residency is trusted")
+        self.blocks = gauge("resident_blocks", "Resident blocks in the recovery index")
+        self.depth = gauge("ingress_queue_depth", "Ingress chunks waiting for the coordinator")
+        self.withdrawals = counter("withdrawals", "Attachment advertisements withdrawn by the supervisor")
+        self.withdrawal_retries = counter(
+            "withdrawal_retries", "Failed withdrawal attempts that were retried"
+        )
+        self.stale_withdrawals = counter(
+            "stale_withdrawals", "Withdrawal requests fenced off (another generation's advertisement)"
+        )
+        self.required_withdrawals = counter(
+            "required_withdrawals", "Withdrawals a detach or quarantine awaited"
+        )
+
+    def add(self, agent: SlotAgent) -> None:
+        slot = [agent.name]
+        status = agent.status()
+        attachment = status.attachment
+        self.cursor.add_metric(slot, status.outbound_cursor)
+        self.ready.add_metric(slot, 1.0 if attachment is not None and attachment.ready else 0.0)
+        self.generation.add_metric(slot, 0.0 if attachment is None else attachment.generation)
+        self.owner_ready.add_metric(slot, 1.0 if status.cache_owner_ready else 0.0)
+        self.blocks.add_metric(slot, agent.index.resident_block_count)
+        statistics = agent.statistics()
+        coordinator = statistics.coordinator
+        for family, value in (
+            (self.events_in, coordinator.events_in),
+            (self.events_published, coordinator.events_published),
+            (self.dropped_events, coordinator.dropped_events),
+            (self.attachments, coordinator.attachments),
+            (self.restarts, coordinator.restarts),
+            (self.publications, coordinator.publications),
+            (self.publication_failures, coordinator.publication_failures),
+            (self.source_losses, coordinator.source_losses),
+            (self.ingress_chunks, coordinator.ingress_chunks),
+            (self.withdrawals, statistics.withdrawal.withdrawals),
+            (self.withdrawal_retries, statistics.withdrawal.retries),
+            (self.stale_withdrawals, statistics.withdrawal.stale_noops),
+            (self.required_withdrawals, statistics.withdrawal.required_withdrawals),
+        ):
+            family.add_metric(slot, value)
+        for reason, count in coordinator.filtered.items():
+            self.filtered.add_metric([agent.name, reason], count)
+        for reason, count in coordinator.quarantines.items():
+            self.quarantines.add_metric([agent.name, reason], count)
+        self.depth.add_metric(slot, coordinator.ingress_queue_depth)
+        listener = statistics.listener
+        if listener is not None:
+            self.messages.add_metric(slot, listener.messages)
+            self.decode_errors.add_metric(slot, listener.decode_errors)
+            self.gaps.add_metric(slot, listener.gaps)
+            self.repaired_batches.add_metric(slot, listener.repaired_batches)
+            self.lost_batches.add_metric(slot, listener.lost_batches)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (
+            self.events_in,
+            self.events_published,
+            self.dropped_events,
+            self.attachments,
+            self.restarts,
+            self.publications,
+            self.publication_failures,
+            self.source_losses,
+            self.ingress_chunks,
+            self.messages,
+            self.decode_errors,
+            self.gaps,
+            self.repaired_batches,
+            self.lost_batches,
+            self.filtered,
+            self.quarantines,
+            self.cursor,
+            self.ready,
+            self.generation,
+            self.owner_ready,
+            self.blocks,
+            self.depth,
+            self.withdrawals,
+            self.withdrawal_retries,
+            self.stale_withdrawals,
+            self.required_withdrawals,
+        )
+
+
+def _server_families(server: ServerStatistics) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "kvagent_recovery_connections_open",
+        "Open recovery websocket connections",
+        value=server.connections_open,
+    )
+    yield _counter(
+        "kvagent_recovery_connections", "Accepted recovery websocket connections", server.connections_total
+    )
+    yield _labelled(
+        "kvagent_recovery_rejected", "Refused recovery handshakes, by HTTP status", "status", server.rejected
+    )
+    yield _labelled("kvagent_recovery_requests", "Recovery requests, by op", "op", server.requests)
+    yield _labelled(
+        "kvagent_recovery_request_errors", "Recovery error responses, by code", "code", server.request_errors
+    )
+    yield _counter(
+        "kvagent_recovery_request_seconds",
+        "Seconds spent answering recovery requests (follow excluded)",
+        server.request_seconds_sum,
+    )
+
+
+def _event_plane_families(plane: EventPlaneStatistics) -> Iterator[Metric]:
+    yield _counter("kvagent_event_plane_messages_sent", "Event-plane messages sent", plane.messages_sent)
+    yield _counter("kvagent_event_plane_events_sent", "Events sent on the event plane", plane.events_sent)
+    yield _counter(
+        "kvagent_event_plane_dropped_messages",
+        "Event-plane messages dropped at the HWM",
+        plane.dropped_messages,
+    )
+    yield _counter(
+        "kvagent_event_plane_dropped_events", "Events dropped at the event-plane HWM", plane.dropped_events
+    )
+
+
+def _etcd_families(etcd: EtcdStatistics) -> Iterator[Metric]:
+    yield _counter("kvagent_etcd_keepalives", "Successful etcd lease keepalives", etcd.keepalives)
+    yield _counter("kvagent_etcd_keepalive_failures", "Failed etcd lease keepalives", etcd.keepalive_failures)
+    yield _counter("kvagent_etcd_lease_losses", "etcd leases given up as lost", etcd.lease_losses)
+    yield _counter("kvagent_etcd_regrants", "etcd leases granted again after a loss", etcd.regrants)
+    yield _counter(
+        "kvagent_etcd_reregistrations", "Records put again under a re-granted lease", etcd.reregistrations
+    )
+    yield _counter("kvagent_etcd_recoveries", "Re-grants whose re-registration completed", etcd.recoveries)
 
 
 class SlotMetricsCollector(Collector):
-    def __init__(self, registry: SlotDirectory, extra: list[Any] | None = None) -> None:
-        self._registry = registry
-        self._extra = extra or []
+    def __init__(self, sources: MetricSources) -> None:
+        self._sources = sources
 
     def collect(self) -> Iterator[Metric]:
-        surfaces = [self._registry.get(name) for name in self._registry.names()]
-        agents = [s for s in surfaces if s is not None]
-        families: dict[str, CounterMetricFamily] = {}
-        for name, doc in {**_COORDINATOR_COUNTERS, **_LISTENER_COUNTERS}.items():
-            families[name] = CounterMetricFamily(f"kvagent_{name}", doc, labels=["slot"])
-        filtered = CounterMetricFamily("kvagent_events_filtered", "Events filtered, by reason", labels=["slot", "reason"])
-        quarantines = CounterMetricFamily("kvagent_quarantines", "Quarantines, by reason", labels=["slot", "reason"])
-        cursor = GaugeMetricFamily("kvagent_outbound_cursor", "Last assigned outbound event id", labels=["slot"])
-        ready = GaugeMetricFamily("kvagent_attachment_ready", "1 when the attachment is ready", labels=["slot"])
-        generation = GaugeMetricFamily("kvagent_attachment_generation", "Current attachment generation", labels=["slot"])
-        owner_ready = GaugeMetricFamily("kvagent_cache_owner_ready", "1 when CacheOwner residency is trusted", labels=["slot"])
-        blocks = GaugeMetricFamily("kvagent_resident_blocks", "Resident blocks in the recovery index", labels=["slot"])
-        depth = GaugeMetricFamily("kvagent_ingress_queue_depth", "Ingress chunks waiting for the coordinator", labels=["slot"])
-        for agent in agents:
-            slot = agent.name
-            status = agent.status()
-            cursor.add_metric([slot], status.outbound_cursor)
-            attachment = status.attachment
-            ready.add_metric([slot], 1.0 if attachment is not None and attachment.ready else 0.0)
-            generation.add_metric([slot], 0.0 if attachment is None else attachment.generation)
-            owner_ready.add_metric([slot], 1.0 if status.cache_owner_ready else 0.0)
-            blocks.add_metric([slot], agent.index.resident_block_count)
-            core = getattr(agent, "core", None)
-            counters = getattr(core, "counters", None)
-            if counters is not None:
-                for name in _COORDINATOR_COUNTERS:
-                    value = _value(counters, name)
-                    if value is not None:
-                        families[name].add_metric([slot], value)
-                for reason, count in dict(getattr(counters, "filtered", {})).items():
-                    filtered.add_metric([slot, str(reason)], count)
-                for reason, count in dict(getattr(counters, "quarantines", {})).items():
-                    quarantines.add_metric([slot, str(reason)], count)
-            queue_depth = getattr(core, "ingress_queue_depth", None)
-            if callable(queue_depth):
-                depth.add_metric([slot], float(queue_depth()))
-            stats = getattr(agent, "listener_stats", None)
-            if stats is not None:
-                for name in _LISTENER_COUNTERS:
-                    value = _value(stats, name)
-                    if value is not None:
-                        families[name].add_metric([slot], value)
-        yield from families.values()
-        yield from (filtered, quarantines, cursor, ready, generation, owner_ready, blocks, depth)
-        for source in self._extra:
-            snapshot = source.statistics() if hasattr(source, "statistics") else None
-            if isinstance(snapshot, ServerStatistics):
-                yield from _server_families(snapshot)
-            else:
-                yield from source.collect_metrics()
+        slots = _SlotFamilies()
+        for agent in sorted(self._sources.slots(), key=lambda agent: agent.name):
+            slots.add(agent)
+        yield from slots.families()
+        if self._sources.server is not None:
+            yield from _server_families(self._sources.server())
+        if self._sources.event_plane is not None:
+            yield from _event_plane_families(self._sources.event_plane())
+        if self._sources.etcd is not None:
+            yield from _etcd_families(self._sources.etcd())
 
 
-def _server_families(stats: ServerStatistics) -> Iterator[Metric]:
-    """The recovery server's families, from its statistics snapshot."""
-    yield GaugeMetricFamily(
-        "kvagent_recovery_connections_open", "Open recovery websocket connections", value=stats.connections_open
-    )
-    yield CounterMetricFamily(
-        "kvagent_recovery_connections", "Accepted recovery websocket connections", value=stats.connections_total
-    )
-    rejected = CounterMetricFamily(
-        "kvagent_recovery_rejected", "Refused recovery handshakes, by HTTP status", labels=["status"]
-    )
-    for status_code, count in sorted(stats.rejected.items()):
-        rejected.add_metric([str(status_code)], count)
-    yield rejected
-    requests = CounterMetricFamily("kvagent_recovery_requests", "Recovery requests, by op", labels=["op"])
-    for op, count in sorted(stats.requests.items()):
-        requests.add_metric([op], count)
-    yield requests
-    errors = CounterMetricFamily(
-        "kvagent_recovery_request_errors", "Recovery error responses, by code", labels=["code"]
-    )
-    for code, count in sorted(stats.request_errors.items()):
-        errors.add_metric([code], count)
-    yield errors
-    yield CounterMetricFamily(
-        "kvagent_recovery_request_seconds",
-        "Seconds spent answering recovery requests (follow excluded)",
-        value=stats.request_seconds_sum,
-    )
-
-
-def render_metrics(registry: SlotDirectory, extra: list[Any] | None = None) -> bytes:
+def render_metrics(sources: MetricSources) -> bytes:
     prometheus_registry = CollectorRegistry()
-    prometheus_registry.register(SlotMetricsCollector(registry, extra))
+    prometheus_registry.register(SlotMetricsCollector(sources))
     return generate_latest(prometheus_registry)
 
 
+async def _answer_scrape(stream: trio.SocketStream, sources: MetricSources) -> None:
+    request = b""
+    while b"\r\n\r\n" not in request and len(request) < 8192:
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            return
+        request += chunk
+    line = request.split(b"\r\n", 1)[0].split()
+    if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+        body = render_metrics(sources)
+        head = (
+            b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        await stream.send_all(head + body)
+    else:
+        await stream.send_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+
 async def serve_metrics(
-    registry: SlotDirectory,
+    sources: MetricSources,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    extra: list[Any] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """A minimal HTTP/1.0 server for ``GET /metrics`` (Prometheus scrapes need nothing more)."""
@@ -154,26 +266,11 @@ async def serve_metrics(
     async def handle(stream: trio.SocketStream) -> None:
         try:
             with trio.move_on_after(5):
-                request = b""
-                while b"\r\n\r\n" not in request and len(request) < 8192:
-                    chunk = await stream.receive_some(4096)
-                    if not chunk:
-                        return
-                    request += chunk
-                line = request.split(b"\r\n", 1)[0].split()
-                if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-                    body = render_metrics(registry, extra)
-                    head = (
-                        b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
-                    )
-                    await stream.send_all(head + body)
-                else:
-                    await stream.send_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                await _answer_scrape(stream, sources)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
-            log.exception("metrics request failed")
+            log.exception("metrics_request_failed")
         finally:
             await stream.aclose()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -163,10 +162,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(run_query, args)
     except KeyboardInterrupt:
         return 130
-
-
-def _print_json(value: object) -> None:
-    print(json.dumps(value, separators=(",", ":")), flush=True)
 
 
 if __name__ == "__main__":

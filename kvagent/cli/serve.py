@@ -2,32 +2,38 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import signal
 import sys
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import blake3
+import structlog
 import trio
 import zmq
 
-from kvagent.agent.host import Host, SlotRegistry, open_host
-from kvagent.agent.slot import AttachmentConfig, SlotAgent, SlotAgentConfig
+from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.host import Host, open_host
+from kvagent.agent.metrics import MetricSources, serve_metrics
+from kvagent.agent.slot import SlotAgent
 from kvagent.cli.config import ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
-from kvagent.discovery import open_discovery
+from kvagent.discovery import Discovery, open_discovery
+from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.events import IngressProtocol
 from kvagent.publish.sinks import EventSink
+from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import ServerStats, serve_recovery
+from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = ["derive_worker_id", "load_or_create_token", "run_serve"]
 
-log = logging.getLogger("kvagent.cli.serve")
+log = structlog.get_logger(__name__)
 
 
 def load_or_create_token(token_file: str | None) -> tuple[str, bool]:
@@ -93,10 +99,8 @@ async def _attach_configured_engine(
                 video_token_id=engine.video_token_id,
             )
         )
-        log.info("slot %s attached to %s (generation %d)", slot.name, engine.endpoint, status.generation)
+        log.info("slot_attached", slot=slot.name, endpoint=engine.endpoint, generation=status.generation)
     elif slot.simulate:
-        from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
-
         fake = FakeVllmEngine(
             endpoint="tcp://127.0.0.1:0",
             replay_endpoint="tcp://127.0.0.1:0",
@@ -119,14 +123,16 @@ async def _attach_configured_engine(
             )
         )
         log.info(
-            "slot %s attached to the simulated engine at %s (generation %d)",
-            slot.name,
-            fake.endpoint,
-            status.generation,
+            "slot_attached",
+            slot=slot.name,
+            endpoint=fake.endpoint,
+            generation=status.generation,
+            simulated=True,
         )
 
 
 async def _status_lines(host: Host, interval: float) -> None:
+    """One console line per slot every ``interval`` seconds (stderr, not the log)."""
     last: dict[str, tuple[float, int]] = {}
     while True:
         await trio.sleep(interval)
@@ -142,15 +148,89 @@ async def _status_lines(host: Host, interval: float) -> None:
                 if attachment is None
                 else f"gen {attachment.generation} {'ready' if attachment.ready else 'UNREADY'}"
             )
-            counters = agent.core.counters
-            faults = sum(counters.quarantines.values())
+            coordinator = agent.statistics().coordinator
+            faults = sum(coordinator.quarantines.values())
             print(
                 f"[{agent.name}] {state} cursor {status.outbound_cursor} ({rate:.0f} ev/s) "
-                f"blocks {agent.index.resident_block_count} dropped {counters.dropped_events} "
+                f"blocks {agent.index.resident_block_count} dropped {coordinator.dropped_events} "
                 f"quarantines {faults} cache_owner {'ready' if status.cache_owner_ready else 'UNREADY'}",
                 file=sys.stderr,
                 flush=True,
             )
+
+
+async def _start_servers(
+    nursery: trio.Nursery,
+    config: ServeConfig,
+    host: Host,
+    *,
+    token: str,
+    discovery: Discovery,
+    event_plane: ZmqEventPlane | None,
+) -> str:
+    """Start the recovery server (and the metrics endpoint if configured); the recovery base URL."""
+    listen_host, listen_port = _split_host_port(config.listen)
+    server_stats = ServerStats()
+    server = await nursery.start(
+        partial(
+            serve_recovery,
+            host,
+            host=listen_host,
+            port=listen_port,
+            token=token,
+            max_connections=config.max_connections,
+            max_message_size=config.max_message_bytes,
+            stats=server_stats,
+        )
+    )
+    if config.metrics:
+        sources = MetricSources(
+            slots=lambda: host.agents,
+            server=server_stats.statistics,
+            event_plane=None if event_plane is None else event_plane.statistics,
+            etcd=discovery.statistics if isinstance(discovery, EtcdDiscovery) else None,
+        )
+        metrics_host, metrics_port = _split_host_port(config.metrics)
+        await nursery.start(partial(serve_metrics, sources, host=metrics_host, port=metrics_port))
+    return f"ws://{listen_host}:{server.port}"
+
+
+async def _serve_slots(
+    config: ServeConfig, token: str, context: zmq.Context[Any], signals: AsyncIterator[int]
+) -> None:
+    """Host the configured slots behind the recovery server until a signal arrives."""
+    event_plane = ZmqEventPlane(config.publish, context=context) if config.publish else None
+
+    def sink_factory(slot_config: SlotAgentConfig, publisher_id: int) -> EventSink | None:
+        return None if event_plane is None else event_plane.sink_for(publisher_id)
+
+    try:
+        async with open_discovery(config.discovery) as discovery, trio.open_nursery() as nursery:
+            async with open_host(discovery=discovery, sink_factory=sink_factory, zmq_context=context) as host:
+                base_url = await _start_servers(
+                    nursery, config, host, token=token, discovery=discovery, event_plane=event_plane
+                )
+                for slot in config.slots:
+                    agent_config = slot_agent_config(
+                        slot, config, recovery_url=f"{base_url}/v1/slots/{slot.name}"
+                    )
+                    agent = await host.add_slot(agent_config)
+                    await _attach_configured_engine(nursery, agent, slot, context)
+                print(
+                    f"kvagent: serving {len(config.slots)} slot(s) on {base_url}/v1/slots "
+                    f"(discovery {config.discovery})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                nursery.start_soon(_status_lines, host, config.status_interval)
+                async for signum in signals:
+                    log.info("shutdown_signal", signal=signal.Signals(signum).name)
+                    break
+            # Slots are shut down (in the seed's order) by open_host's exit; now stop the servers.
+            nursery.cancel_scope.cancel()
+    finally:
+        if event_plane is not None:
+            event_plane.close()
 
 
 async def run_serve(config: ServeConfig) -> int:
@@ -162,70 +242,10 @@ async def run_serve(config: ServeConfig) -> int:
             f"kvagent: control token (pass with --token-file or Authorization: Bearer): {token}",
             file=sys.stderr,
         )
-    listen_host, listen_port = _split_host_port(config.listen)
     context: zmq.Context[Any] = zmq.Context()
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with open_discovery(config.discovery) as discovery, trio.open_nursery() as nursery:
-                registry = SlotRegistry()
-                server_stats = ServerStats()
-                server = await nursery.start(
-                    partial(
-                        serve_recovery,
-                        registry,
-                        host=listen_host,
-                        port=listen_port,
-                        token=token,
-                        max_connections=config.max_connections,
-                        max_message_size=config.max_message_bytes,
-                        stats=server_stats,
-                    )
-                )
-                base_url = f"ws://{listen_host}:{server.port}"
-                sink_factory = None
-                event_plane = None
-                if config.publish:
-                    from kvagent.publish.zmq_plane import ZmqEventPlane
-
-                    event_plane = ZmqEventPlane(config.publish, context=context)
-                    plane = event_plane
-
-                    def sink_factory(slot_config: SlotAgentConfig) -> EventSink | None:
-                        return plane.sink_for(slot_config)
-
-                if config.metrics:
-                    from kvagent.agent.metrics import serve_metrics
-
-                    metrics_host, metrics_port = _split_host_port(config.metrics)
-                    extra: list[Any] = [server_stats]
-                    if event_plane is not None:
-                        extra.append(event_plane)
-                    await nursery.start(
-                        partial(serve_metrics, registry, host=metrics_host, port=metrics_port, extra=extra)
-                    )
-                async with open_host(
-                    discovery=discovery, registry=registry, sink_factory=sink_factory, zmq_context=context
-                ) as host:
-                    for slot in config.slots:
-                        agent_config = slot_agent_config(
-                            slot, config, recovery_url=f"{base_url}/v1/slots/{slot.name}"
-                        )
-                        agent = await host.add_slot(agent_config)
-                        await _attach_configured_engine(nursery, agent, slot, context)
-                    print(
-                        f"kvagent: serving {len(config.slots)} slot(s) on {base_url}/v1/slots "
-                        f"(discovery {config.discovery})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    nursery.start_soon(_status_lines, host, config.status_interval)
-                    async for signum in signals:
-                        log.info("received %s; shutting down", signal.Signals(signum).name)
-                        break
-                # Slots are shut down (in the seed's order) by open_host's exit; now stop the servers.
-                nursery.cancel_scope.cancel()
-                if event_plane is not None:
-                    event_plane.close()
+            await _serve_slots(config, token, context, signals)
     finally:
         context.destroy(linger=0)
     print("kvagent: stopped", file=sys.stderr, flush=True)

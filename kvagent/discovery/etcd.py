@@ -36,8 +36,8 @@ from kvagent.discovery.etcd_gateway import (
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = [
-    "EtcdCounters",
     "EtcdDiscovery",
+    "EtcdStatistics",
     "EtcdTarget",
     "WatchEvent",
     "open_etcd_discovery",
@@ -65,15 +65,24 @@ class WatchEvent:
 
 
 @attrs.frozen(slots=True)
-class EtcdCounters:
-    """Lease health, for metrics and tests (snapshot; replaced whole on every change)."""
+class EtcdStatistics:
+    """Lease health at one instant (trio ``statistics()`` style; the backend replaces it on every change).
+
+    Attributes:
+      keepalives: successful lease keepalives.
+      keepalive_failures: keepalives that failed (etcd unreachable or erroring).
+      lease_losses: leases given up as lost (expired, or overdue while etcd was unreachable).
+      regrants: new leases granted after a loss.
+      reregistrations: records put again under a re-granted lease.
+      recoveries: re-grants whose re-registration has completed.
+    """
 
     keepalives: int = 0
     keepalive_failures: int = 0
     lease_losses: int = 0
     regrants: int = 0
-    reregistrations: int = 0  # records put again under a re-granted lease
-    recoveries: int = 0  # re-grants whose re-registration has completed
+    reregistrations: int = 0
+    recoveries: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -110,8 +119,8 @@ class EtcdDiscovery:
         self._registered: dict[str, DiscoveryRecord] = {}
         # One writer at a time: re-registration must never resurrect a record being unregistered.
         self._lock = trio.Lock()
-        self._counters = EtcdCounters()
-        self._counters_changed = trio.Event()
+        self._statistics = EtcdStatistics()
+        self._statistics_changed = trio.Event()
         self._closed = False
 
     # -- introspection -----------------------------------------------------------------------------------
@@ -121,25 +130,24 @@ class EtcdDiscovery:
         """The current lease, or None while it is lost and not yet re-granted."""
         return self._lease_id
 
-    @property
-    def counters(self) -> EtcdCounters:
-        return self._counters
+    def statistics(self) -> EtcdStatistics:
+        return self._statistics
 
     @property
     def prefix(self) -> str:
         return self._root.removesuffix(f"/{KEY_LAYOUT_VERSION}/")
 
-    async def wait_for_counters(self, predicate: Callable[[EtcdCounters], bool]) -> EtcdCounters:
-        """Wait (without polling) until ``predicate(counters)`` holds; returns that snapshot."""
-        while not predicate(self._counters):
-            await self._counters_changed.wait()
-        return self._counters
+    async def wait_for_statistics(self, predicate: Callable[[EtcdStatistics], bool]) -> EtcdStatistics:
+        """Wait (without polling) until ``predicate(statistics)`` holds; returns that snapshot."""
+        while not predicate(self._statistics):
+            await self._statistics_changed.wait()
+        return self._statistics
 
     def _count(self, **increments: int) -> None:
-        current = attrs.asdict(self._counters)
-        self._counters = EtcdCounters(**{k: v + increments.get(k, 0) for k, v in current.items()})
-        self._counters_changed.set()
-        self._counters_changed = trio.Event()
+        current = attrs.asdict(self._statistics)
+        self._statistics = EtcdStatistics(**{k: v + increments.get(k, 0) for k, v in current.items()})
+        self._statistics_changed.set()
+        self._statistics_changed = trio.Event()
 
     def key_for(self, topic: str, record_id: int) -> str:
         return f"{self._topic_prefix(topic)}{record_id}"
@@ -272,7 +280,7 @@ class EtcdDiscovery:
                         next_revision = batch_revision + 1
                         delay = 0.1
             except (httpx.TransportError, EtcdUnreachable) as error:
-                log.warning("etcd watch stream failed; resuming", revision=next_revision, error=repr(error))
+                log.warning("etcd_watch_resumed", revision=next_revision, error=repr(error))
             # The stream ended (member restarted, connection dropped): back off a little, then resume.
             await trio.sleep(delay)
             delay = min(delay * 2, _WATCH_RETRY_CAP)
@@ -328,7 +336,7 @@ class EtcdDiscovery:
                 self._count(keepalive_failures=1)
                 overdue = trio.current_time() - self._last_keepalive > self._lease_ttl
                 log.warning(
-                    "etcd lease keepalive failed", lease=self._lease_id, overdue=overdue, error=str(error)
+                    "etcd_keepalive_failed", lease=self._lease_id, overdue=overdue, error=str(error)
                 )
                 if overdue:  # etcd may have expired it already; assume so and start over once reachable
                     self._lose_lease_locked("keepalive failing past the lease TTL")
@@ -341,12 +349,12 @@ class EtcdDiscovery:
         try:
             await self._ensure_lease_locked()
         except DiscoveryError as error:
-            log.warning("etcd lease recovery failed; will retry", error=str(error))
+            log.warning("etcd_lease_recovery_failed", error=str(error))
 
     def _lose_lease_locked(self, reason: str) -> None:
         if self._lease_id is None:
             return
-        log.warning("etcd lease lost", lease=self._lease_id, reason=reason, records=len(self._registered))
+        log.warning("etcd_lease_lost", lease=self._lease_id, reason=reason, records=len(self._registered))
         self._stale_leases.append(self._lease_id)
         self._lease_id = None
         self._count(lease_losses=1)
@@ -372,7 +380,7 @@ class EtcdDiscovery:
         self._lease_id = int_field(answer, "ID")
         self._lease_ttl = float(int_field(answer, "TTL"))
         self._last_keepalive = trio.current_time()
-        log.info("etcd lease granted", lease=self._lease_id, ttl=self._lease_ttl)
+        log.info("etcd_lease_granted", lease=self._lease_id, ttl=self._lease_ttl)
 
     async def _reregister_locked(self) -> None:
         for key, record in builtins.list(self._registered.items()):
@@ -380,18 +388,18 @@ class EtcdDiscovery:
                 changed = await self._put_locked(key, record)
             except DiscoveryConflict as error:
                 # Someone else now owns this id with another payload; it is no longer ours to restore.
-                log.error("etcd re-registration conflict; dropping record", key=key, error=str(error))
+                log.error("etcd_reregistration_conflict", key=key, error=str(error))
                 del self._registered[key]
                 continue
             if changed:
                 self._count(reregistrations=1)
-        log.info("etcd records re-registered", lease=self._lease_id, records=len(self._registered))
+        log.info("etcd_records_reregistered", lease=self._lease_id, records=len(self._registered))
 
     async def _revoke_quietly(self, lease: int) -> None:
         try:
             await self._gateway.call("/v3/lease/revoke", {"ID": str(lease)})
         except DiscoveryError as error:  # it expires on its own anyway
-            log.info("etcd lease revoke failed", lease=lease, error=str(error))
+            log.info("etcd_lease_revoke_failed", lease=lease, error=str(error))
 
     # -- kv primitives -----------------------------------------------------------------------------------
 
@@ -408,10 +416,10 @@ class EtcdDiscovery:
         try:
             record = DiscoveryRecord.from_json(value)
         except DiscoveryError as error:
-            log.warning("undecodable etcd discovery record", key=key, error=repr(error))
+            log.warning("etcd_record_undecodable", key=key, error=repr(error))
             return None
         if record.key != parsed:
-            log.warning("etcd discovery record does not match its key", key=key, record=record.key)
+            log.warning("etcd_record_key_mismatch", key=key, record=record.key)
             return None
         return record
 
@@ -458,7 +466,7 @@ class EtcdDiscovery:
             failure=[],
         )
         if not answer.get("succeeded"):
-            log.info("fenced etcd delete skipped: the record changed since it was read", key=key)
+            log.info("etcd_fenced_delete_skipped", key=key)
             return False
         return True
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import tempfile
 from pathlib import Path
 
+import structlog
 import trio
 
 from kvagent.discovery.base import DiscoveryRecord, check_topic
@@ -24,7 +24,7 @@ from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = ["FileDiscovery"]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 SUFFIX = ".json"
 
@@ -136,10 +136,10 @@ def _list_sync(root: Path, topic: str | None) -> list[DiscoveryRecord]:
             try:
                 record = _read_record(directory / name)
             except DiscoveryError as exc:
-                log.warning("skipping discovery record file: %s", exc)
+                log.warning("discovery_record_file_skipped", error=str(exc))
                 continue
             except OSError as exc:
-                log.warning("skipping unreadable discovery record file %s: %s", directory / name, exc)
+                log.warning("discovery_record_file_unreadable", path=str(directory / name), error=str(exc))
                 continue
             if record is not None:
                 records.append(record)

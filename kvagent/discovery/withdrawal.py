@@ -8,9 +8,8 @@ right answer; only cancellation (the agent's lease ending) stops the retries.
 
 from __future__ import annotations
 
-import logging
-
 import attrs
+import structlog
 import trio
 
 from kvagent.discovery.base import Discovery, DiscoveryRecord
@@ -19,25 +18,32 @@ from kvagent.model.ids import attachment_record_id
 
 __all__ = [
     "AttachmentRecordHolder",
-    "WithdrawalCounters",
+    "WithdrawalStatistics",
     "run_withdrawal_supervisor",
     "unregister_required",
 ]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 INITIAL_BACKOFF = 0.1
 MAX_BACKOFF = 5.0
 
 
-@attrs.define
-class WithdrawalCounters:
-    """Plain counters, read by metrics at scrape time."""
+@attrs.frozen(slots=True)
+class WithdrawalStatistics:
+    """The withdrawal counters of one slot at one instant (never reset).
 
-    withdrawals: int = 0  # supervisor unregistered the generation's record
-    retries: int = 0  # failed attempts (supervisor and required withdrawals) that were retried
-    stale_noops: int = 0  # requests fenced off: no record held, or it belongs to another generation
-    required_withdrawals: int = 0  # unregister_required successes
+    Attributes:
+      withdrawals: generations whose attachment ad the supervisor unregistered.
+      retries: failed withdrawal attempts (supervisor and required withdrawals) that were retried.
+      stale_noops: supervisor requests fenced off: no ad held, or it belongs to another generation.
+      required_withdrawals: successful :func:`unregister_required` withdrawals.
+    """
+
+    withdrawals: int
+    retries: int
+    stale_noops: int
+    required_withdrawals: int
 
 
 class AttachmentRecordHolder:
@@ -45,7 +51,19 @@ class AttachmentRecordHolder:
 
     def __init__(self) -> None:
         self._record: DiscoveryRecord | None = None
-        self.counters = WithdrawalCounters()
+        # Plain counters bumped by the withdrawal paths; statistics() snapshots them.
+        self._withdrawals = 0
+        self._retries = 0
+        self._stale_noops = 0
+        self._required_withdrawals = 0
+
+    def statistics(self) -> WithdrawalStatistics:
+        return WithdrawalStatistics(
+            withdrawals=self._withdrawals,
+            retries=self._retries,
+            stale_noops=self._stale_noops,
+            required_withdrawals=self._required_withdrawals,
+        )
 
     @property
     def record(self) -> DiscoveryRecord | None:
@@ -87,17 +105,17 @@ async def unregister_required(
             await discovery.unregister(record.topic, record.record_id)
             break
         except Exception as exc:  # any backend failure is retried; Cancelled is not an Exception
-            holder.counters.retries += 1
+            holder._retries += 1
             log.warning(
-                "Retrying required discovery withdrawal: record %d on %s: %s (retry in %.1fs)",
-                record.record_id,
-                record.topic,
-                exc,
-                delay,
+                "required_withdrawal_retry",
+                record_id=record.record_id,
+                topic=record.topic,
+                error=str(exc),
+                retry_in=delay,
             )
         await trio.sleep(delay)
         delay = _next_delay(delay, cap)
-    holder.counters.required_withdrawals += 1
+    holder._required_withdrawals += 1
     holder.forget_if(record)
 
 
@@ -108,11 +126,11 @@ async def _withdraw_generation(
     current = holder.record
     if current is None or current.record_id != expected_id or current.topic != KV_STATE_ATTACHMENTS_TOPIC:
         # The fence: a late request never removes a newer attachment's record.
-        holder.counters.stale_noops += 1
+        holder._stale_noops += 1
         return
     await discovery.unregister(current.topic, current.record_id)
     holder.forget_if(current)
-    holder.counters.withdrawals += 1
+    holder._withdrawals += 1
 
 
 async def run_withdrawal_supervisor(
@@ -138,12 +156,7 @@ async def run_withdrawal_supervisor(
                     await _withdraw_generation(discovery, holder, publisher_id, generation)
                     break
                 except Exception as exc:  # retried until success; cancellation stops it
-                    holder.counters.retries += 1
-                    log.warning(
-                        "Retrying failed KV state attachment withdrawal: generation %d: %s (retry in %.1fs)",
-                        generation,
-                        exc,
-                        delay,
-                    )
+                    holder._retries += 1
+                    log.warning("withdrawal_retry", generation=generation, error=str(exc), retry_in=delay)
                 await trio.sleep(delay)
                 delay = _next_delay(delay, max_backoff)

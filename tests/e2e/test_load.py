@@ -10,8 +10,8 @@ import trio
 import zmq
 from trio_websocket import ConnectionRejected, HandshakeError, open_websocket_url
 
-from tests.e2e.test_serve_e2e import client, follow_until, serve
-from tests.io.test_agent import XpubEngine, batch, gpu_store
+from tests.support.agent import XpubEngine, batch, gpu_store
+from tests.support.serve import client, follow_until, serve
 
 ATTEMPTS = 1000
 LIMIT = 256

@@ -13,9 +13,9 @@ import zmq
 
 from kvagent.discovery import open_discovery
 from kvagent.model.events import KV_STATE_SOURCES_TOPIC
-from tests.e2e.test_serve_e2e import client, follow_until, serve
-from tests.io.test_agent import XpubEngine, batch, gpu_store
+from tests.support.agent import XpubEngine, batch, gpu_store
 from tests.support.etcd_server import EtcdEndpoint
+from tests.support.serve import client, follow_until, serve
 
 
 async def test_two_serve_processes_share_one_etcd_and_both_appear_in_watch(

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from kvagent.publish.sinks import NullSink
-from tests.io.test_agent import (
+from tests.support.agent import (
     XpubEngine,
     attach,
     batch,
@@ -83,7 +83,7 @@ async def test_soak_memory_stays_flat() -> None:
                         generation = await attach(agent, engine, worker_id=worker_id)
                     next_reattach = trio.current_time() + REATTACH_EVERY
             engine.close()
-            assert agent.core.counters.dropped_events == 0
+            assert agent.statistics().coordinator.dropped_events == 0
     finally:
         tracemalloc.stop()
     assert len(samples) >= 4, "soak too short to judge"

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import EventsAnswer, ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
-from kvagent.publish.sinks import RecordingSink
-from tests.io.test_agent import (
+from kvagent.testing import RecordingSink
+from tests.support.agent import (
     OWNER,
     XpubEngine,
     attach,

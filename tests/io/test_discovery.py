@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 import trio
 
 import kvagent.discovery.etcd
@@ -270,9 +270,7 @@ async def test_file_layout_is_one_json_file_per_record(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-async def test_file_list_skips_stray_and_partial_files(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_file_list_skips_stray_and_partial_files(tmp_path: Path) -> None:
     backend = FileDiscovery(tmp_path)
     await backend.register(record(7))
     directory = tmp_path / TOPIC
@@ -282,11 +280,11 @@ async def test_file_list_skips_stray_and_partial_files(
     (directory / ".10.json.abc.tmp").write_text(good[:5])  # an in-flight write: hidden, never parsed
     (directory / "notes.txt").write_text("hello")
     (tmp_path / "stray-file").write_text("x")  # not a topic directory
-    with caplog.at_level(logging.WARNING, logger="kvagent.discovery.file"):
+    with structlog.testing.capture_logs() as logs:
         assert await backend.list() == [record(7)]
         assert await backend.list(TOPIC) == [record(7)]
-    skipped = [r.getMessage() for r in caplog.records]
-    assert len(skipped) == 4
+    assert [(e["event"], e["log_level"]) for e in logs] == [("discovery_record_file_skipped", "warning")] * 4
+    skipped = [e["error"] for e in logs]
     assert any("8.json" in m for m in skipped) and any("9.json" in m for m in skipped)
     # Registering over an unparsable file is refused rather than silently overwritten.
     with pytest.raises(DiscoveryError):

@@ -284,7 +284,7 @@ async def test_keepalive_holds_the_lease_past_its_ttl(etcd_endpoint: EtcdEndpoin
         await discovery.register(record(1))
         lease = discovery.lease_id
         with trio.fail_after(10):
-            counters = await discovery.wait_for_counters(lambda c: c.keepalives >= 4)  # > 2 s: past the TTL
+            counters = await discovery.wait_for_statistics(lambda c: c.keepalives >= 4)  # > 2 s: past the TTL
         assert counters.lease_losses == 0 and counters.keepalive_failures == 0
         assert discovery.lease_id == lease
         assert await discovery.list() == [record(1)]
@@ -302,7 +302,7 @@ async def test_lease_revoked_behind_our_back_is_regranted_and_records_restored(
         assert old_lease is not None
         await revoke(etcd_endpoint, old_lease)  # etcd deletes the records with the lease
         with trio.fail_after(10):
-            counters = await discovery.wait_for_counters(lambda c: c.recoveries >= 1)
+            counters = await discovery.wait_for_statistics(lambda c: c.recoveries >= 1)
         assert counters.lease_losses == 1 and counters.regrants == 1 and counters.reregistrations == 1
         assert discovery.lease_id not in (None, old_lease)
         assert await discovery.list() == [record(1)]
@@ -317,7 +317,7 @@ async def test_register_on_an_expired_lease_regrants_first(etcd_endpoint: EtcdEn
         assert old_lease is not None
         await revoke(etcd_endpoint, old_lease)
         await discovery.register(record(2))
-        assert discovery.counters.regrants == 1 and discovery.counters.reregistrations == 1
+        assert discovery.statistics().regrants == 1 and discovery.statistics().reregistrations == 1
         assert await discovery.list() == [record(1), record(2)]
 
 
@@ -345,13 +345,13 @@ async def test_etcd_restart_mid_run(private_etcd: PrivateEtcd) -> None:
         with pytest.raises(DiscoveryError):
             await discovery.register(record(3))
         with trio.fail_after(10):  # keepalive gives the lease up once it has failed for longer than the TTL
-            counters = await discovery.wait_for_counters(lambda c: c.lease_losses >= 1)
+            counters = await discovery.wait_for_statistics(lambda c: c.lease_losses >= 1)
         lease_while_down = discovery.lease_id
         assert counters.keepalive_failures >= 2 and lease_while_down is None
 
         await private_etcd.start()  # same ports, same data dir; down for about 3 s in all
         with trio.fail_after(10):
-            counters = await discovery.wait_for_counters(lambda c: c.recoveries >= 1)
+            counters = await discovery.wait_for_statistics(lambda c: c.recoveries >= 1)
         assert counters.reregistrations == 2
         assert discovery.lease_id not in (None, old_lease)
         assert await discovery.list() == [record(1), record(2)]

@@ -7,11 +7,11 @@ from typing import Any
 import trio
 import zmq
 
+from kvagent import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.host import SlotStateKind, open_host
-from kvagent.agent.slot import AttachmentConfig, SlotAgentConfig
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.ids import derive_cache_owner_id
-from tests.io.test_agent import XpubEngine, batch, gpu_store, is_store_of, wait_for_event
+from tests.support.agent import XpubEngine, batch, gpu_store, is_store_of, wait_for_event
 
 
 def slot_config(name: str) -> SlotAgentConfig:

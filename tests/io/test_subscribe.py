@@ -8,26 +8,29 @@ from typing import Any
 import trio
 import zmq
 
+from kvagent import SlotAgentConfig, open_slot_agent
 from kvagent.agent.host import SlotRegistry
-from kvagent.agent.slot import SlotAgentConfig, open_slot_agent
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import RouterEvent
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import serve_recovery
 from kvagent.recovery.subscribe import subscribe
-from tests.io.test_agent import OWNER, XpubEngine, attach, batch, gpu_store
+from tests.support.agent import OWNER, XpubEngine, attach, batch, gpu_store
 
 
 async def test_dropped_event_plane_messages_are_repaired_through_recover() -> None:
     context: zmq.Context[Any] = zmq.Context()
     plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
-    sink = plane.sink_for()
+    publisher_id = 0x5EED
+    sink = plane.sink_for(publisher_id)
     received: list[RouterEvent] = []
     progressed = trio.Event()
     try:
         with trio.fail_after(60):
-            config = SlotAgentConfig(name="s0", cache_owner_id=OWNER, kv_block_size=32, ring_capacity=8192)
+            config = SlotAgentConfig(
+                name="s0", cache_owner_id=OWNER, kv_block_size=32, ring_capacity=8192, publisher_id=publisher_id
+            )
             async with (
                 open_slot_agent(config, discovery=MemoryDiscovery(), sink=sink, zmq_context=context) as agent,
                 trio.open_nursery() as nursery,

@@ -6,12 +6,13 @@ records each attempt's virtual time, so the backoff sequence is asserted exactly
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
+import structlog
+import structlog.testing
 import trio
 import trio.testing
 
@@ -90,7 +91,7 @@ async def test_withdrawal_of_the_current_generation_removes_its_record() -> None
             await discovery.wait_for(lambda records: ad(1).key not in records)
     assert holder.record is None
     assert set(discovery.records) == {(KV_STATE_SOURCES_TOPIC, PUBLISHER)}  # the source ad is untouched
-    assert (holder.counters.withdrawals, holder.counters.stale_noops, holder.counters.retries) == (1, 0, 0)
+    assert (holder.statistics().withdrawals, holder.statistics().stale_noops, holder.statistics().retries) == (1, 0, 0)
 
 
 async def test_a_stale_generation_never_removes_a_newer_record() -> None:
@@ -102,8 +103,8 @@ async def test_a_stale_generation_never_removes_a_newer_record() -> None:
     assert holder.record == ad(2)
     assert set(discovery.records) == {ad(2).key}
     assert [a.operation for a in discovery.attempts] == ["register"]  # not even an unregister attempt
-    assert holder.counters.stale_noops == 1
-    assert holder.counters.withdrawals == 0
+    assert holder.statistics().stale_noops == 1
+    assert holder.statistics().withdrawals == 0
 
 
 async def test_the_fence_also_checks_the_topic_and_an_empty_holder() -> None:
@@ -117,7 +118,7 @@ async def test_the_fence_also_checks_the_topic_and_an_empty_holder() -> None:
             holder.set(None)
             requests.send_nowait(1)
     assert discovery.records == {impostor.key: impostor}
-    assert holder.counters.stale_noops == 2
+    assert holder.statistics().stale_noops == 2
 
 
 async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends() -> None:
@@ -128,16 +129,16 @@ async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends()
             for generation in (1, 2, 3, 3):
                 requests.send_nowait(generation)
     assert discovery.records == {}
-    assert (holder.counters.stale_noops, holder.counters.withdrawals) == (3, 1)
+    assert (holder.statistics().stale_noops, holder.statistics().withdrawals) == (3, 1)
 
 
 async def test_failed_withdrawals_are_retried_with_backoff(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
     await held(discovery, holder, ad(1))
     discovery.fail_next(3, on=("unregister",))
-    with caplog.at_level(logging.WARNING, logger="kvagent.discovery.withdrawal"):
+    with structlog.testing.capture_logs() as logs:
         async with supervisor(discovery, holder) as requests:
             requests.send_nowait(1)
             await discovery.wait_for(lambda records: ad(1).key not in records)
@@ -145,10 +146,8 @@ async def test_failed_withdrawals_are_retried_with_backoff(
     assert [a.failed for a in attempts] == [True, True, True, False]
     assert gaps([a.at for a in attempts]) == [0.1, 0.2, 0.4]
     assert holder.record is None
-    assert (holder.counters.retries, holder.counters.withdrawals) == (3, 1)
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 3
-    assert all(m.startswith("Retrying failed KV state attachment withdrawal") for m in warnings)
+    assert (holder.statistics().retries, holder.statistics().withdrawals) == (3, 1)
+    assert [(e["event"], e["log_level"], e["generation"]) for e in logs] == [("withdrawal_retry", "warning", 1)] * 3
 
 
 async def test_backoff_is_capped_at_five_seconds(autojump_clock: trio.testing.MockClock) -> None:
@@ -204,19 +203,19 @@ async def test_cancellation_stops_the_retries(autojump_clock: trio.testing.MockC
 
 
 async def test_unregister_required_retries_until_withdrawn(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
     await held(discovery, holder, ad(1))
     discovery.fail_next(3, on=("unregister",))
-    with caplog.at_level(logging.WARNING, logger="kvagent.discovery.withdrawal"):
+    with structlog.testing.capture_logs() as logs:
         await unregister_required(discovery, holder, ad(1))
     assert gaps(discovery.attempt_times("unregister")) == [0.1, 0.2, 0.4]
     assert discovery.records == {}
     assert holder.record is None
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 3
-    assert all(m.startswith("Retrying required discovery withdrawal") for m in messages)
+    assert [(e["event"], e["log_level"], e["record_id"]) for e in logs] == [
+        ("required_withdrawal_retry", "warning", ad(1).record_id)
+    ] * 3
 
 
 async def test_unregister_required_keeps_a_record_replaced_meanwhile(

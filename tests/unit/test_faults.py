@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import trio
 
-from kvagent.agent.slot import AttachmentConfig
+from kvagent import AttachmentConfig
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
 from kvagent.publish.sinks import RecordingSink
-from tests.io.test_agent import (
+from tests.support.agent import (
     OWNER,
     XpubEngine,
     attach,
@@ -57,7 +57,7 @@ async def test_engine_restarted_on_the_same_endpoint_resets_worker_state_once() 
             assert worker_blocks(agent) == {200}
             # CacheOwner residency belongs to the slot and survives the engine restart.
             assert (OWNER, StorageTier.HOST_PINNED, 900) in agent.index.resident_blocks()
-            assert agent.core.counters.restarts == 1
+            assert agent.statistics().coordinator.restarts == 1
             status = agent.status()
             assert status.attachment is not None and status.attachment.ready
             restarted.close()
