@@ -25,7 +25,7 @@ import trio
 import zmq
 
 from kvagent.coordinator.machine import SlotCoordinator
-from kvagent.coordinator.task import CoordinatorHandle, open_coordinator
+from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
 from kvagent.discovery.ads import attachment_advertisement, source_advertisement
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import (
@@ -48,7 +48,7 @@ from kvagent.model.ids import (
     attachment_record_id,
     new_publisher_id,
 )
-from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, AttachmentStatus, StatusCell
+from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, AttachmentStatus
 from kvagent.publish.sinks import EventSink, NullSink
 from kvagent.vllm.listener import ListenerOptions, ListenerStats, run_listener
 
@@ -454,7 +454,7 @@ async def open_slot_agent(
         slot_rank=config.dp_rank,
         index=index,
         sink=sink if sink is not None else NullSink(),
-        status=status_cell,
+        on_status=status_cell.set,
         request_withdrawal=request_withdrawal,
         strict_cache_owner=config.strict_cache_owner,
     )

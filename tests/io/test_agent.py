@@ -26,7 +26,7 @@ from kvagent.model.events import (
     WorkerWithDpRank,
 )
 from kvagent.model.ids import CacheOwnerId
-from kvagent.publish.sinks import RecordingSink
+from kvagent.testing import RecordingSink
 from tests.support.vectors import load_live
 
 OWNER = CacheOwnerId.parse(

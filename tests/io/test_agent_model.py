@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import EventsAnswer, ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
-from kvagent.publish.sinks import RecordingSink
+from kvagent.testing import RecordingSink
 from tests.io.test_agent import (
     OWNER,
     XpubEngine,

@@ -18,6 +18,7 @@ import trio.testing
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from kvagent.agent.host import SlotRegistry
+from kvagent.coordinator.task import StatusCell
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import KvAgentError, RecoveryClientError
 from kvagent.model.events import (
@@ -38,7 +39,7 @@ from kvagent.model.ids import (
     RoutingScopeId,
     StableDpSlotId,
 )
-from kvagent.model.status import AgentStatus, AttachmentStatus, StatusCell
+from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.client import connect_slot
 from kvagent.recovery.protocol import CACHE_OWNER_INCREMENTAL_UNSUPPORTED, MAX_FRAME_BYTES
 from kvagent.recovery.server import RecoveryServerInfo, ServerStats, serve_recovery

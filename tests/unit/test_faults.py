@@ -10,7 +10,7 @@ import trio
 from kvagent.agent.slot import AttachmentConfig
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
-from kvagent.publish.sinks import RecordingSink
+from kvagent.testing import RecordingSink
 from tests.io.test_agent import (
     OWNER,
     XpubEngine,
