@@ -18,6 +18,7 @@ import zmq
 from kvagent.agent.slot import SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent.discovery.base import Discovery
 from kvagent.model.errors import KvAgentError
+from kvagent.model.ids import new_publisher_id
 from kvagent.publish.sinks import EventSink
 from kvagent.recovery.protocol import SlotSurface
 
@@ -126,6 +127,8 @@ class Host:
         task_status: trio.TaskStatus[SlotAgent] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         started = False
+        if config.publisher_id is None:  # the sink is built for the slot's publisher id: fix it first
+            config = attrs.evolve(config, publisher_id=new_publisher_id())
         sink = self._sink_factory(config) if self._sink_factory is not None else None
         try:
             async with open_slot_agent(

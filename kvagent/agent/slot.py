@@ -434,8 +434,6 @@ async def open_slot_agent(
     """Run one slot agent for the duration of the ``async with`` block."""
     publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
     identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
-    if sink is not None and getattr(sink, "publisher_id", 0) is None:
-        sink.publisher_id = publisher_id  # type: ignore[attr-defined]  # event-plane sinks name their slot
     index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
     status_cell = StatusCell(AgentStatus(identity))
     context = zmq_context if zmq_context is not None else zmq.Context.instance()

@@ -20,6 +20,7 @@ from kvagent.agent.slot import AttachmentConfig, SlotAgent, SlotAgentConfig
 from kvagent.cli.config import ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
 from kvagent.discovery import open_discovery
+from kvagent.model.errors import KvAgentError
 from kvagent.model.events import IngressProtocol
 from kvagent.publish.sinks import EventSink
 from kvagent.recovery.server import ServerStats, serve_recovery
@@ -191,7 +192,10 @@ async def run_serve(config: ServeConfig) -> int:
                     plane = event_plane
 
                     def sink_factory(slot_config: SlotAgentConfig) -> EventSink | None:
-                        return plane.sink_for(slot_config)
+                        # The host gives every slot its publisher id before it builds the slot's sink.
+                        if slot_config.publisher_id is None:
+                            raise KvAgentError(f"slot {slot_config.name!r} has no publisher id", code="internal")
+                        return plane.sink_for(slot_config.publisher_id)
 
                 if config.metrics:
                     from kvagent.agent.metrics import serve_metrics

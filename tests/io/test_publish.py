@@ -108,7 +108,7 @@ async def test_a_subscriber_that_never_reads_never_blocks_publish(context: zmq.C
     started = trio.current_time()
     for i in range(4000):
         plane.publish(1, [store(i * 1000 + 1, i * 1000, blocks=150)])
-    counters = plane.counters
+    counters = plane.statistics()
     assert counters.messages_sent + counters.dropped_messages == 4000
     assert counters.dropped_messages > 0 and counters.dropped_events == counters.dropped_messages
     assert counters.messages_sent > 0
@@ -121,7 +121,8 @@ def test_without_any_subscriber_publish_is_a_no_op_that_succeeds(context: zmq.Co
     plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
     for i in range(100):
         plane.publish(1, [store(i + 1, i)])
-    assert plane.counters.messages_sent == 100 and plane.counters.dropped_messages == 0
+    statistics = plane.statistics()
+    assert statistics.messages_sent == 100 and statistics.dropped_messages == 0
     plane.close()
 
 
@@ -147,7 +148,7 @@ async def test_subscriber_repairs_dropped_messages_from_the_index(context: zmq.C
                         for frames in await sub.recv_multipart_batch():
                             for e in decode_event_plane_message(frames)[2]:
                                 received[e.event_id] = e
-        assert plane.counters.dropped_messages > 0
+        assert plane.statistics().dropped_messages > 0
         missing = [i for i in range(1, 2001) if i not in received]
         assert missing
         answer = index.events_in_range(missing[0], None)

@@ -18,16 +18,20 @@ from kvagent.recovery.server import serve_recovery
 from kvagent.recovery.subscribe import subscribe
 from tests.io.test_agent import OWNER, XpubEngine, attach, batch, gpu_store
 
+PUBLISHER = 7
+
 
 async def test_dropped_event_plane_messages_are_repaired_through_recover() -> None:
     context: zmq.Context[Any] = zmq.Context()
     plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
-    sink = plane.sink_for()
+    sink = plane.sink_for(PUBLISHER)
     received: list[RouterEvent] = []
     progressed = trio.Event()
     try:
         with trio.fail_after(60):
-            config = SlotAgentConfig(name="s0", cache_owner_id=OWNER, kv_block_size=32, ring_capacity=8192)
+            config = SlotAgentConfig(
+                name="s0", cache_owner_id=OWNER, kv_block_size=32, ring_capacity=8192, publisher_id=PUBLISHER
+            )
             async with (
                 open_slot_agent(config, discovery=MemoryDiscovery(), sink=sink, zmq_context=context) as agent,
                 trio.open_nursery() as nursery,
@@ -71,7 +75,7 @@ async def test_dropped_event_plane_messages_are_repaired_through_recover() -> No
                     if received[-1].event_id < agent.status().outbound_cursor:
                         probe += 1
                         await engine.send_payload(batch([gpu_store([probe])]))
-                assert plane.counters.dropped_messages > 0, "the test must actually lose messages"
+                assert plane.statistics().dropped_messages > 0, "the test must actually lose messages"
                 ids = [e.event_id for e in received]
                 assert ids == list(range(start_cursor + 1, start_cursor + 1 + len(ids)))
                 replica = RecoveryIndex(32, ring_capacity=8192)

@@ -13,7 +13,10 @@ from kvagent.recovery.client import RecoveryClientError, agent_status_from_json
 from tests.unit.test_coordinator import IDENTITY
 
 ATTACHED = AgentStatus(
-    IDENTITY, AttachmentStatus(7, WorkerWithDpRank(17, 3), True, 12), cache_owner_ready=False, outbound_cursor=40
+    IDENTITY,
+    AttachmentStatus(7, WorkerWithDpRank(17, 3), True, 12),
+    cache_owner_ready=False,
+    outbound_cursor=40,
 )
 
 
