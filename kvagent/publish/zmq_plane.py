@@ -51,15 +51,6 @@ class EventPlaneStatistics:
     dropped_events: int
 
 
-@attrs.define(slots=True)
-class _PlaneCounters:
-    subscriptions: int = 0
-    messages_sent: int = 0
-    events_sent: int = 0
-    dropped_messages: int = 0
-    dropped_events: int = 0
-
-
 def split_publication(
     events: Sequence[RouterEvent], max_events: int = MAX_CHUNK_EVENTS, max_blocks: int = MAX_CHUNK_BLOCKS
 ) -> list[Sequence[RouterEvent]]:
@@ -98,10 +89,20 @@ class ZmqEventPlane:
         sock.bind(endpoint)
         self.last_endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = TrioSocket(sock)
-        self._counters = _PlaneCounters()
+        self._subscriptions = 0
+        self._messages_sent = 0
+        self._events_sent = 0
+        self._dropped_messages = 0
+        self._dropped_events = 0
 
     def statistics(self) -> EventPlaneStatistics:
-        return EventPlaneStatistics(**attrs.asdict(self._counters))
+        return EventPlaneStatistics(
+            subscriptions=self._subscriptions,
+            messages_sent=self._messages_sent,
+            events_sent=self._events_sent,
+            dropped_messages=self._dropped_messages,
+            dropped_events=self._dropped_events,
+        )
 
     def poll_subscriptions(self) -> int:
         """Take the XPUB's pending (un)subscribe notifications; returns the subscriptions seen so far.
@@ -114,11 +115,11 @@ class ZmqEventPlane:
             try:
                 note = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return self._counters.subscriptions
+                return self._subscriptions
             except zmq.ZMQError as exc:
                 raise SinkError(f"event plane receive failed: {exc}") from exc
             if note[:1] == b"\x01":
-                self._counters.subscriptions += 1
+                self._subscriptions += 1
 
     async def wait_for_subscriber(self, count: int = 1) -> None:
         """Return once ``count`` subscriptions have reached the PUB (tests: the slow-joiner window is over).
@@ -142,13 +143,12 @@ class ZmqEventPlane:
                 sent = self._socket.send_multipart_nowait(frames)
             except zmq.ZMQError as exc:
                 raise SinkError(f"event plane send failed: {exc}") from exc
-            counters = self._counters
             if sent:
-                counters.messages_sent += 1
-                counters.events_sent += len(batch)
+                self._messages_sent += 1
+                self._events_sent += len(batch)
             else:
-                counters.dropped_messages += 1
-                counters.dropped_events += len(batch)
+                self._dropped_messages += 1
+                self._dropped_events += len(batch)
 
     def sink_for(self, publisher_id: int) -> PlaneSink:
         """The sink of the slot whose publisher id is ``publisher_id``."""
