@@ -163,10 +163,6 @@ class SlotCoordinator:
     # -- read-only views ---------------------------------------------------------------------------
 
     @property
-    def attachment(self) -> Attachment | None:
-        return self._attachment
-
-    @property
     def ingress_generation(self) -> int | None:
         return self._ingress_generation
 

@@ -87,6 +87,22 @@ async def test_pub_sends_the_golden_bytes(context: zmq.Context[Any]) -> None:
     plane.close()
 
 
+async def test_a_slot_sink_names_the_publisher_it_was_built_for(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", context=context)
+    with trio.fail_after(10):
+        sub = await subscriber(context, plane)
+        plane.sink_for(41).publish(golden_events())
+        plane.sink_for(42).publish([store(9, 90)])
+        first, second = await sub.recv_multipart(), await sub.recv_multipart()
+    assert decode_event_plane_message(first) == (41, 1, golden_events())
+    assert decode_event_plane_message(second)[:2] == (42, 9)
+    statistics = plane.statistics()
+    assert (statistics.subscriptions, statistics.messages_sent, statistics.events_sent) == (1, 2, 4)
+    assert (statistics.dropped_messages, statistics.dropped_events) == (0, 0)
+    sub.close()
+    plane.close()
+
+
 def test_split_at_event_and_block_bounds() -> None:
     events = [store(i + 1, i * 10) for i in range(300)]
     assert [len(b) for b in split_publication(events)] == [128, 128, 44]
