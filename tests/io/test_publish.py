@@ -9,9 +9,13 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
+from kvagent.agent.host import open_host
+from kvagent.agent.slot import SlotAgentConfig
+from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
-from kvagent.publish.zmq_plane import ZmqEventPlane, decode_event_plane_message, split_publication
+from kvagent.model.ids import derive_cache_owner_id
+from kvagent.publish.zmq_plane import PlaneSink, ZmqEventPlane, decode_event_plane_message, split_publication
 from kvagent.wire.router_event import encode_router_events
 
 GOLDEN_HEX = (
@@ -175,4 +179,25 @@ async def test_subscriber_repairs_dropped_messages_from_the_index(context: zmq.C
         replica.apply(received[event_id])
     assert replica.resident_blocks() == index.resident_blocks()
     sub.close()
+    plane.close()
+
+
+async def test_a_hosted_slot_publishes_under_its_own_publisher_id(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", context=context)
+    sinks: list[PlaneSink] = []
+
+    def sink_factory(config: SlotAgentConfig) -> PlaneSink:
+        assert config.publisher_id is not None  # the host fixes the id before it builds the sink
+        sinks.append(plane.sink_for(config.publisher_id))
+        return sinks[-1]
+
+    config = SlotAgentConfig(
+        name="s0", cache_owner_id=derive_cache_owner_id("s0", kv_block_size=32), kv_block_size=32
+    )
+    with trio.fail_after(10):
+        async with open_host(
+            discovery=MemoryDiscovery(), sink_factory=sink_factory, zmq_context=context
+        ) as host:
+            agent = await host.add_slot(config)
+            assert [sink.publisher_id for sink in sinks] == [agent.identity.publisher_id]
     plane.close()
