@@ -374,7 +374,7 @@ def _build_slot(config: SlotAgentConfig, sink: EventSink | None) -> _SlotParts:
         slot_rank=config.dp_rank,
         index=index,
         sink=sink if sink is not None else NullSink(),
-        status=status_cell,
+        on_status=status_cell.set,
         request_withdrawal=request_withdrawal,
         strict_cache_owner=config.strict_cache_owner,
     )

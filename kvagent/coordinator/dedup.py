@@ -8,27 +8,15 @@ The CacheOwner domain is set-like: KVCR guarantees at most one residency per own
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 
 from kvagent.model.events import Cleared, PlacementEvent, Removed, ResidencyDomain, StorageTier, Stored
 
-__all__ = ["DedupFilter", "DedupPolicy", "policy_for"]
-
-
-class DedupPolicy(enum.Enum):
-    REF_COUNTED = "ref_counted"
-    SET_LIKE = "set_like"
-
-
-def policy_for(domain: ResidencyDomain) -> DedupPolicy:
-    # The agent creates CacheOwner events only from KVCR ownership, which is set-like by contract.
-    return DedupPolicy.REF_COUNTED if domain is ResidencyDomain.WORKER else DedupPolicy.SET_LIKE
-
+__all__ = ["DedupFilter"]
 
 _StateKey = tuple[int, StorageTier, ResidencyDomain]
-# filter() inlines policy_for() on the hot path: Worker is REF_COUNTED, every other domain SET_LIKE.
+# Worker is reference-counted; every other domain is set-like (the agent creates CacheOwner events only
+# from KVCR ownership, which is set-like by contract).
 _WORKER = ResidencyDomain.WORKER
 
 
@@ -88,14 +76,7 @@ class DedupFilter:
             del self._counts[(dp_rank, tier, domain)]
         return surviving
 
-    def reset(self) -> None:
-        self._counts.clear()
-
     def reset_domain(self, dp_rank: int, domain: ResidencyDomain) -> None:
         """Forget every tier's counts of one rank and domain (what a Cleared does)."""
         for key in [key for key in self._counts if key[0] == dp_rank and key[2] is domain]:
             del self._counts[key]
-
-    def tracked(self, dp_rank: int, tier: StorageTier, domain: ResidencyDomain) -> dict[int, int]:
-        """A copy of the reference counts of one state (for tests and diagnostics)."""
-        return dict(self._counts.get((dp_rank, tier, domain), {}))

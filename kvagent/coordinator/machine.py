@@ -2,26 +2,27 @@
 
 :class:`SlotCoordinator` is sans-IO and synchronous: every lifecycle command and every ingress chunk is
 one method call that runs to completion (the index applies synchronously, the sink publishes without
-blocking), so no interleaving can be observed from outside.  The only Trio object it touches is the
-:class:`~kvagent.model.status.StatusCell` it replaces snapshots in.
+blocking), so no interleaving can be observed from outside.  It touches no Trio object: status snapshots
+go to an ``on_status`` callback and withdrawal requests to a ``request_withdrawal`` callback.
 
-The Trio shell is :mod:`kvagent.coordinator.task` (re-exported here): ``open_coordinator(core)`` returns
-a :class:`CoordinatorHandle` and ``run(*, task_status)``; control always wins over queued ingress.
+The Trio shell is :mod:`kvagent.coordinator.task`: ``open_coordinator(core)`` returns a
+:class:`~kvagent.coordinator.task.CoordinatorHandle` and ``run(*, task_status)``; control always wins over
+queued ingress.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 import structlog
 
-from kvagent.coordinator.api import CoordinatorCounters, LocalIndex
 from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.cursor import Continuity, SourceCursorTracker, classify_chunk
 from kvagent.coordinator.dedup import DedupFilter
-from kvagent.model.errors import CoordinatorClosed, CoordinatorError
+from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
     MAX_CHUNK_BLOCKS,
@@ -36,20 +37,86 @@ from kvagent.model.events import (
     WorkerWithDpRank,
 )
 from kvagent.model.ids import KvStateAgentIdentity
-from kvagent.model.status import AgentStatus, Attachment, StatusCell
+from kvagent.model.status import AgentStatus, Attachment
 from kvagent.publish.sinks import EventSink
 
 __all__ = [
-    "CoordinatorClosed",
     "CoordinatorCounters",
-    "CoordinatorError",
+    "CoordinatorStatistics",
     "LocalIndex",
     "SlotCoordinator",
-    "SourceCursorTracker",
 ]
 
 log = structlog.get_logger(__name__)
 
+
+class LocalIndex(Protocol):
+    """What the coordinator needs of :class:`kvagent.index.recovery_index.RecoveryIndex`."""
+
+    def apply(self, event: RouterEvent) -> None: ...
+
+    def current_event_id(self) -> int: ...
+
+
+@attrs.frozen(slots=True)
+class CoordinatorStatistics:
+    """A snapshot of one slot coordinator's counters (all count since the agent started, never reset).
+
+    Attributes:
+        events_in: placement events taken from ingress chunks.
+        events_published: RouterEvents the sink accepted.
+        events_out_ids: outbound event ids assigned (published or not).
+        filtered: events dropped before publication, by reason.
+        dropped_events: raw batches lost to source cursor gaps (``engines_dropped_events``).
+        quarantines: quarantines of an attachment, by reason.
+        attachments: attachments that became ready.
+        restarts: in-place engine restarts detected from a regressing raw sequence.
+        publications: sink calls (one per published chunk).
+        publication_failures: sink calls that raised.
+        source_losses: raw batches the listener reported as unrepairable.
+        ingress_chunks: ingress chunks handled (live and detach drain).
+        ingress_queue_depth: chunks admitted but not yet handled (0 for the bare sans-IO coordinator).
+    """
+
+    events_in: int
+    events_published: int
+    events_out_ids: int
+    filtered: Mapping[str, int]
+    dropped_events: int
+    quarantines: Mapping[str, int]
+    attachments: int
+    restarts: int
+    publications: int
+    publication_failures: int
+    source_losses: int
+    ingress_chunks: int
+    ingress_queue_depth: int = 0
+
+
+@attrs.define(slots=True)
+class CoordinatorCounters:
+    """The coordinator's plain counters, bumped on the hot path; :meth:`statistics` snapshots them."""
+
+    events_in: int = 0
+    events_published: int = 0
+    events_out_ids: int = 0
+    filtered: dict[str, int] = attrs.Factory(dict)
+    dropped_events: int = 0
+    quarantines: dict[str, int] = attrs.Factory(dict)
+    attachments: int = 0
+    restarts: int = 0
+    publications: int = 0
+    publication_failures: int = 0
+    source_losses: int = 0
+    ingress_chunks: int = 0
+
+    def count_filtered(self, reason: str, n: int = 1) -> None:
+        if n:
+            self.filtered[reason] = self.filtered.get(reason, 0) + n
+
+    def statistics(self, *, ingress_queue_depth: int = 0) -> CoordinatorStatistics:
+        # asdict copies the labelled counters, so the snapshot never changes afterwards.
+        return CoordinatorStatistics(**attrs.asdict(self), ingress_queue_depth=ingress_queue_depth)
 
 
 class SlotCoordinator:
@@ -62,7 +129,7 @@ class SlotCoordinator:
         slot_rank: int,
         index: LocalIndex,
         sink: EventSink,
-        status: StatusCell,
+        on_status: Callable[[AgentStatus], None],
         request_withdrawal: Callable[[int], None],
         strict_cache_owner: bool = False,
     ) -> None:
@@ -70,7 +137,7 @@ class SlotCoordinator:
         self.slot_rank = slot_rank
         self.index = index
         self.sink = sink
-        self.status = status
+        self._on_status = on_status
         self.strict_cache_owner = strict_cache_owner
         self.counters = CoordinatorCounters()
         self._request_withdrawal = request_withdrawal
@@ -96,10 +163,6 @@ class SlotCoordinator:
     # -- read-only views ---------------------------------------------------------------------------
 
     @property
-    def attachment(self) -> Attachment | None:
-        return self._attachment
-
-    @property
     def ingress_generation(self) -> int | None:
         return self._ingress_generation
 
@@ -112,16 +175,16 @@ class SlotCoordinator:
         return self._worker_domain_failed
 
     @property
-    def cache_owner_domain_failed(self) -> bool:
-        return self._cache_owner_domain_failed
-
-    @property
     def source_failed(self) -> bool:
         return self._source_failed
 
     @property
     def cursor(self) -> SourceCursorTracker:
         return self._cursor
+
+    def statistics(self) -> CoordinatorStatistics:
+        """The counters so far; ``ingress_queue_depth`` is 0 (the queue belongs to the Trio shell)."""
+        return self.counters.statistics()
 
     def ingress_queue_depth(self) -> int:
         """Chunks admitted but not yet handled (read by the metrics endpoint at scrape time)."""
@@ -210,7 +273,7 @@ class SlotCoordinator:
         """The listener could not repair ``lost_batches`` raw batches of ``generation``."""
         self.counters.source_losses += lost_batches
         current = self._attachment is not None and self._attachment.generation == generation
-        log.warning("Raw KV source lost batches", generation=generation, lost_batches=lost_batches)
+        log.warning("source_batches_lost", generation=generation, lost_batches=lost_batches)
         if self.strict_cache_owner and current and lost_batches > 0 and not self._cache_owner_untrusted:
             self._cache_owner_untrusted = True
             self._publish_status()
@@ -254,9 +317,7 @@ class SlotCoordinator:
             self.counters.ingress_chunks += 1
             if chunk.generation != generation:
                 log.warning(
-                    "Discarding ingress from a non-current attachment generation",
-                    queued_generation=chunk.generation,
-                    generation=generation,
+                    "stale_generation_discarded", queued_generation=chunk.generation, generation=generation
                 )
                 self.counters.count_filtered("stale_generation", len(chunk.events))
                 continue
@@ -280,12 +341,10 @@ class SlotCoordinator:
             try:
                 self._apply_and_publish(self._without_failed_cache_owner(cache_owner_events))
             except CoordinatorError as error:
-                log.error("Failed to drain CacheOwner residency during detach", error=str(error))
+                log.error("detach_cache_owner_drain_failed", generation=generation, error=str(error))
         if self._cursor.active is not None:
-            log.warning(
-                "Detaching after an incomplete raw source batch; CacheOwner remains advisory",
-                generation=generation,
-            )
+            # CacheOwner residency stays advisory: part of a raw batch never arrived.
+            log.warning("detach_after_incomplete_batch", generation=generation)
             self.counters.dropped_events += 1
             self._reset_cursor()
 
@@ -302,7 +361,7 @@ class SlotCoordinator:
     def _drop_duplicate(self, chunk: IngressChunk) -> None:
         self._skipping_sequence = None if chunk.final else chunk.source_cursor
         log.warning(
-            "Dropping a duplicate raw KV batch",
+            "duplicate_source_batch_dropped",
             generation=chunk.generation,
             source_cursor=chunk.source_cursor,
             chunk_index=chunk.chunk_index,
@@ -314,7 +373,7 @@ class SlotCoordinator:
         attachment = self._require_attachment()
         self.counters.restarts += 1
         log.warning(
-            "Raw KV source sequence regressed; engine restarted in place, resetting Worker residency",
+            "engine_restarted_in_place",
             generation=chunk.generation,
             source_cursor=chunk.source_cursor,
             previous_cursor=self._cursor.last_seen(),
@@ -334,7 +393,7 @@ class SlotCoordinator:
         if previous is not None and chunk.source_cursor - (previous + 1) > 0:
             missing = chunk.source_cursor - (previous + 1)
         log.warning(
-            "Raw KV source cursor gap or regression; continuing with advisory residency",
+            "source_cursor_gap",
             generation=chunk.generation,
             source_cursor=chunk.source_cursor,
             previous_cursor=previous,
@@ -357,7 +416,7 @@ class SlotCoordinator:
             return False
         self._attachment = attrs.evolve(attachment, ready=False)
         self._ingress_generation = None
-        log.warning("Quarantining vLLM KV ingress", generation=generation, reason=reason)
+        log.warning("ingress_quarantined", generation=generation, reason=reason)
         self.counters.quarantines[reason] = self.counters.quarantines.get(reason, 0) + 1
         self._publish_status()
         return True
@@ -374,7 +433,7 @@ class SlotCoordinator:
         self._ingress_generation = None
         self._quarantine(generation, reason)
         self._withdraw(generation)
-        log.error("CacheOwner residency failed closed", generation=generation, reason=reason)
+        log.error("cache_owner_failed_closed", generation=generation, reason=reason)
 
     def _fail_domain(self, generation: int, domain: ResidencyDomain, reason: str) -> None:
         if domain is ResidencyDomain.CACHE_OWNER:
@@ -389,11 +448,7 @@ class SlotCoordinator:
         try:
             self._request_withdrawal(generation)
         except Exception as error:  # the supervisor's channel is closed: the agent is shutting down
-            log.warning(
-                "KV state-agent attachment withdrawal supervisor is closed",
-                generation=generation,
-                error=str(error),
-            )
+            log.warning("withdrawal_supervisor_closed", generation=generation, error=str(error))
 
     # -- apply and publish (3.8, 3.9) ----------------------------------------------------------------
 
@@ -407,71 +462,85 @@ class SlotCoordinator:
         attachment = self._attachment
         if attachment is None:
             raise CoordinatorError("KV state agent has no framework attachment", code="not_ready")
-        generation = attachment.generation
-        worker_id = attachment.worker.worker_id
-        owner = self.identity.cache_owner_id
-        slot_rank = self.slot_rank
-        dedup = self._dedup.filter
-        apply = self.index.apply
         output: list[RouterEvent] = []
         cleared_domains: list[ResidencyDomain] = []
-        failed_barrier: CoordinatorError | None = None
-        swallowed = 0
         first_id = self._next_outbound_id
         try:
-            for coalesced in coalesce(placement_events):
-                if coalesced.dp_rank != slot_rank:
-                    self._fail_source(generation, "ingress rank does not match stable slot")
-                    raise CoordinatorError(
-                        f"ingress rank {coalesced.dp_rank} does not match stable slot rank {self.slot_rank}",
-                        code="bad_request",
-                    )
-                event = dedup(coalesced)
-                if event is None:
-                    swallowed += 1
-                    continue
-                event_id = self._next_outbound_id
-                if event_id >= U64_MAX:
-                    self._fail_source(generation, "state-agent outbound cursor exhausted")
-                    raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
-                self._next_outbound_id = event_id + 1
-                domain = event.domain
-                router_event = RouterEvent(
-                    worker_id, event.tier, domain, event_id, event.data, event.dp_rank, owner, event.session_id
-                )
-                is_barrier = type(event.data) is Cleared
-                # Stored/Removed are lossy (one admission, one best-effort publication); a Cleared is a strong
-                # barrier that is fully applied locally before it is published.
-                try:
-                    apply(router_event)
-                except Exception as error:
-                    if is_barrier:
-                        self._fail_domain(generation, domain, "local reset barrier failed")
-                        failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
-                        failed_barrier.__cause__ = error
-                        break
-                    log.warning(
-                        "Failed to admit ordinary residency event locally; continuing lossy stream",
-                        worker_id=worker_id,
-                        dp_rank=event.dp_rank,
-                        domain=domain.value,
-                        error=str(error),
-                    )
-                if is_barrier:
-                    cleared_domains.append(domain)
-                output.append(router_event)
+            failed_barrier = self._apply_locally(attachment, placement_events, output, cleared_domains)
         finally:
             self.counters.events_out_ids += self._next_outbound_id - first_id
-        if swallowed:
-            self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         if output:
-            self._publish(output, cleared_domains, generation)
+            self._publish(output, cleared_domains, attachment.generation)
         if self._batching_ingress:
             self._status_dirty = True
         else:
             self._publish_status()
         if failed_barrier is not None:
             raise failed_barrier
+
+    def _apply_locally(
+        self,
+        attachment: Attachment,
+        placement_events: Sequence[PlacementEvent],
+        output: list[RouterEvent],
+        cleared_domains: list[ResidencyDomain],
+    ) -> CoordinatorError | None:
+        """Coalesce, dedup, number and apply one chunk's events, appending what to publish to ``output``.
+
+        Stored/Removed are lossy (one admission, one best-effort publication); a Cleared is a strong barrier
+        that is fully applied locally before it is published.  A barrier that fails locally ends the chunk:
+        its error is returned, to be raised once the events before it are published.
+        """
+        generation = attachment.generation
+        worker_id = attachment.worker.worker_id
+        owner = self.identity.cache_owner_id
+        slot_rank = self.slot_rank
+        dedup = self._dedup.filter
+        apply = self.index.apply
+        swallowed = 0
+        failed_barrier: CoordinatorError | None = None
+        for coalesced in coalesce(placement_events):
+            if coalesced.dp_rank != slot_rank:
+                self._fail_source(generation, "ingress rank does not match stable slot")
+                raise CoordinatorError(
+                    f"ingress rank {coalesced.dp_rank} does not match stable slot rank {slot_rank}",
+                    code="bad_request",
+                )
+            event = dedup(coalesced)
+            if event is None:
+                swallowed += 1
+                continue
+            event_id = self._next_outbound_id
+            if event_id >= U64_MAX:
+                self._fail_source(generation, "state-agent outbound cursor exhausted")
+                raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
+            self._next_outbound_id = event_id + 1
+            domain = event.domain
+            router_event = RouterEvent(
+                worker_id, event.tier, domain, event_id, event.data, event.dp_rank, owner, event.session_id
+            )
+            is_barrier = type(event.data) is Cleared
+            try:
+                apply(router_event)
+            except Exception as error:
+                if is_barrier:
+                    self._fail_domain(generation, domain, "local reset barrier failed")
+                    failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
+                    failed_barrier.__cause__ = error
+                    break
+                log.warning(
+                    "local_apply_failed",
+                    worker_id=worker_id,
+                    dp_rank=event.dp_rank,
+                    domain=domain.value,
+                    error=str(error),
+                )
+            if is_barrier:
+                cleared_domains.append(domain)
+            output.append(router_event)
+        if swallowed:
+            self.counters.count_filtered("dedup_swallowed_remove", swallowed)
+        return failed_barrier
 
     def _publish(
         self, output: list[RouterEvent], cleared_domains: list[ResidencyDomain], generation: int
@@ -483,11 +552,8 @@ class SlotCoordinator:
         except Exception as error:
             self.counters.publication_failures += 1
             if not cleared_domains:
-                log.warning(
-                    "Failed to publish ordinary state-agent events; continuing lossy stream",
-                    attempted_event_count=len(output),
-                    error=str(error),
-                )
+                # Stored/Removed are lossy: the stream goes on.
+                log.warning("publication_failed", attempted_event_count=len(output), error=str(error))
                 return
             for domain in cleared_domains:
                 self._fail_domain(generation, domain, "reset barrier publication failed")
@@ -519,7 +585,7 @@ class SlotCoordinator:
     def _publish_status(self) -> None:
         self._status_dirty = False
         attachment = self._attachment
-        self.status.set(
+        self._on_status(
             AgentStatus(
                 identity=self.identity,
                 attachment=None if attachment is None else attachment.status(),
@@ -531,4 +597,3 @@ class SlotCoordinator:
 
 def _chunk_blocks(events: Sequence[PlacementEvent]) -> int:
     return sum([len(event.data.block_hashes) for event in events])
-

@@ -23,14 +23,15 @@ from typing import Any, Generic, TypeVar
 import structlog
 import trio
 
-from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import IngressChunk
-from kvagent.model.status import Attachment
+from kvagent.model.status import AgentStatus, Attachment
 
 __all__ = [
     "CONTROL_CAPACITY",
     "CoordinatorHandle",
+    "StatusCell",
     "admit_ingress",
     "open_coordinator",
     "open_ingress_channel",
@@ -94,6 +95,32 @@ class _Wakeup:
         return self._event
 
 
+class StatusCell:
+    """Holds the current :class:`AgentStatus`; readers never see a partial update.
+
+    The coordinator's ``on_status`` callback is :meth:`set`. ``wait_for`` lets tests and lifecycle code
+    wait on a condition without polling or sleeping.
+    """
+
+    def __init__(self, initial: AgentStatus) -> None:
+        self._status = initial
+        self._changed = trio.Event()
+
+    def get(self) -> AgentStatus:
+        return self._status
+
+    def set(self, status: AgentStatus) -> None:
+        self._status = status
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[AgentStatus], bool]) -> AgentStatus:
+        """Wait until ``predicate(status)`` is true and return that status."""
+        while not predicate(self._status):
+            await self._changed.wait()
+        return self._status
+
+
 def open_ingress_channel() -> tuple[
     trio.MemorySendChannel[IngressChunk], trio.MemoryReceiveChannel[IngressChunk]
 ]:
@@ -118,14 +145,21 @@ class CoordinatorHandle:
         control: trio.MemorySendChannel[_Command[Any]],
         ingress: trio.MemorySendChannel[IngressChunk],
         wakeup: _Wakeup,
+        core: SlotCoordinator,
     ) -> None:
         self._control = control
         self._ingress = ingress
         self._wakeup = wakeup
+        self._core = core
 
-    def admit(self, chunk: IngressChunk) -> None:
+    def admit_nowait(self, chunk: IngressChunk) -> None:
+        """Queue one ingress chunk without waiting; raises CoordinatorClosed once the task is gone."""
         admit_ingress(self._ingress, chunk)
         self._wakeup.set()
+
+    def statistics(self) -> CoordinatorStatistics:
+        """The coordinator's counters, with the real ingress queue depth."""
+        return self._core.counters.statistics(ingress_queue_depth=self.ingress_backlog)
 
     @property
     def ingress_backlog(self) -> int:
@@ -267,9 +301,9 @@ class _CoordinatorTask:
         try:
             self._core.handle_ingress(chunk)
         except CoordinatorError as error:
-            log.error("KV state-agent ingress failed", error=str(error), code=error.code)
+            log.error("ingress_failed", error=str(error), code=error.code)
         except Exception:
-            log.exception("KV state-agent ingress failed")
+            log.exception("ingress_failed")
 
     def _close(self) -> None:
         # Answer every command still queued so no caller waits forever, then close both receive sides so
@@ -291,6 +325,6 @@ def open_coordinator(
     ingress_send, ingress_receive = open_ingress_channel()
     wakeup = _Wakeup()
     task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup)
-    handle = CoordinatorHandle(control_send, ingress_send, wakeup)
+    handle = CoordinatorHandle(control_send, ingress_send, wakeup, core)
     core.bind_ingress_queue_depth(lambda: handle.ingress_backlog)
     return handle, task.run

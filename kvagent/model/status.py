@@ -1,16 +1,20 @@
-"""Attachments and the slot's status: immutable snapshots, swapped whole in a cell."""
+"""Attachments and the slot's status: immutable snapshots, with their JSON both ways.
+
+``from_json`` parses what ``to_json`` wrote (the websocket ``status`` op); it checks every field's type
+and raises :class:`~kvagent.model.errors.CodecError` naming the first field that is wrong.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import attrs
-import trio
 
+from kvagent.model.errors import CodecError
 from kvagent.model.events import IngressProtocol, WorkerWithDpRank
 from kvagent.model.ids import KvStateAgentIdentity
 
-__all__ = ["AgentStatus", "Attachment", "AttachmentSource", "AttachmentStatus", "StatusCell"]
+__all__ = ["AgentStatus", "Attachment", "AttachmentSource", "AttachmentStatus"]
 
 
 @attrs.frozen(slots=True)
@@ -56,6 +60,20 @@ class AttachmentStatus:
             "ready_at_outbound_cursor": self.ready_at_outbound_cursor,
         }
 
+    @classmethod
+    def from_json(cls, value: object, field: str = "attachment") -> AttachmentStatus:
+        obj = _object(value, field)
+        worker = _object(_member(obj, "worker", field), f"{field}.worker")
+        return cls(
+            _uint(_member(obj, "generation", field), f"{field}.generation"),
+            WorkerWithDpRank(
+                _uint(_member(worker, "worker_id", f"{field}.worker"), f"{field}.worker.worker_id"),
+                _uint(_member(worker, "dp_rank", f"{field}.worker"), f"{field}.worker.dp_rank"),
+            ),
+            _bool(_member(obj, "ready", field), f"{field}.ready"),
+            _uint(_member(obj, "ready_at_outbound_cursor", field), f"{field}.ready_at_outbound_cursor"),
+        )
+
 
 @attrs.frozen(slots=True)
 class AgentStatus:
@@ -72,32 +90,44 @@ class AgentStatus:
             "outbound_cursor": self.outbound_cursor,
         }
 
+    @classmethod
+    def from_json(cls, value: object) -> AgentStatus:
+        """The inverse of :meth:`to_json`; a bad identity raises its IdentityError, anything else CodecError."""
+        obj = _object(value, "status")
+        attachment = _member(obj, "attachment", "status")
+        return cls(
+            KvStateAgentIdentity.from_json(_member(obj, "identity", "status")),
+            None if attachment is None else AttachmentStatus.from_json(attachment, "status.attachment"),
+            _bool(_member(obj, "cache_owner_ready", "status"), "status.cache_owner_ready"),
+            _uint(_member(obj, "outbound_cursor", "status"), "status.outbound_cursor"),
+        )
+
     def is_ready_generation(self, generation: int) -> bool:
         return (
             self.attachment is not None and self.attachment.generation == generation and self.attachment.ready
         )
 
 
-class StatusCell:
-    """Holds the current :class:`AgentStatus`; readers never see a partial update.
+def _object(value: object, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CodecError(f"{field} must be an object, got {type(value).__name__}")
+    return value
 
-    ``wait_for`` lets tests and lifecycle code wait on a condition without polling or sleeping.
-    """
 
-    def __init__(self, initial: AgentStatus) -> None:
-        self._status = initial
-        self._changed = trio.Event()
+def _member(obj: dict[str, Any], key: str, field: str) -> object:
+    try:
+        return obj[key]
+    except KeyError:
+        raise CodecError(f"{field} is missing {key!r}") from None
 
-    def get(self) -> AgentStatus:
-        return self._status
 
-    def set(self, status: AgentStatus) -> None:
-        self._status = status
-        self._changed.set()
-        self._changed = trio.Event()
+def _uint(value: object, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CodecError(f"{field} must be a non-negative integer, got {value!r}")
+    return value
 
-    async def wait_for(self, predicate: Callable[[AgentStatus], bool]) -> AgentStatus:
-        """Wait until ``predicate(status)`` is true and return that status."""
-        while not predicate(self._status):
-            await self._changed.wait()
-        return self._status
+
+def _bool(value: object, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise CodecError(f"{field} must be a boolean, got {value!r}")
+    return value

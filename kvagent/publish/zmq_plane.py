@@ -9,12 +9,11 @@ them with the websocket ``recover`` op (``kvagent.recovery.subscribe.subscribe``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import zmq
-from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import SinkError
@@ -23,7 +22,7 @@ from kvagent.wire.router_event import decode_router_events, encode_router_events
 
 __all__ = [
     "EVENT_PLANE_TOPIC",
-    "EventPlaneCounters",
+    "EventPlaneStatistics",
     "PlaneSink",
     "ZmqEventPlane",
     "decode_event_plane_message",
@@ -33,13 +32,23 @@ __all__ = [
 EVENT_PLANE_TOPIC = b"kv-state-events-v2"
 
 
-@attrs.define
-class EventPlaneCounters:
-    messages_sent: int = 0
-    events_sent: int = 0
-    dropped_messages: int = 0
-    dropped_events: int = 0
-    subscriptions: int = 0  # subscribe notifications seen (first subscriber per topic prefix)
+@attrs.frozen(slots=True)
+class EventPlaneStatistics:
+    """A snapshot of the event plane's counters (all count since the plane was opened, never reset).
+
+    Attributes:
+        subscriptions: subscribe notifications seen (the first subscriber of each topic prefix).
+        messages_sent: messages the PUB accepted.
+        events_sent: RouterEvents in those messages.
+        dropped_messages: messages dropped at the send high-water mark.
+        dropped_events: RouterEvents in those messages.
+    """
+
+    subscriptions: int
+    messages_sent: int
+    events_sent: int
+    dropped_messages: int
+    dropped_events: int
 
 
 def split_publication(
@@ -80,10 +89,23 @@ class ZmqEventPlane:
         sock.bind(endpoint)
         self.last_endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = TrioSocket(sock)
-        self.counters = EventPlaneCounters()
+        self._subscriptions = 0
+        self._messages_sent = 0
+        self._events_sent = 0
+        self._dropped_messages = 0
+        self._dropped_events = 0
+
+    def statistics(self) -> EventPlaneStatistics:
+        return EventPlaneStatistics(
+            subscriptions=self._subscriptions,
+            messages_sent=self._messages_sent,
+            events_sent=self._events_sent,
+            dropped_messages=self._dropped_messages,
+            dropped_events=self._dropped_events,
+        )
 
     def poll_subscriptions(self) -> int:
-        """Take the XPUB's pending (un)subscribe notifications; returns ``counters.subscriptions``.
+        """Take the XPUB's pending (un)subscribe notifications; returns the subscriptions seen so far.
 
         Called on every publish as well: libzmq queues these notifications without bound, so a socket
         that never reads them grows with every subscriber that comes and goes.
@@ -93,11 +115,11 @@ class ZmqEventPlane:
             try:
                 note = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return self.counters.subscriptions
+                return self._subscriptions
             except zmq.ZMQError as exc:
                 raise SinkError(f"event plane receive failed: {exc}") from exc
             if note[:1] == b"\x01":
-                self.counters.subscriptions += 1
+                self._subscriptions += 1
 
     async def wait_for_subscriber(self, count: int = 1) -> None:
         """Return once ``count`` subscriptions have reached the PUB (tests: the slow-joiner window is over).
@@ -122,48 +144,28 @@ class ZmqEventPlane:
             except zmq.ZMQError as exc:
                 raise SinkError(f"event plane send failed: {exc}") from exc
             if sent:
-                self.counters.messages_sent += 1
-                self.counters.events_sent += len(batch)
+                self._messages_sent += 1
+                self._events_sent += len(batch)
             else:
-                self.counters.dropped_messages += 1
-                self.counters.dropped_events += len(batch)
+                self._dropped_messages += 1
+                self._dropped_events += len(batch)
 
-    def collect_metrics(self) -> Iterator[Metric]:
-        for name, doc, value in (
-            ("kvagent_event_plane_messages_sent", "Event-plane messages sent", self.counters.messages_sent),
-            ("kvagent_event_plane_events_sent", "Events sent on the event plane", self.counters.events_sent),
-            (
-                "kvagent_event_plane_dropped_messages",
-                "Event-plane messages dropped at the HWM",
-                self.counters.dropped_messages,
-            ),
-            (
-                "kvagent_event_plane_dropped_events",
-                "Events dropped at the event-plane HWM",
-                self.counters.dropped_events,
-            ),
-        ):
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
-
-    def sink_for(self, slot_config: object = None) -> PlaneSink:
-        return PlaneSink(self)
+    def sink_for(self, publisher_id: int) -> PlaneSink:
+        """The sink of the slot whose publisher id is ``publisher_id``."""
+        return PlaneSink(self, publisher_id)
 
     def close(self) -> None:
         self._socket.close()
 
 
 class PlaneSink:
-    """An :class:`~kvagent.publish.sinks.EventSink` for one slot; the agent sets ``publisher_id`` when it starts."""
+    """An :class:`~kvagent.publish.sinks.EventSink` for one slot: its messages carry ``publisher_id``."""
 
-    def __init__(self, plane: ZmqEventPlane, publisher_id: int | None = None) -> None:
+    def __init__(self, plane: ZmqEventPlane, publisher_id: int) -> None:
         self.plane = plane
         self.publisher_id = publisher_id
 
     def publish(self, events: Sequence[RouterEvent]) -> None:
-        if self.publisher_id is None:
-            raise SinkError("event plane sink has no publisher id yet")
         self.plane.publish(self.publisher_id, events)
 
 

@@ -28,10 +28,9 @@ from kvagent.model.events import (
     RouterEvent,
     StorageTier,
     Stored,
-    WorkerWithDpRank,
 )
 from kvagent.model.ids import CacheOwnerId, KvStateAgentIdentity
-from kvagent.model.status import AgentStatus, AttachmentStatus
+from kvagent.model.status import AgentStatus
 from kvagent.wire.router_event import (
     decode_router_events,
     mm_extra_info_from_wire,
@@ -223,24 +222,10 @@ class FollowItem:
 
 
 def agent_status_from_json(value: object) -> AgentStatus:
-    """The inverse of ``AgentStatus.to_json``."""
+    """The inverse of ``AgentStatus.to_json``; a malformed status raises RecoveryClientError."""
     try:
-        assert isinstance(value, dict)
-        identity = KvStateAgentIdentity.from_json(value["identity"])
-        raw_attachment = value["attachment"]
-        attachment = None
-        if raw_attachment is not None:
-            worker = raw_attachment["worker"]
-            attachment = AttachmentStatus(
-                int(raw_attachment["generation"]),
-                WorkerWithDpRank(int(worker["worker_id"]), int(worker["dp_rank"])),
-                bool(raw_attachment["ready"]),
-                int(raw_attachment["ready_at_outbound_cursor"]),
-            )
-        return AgentStatus(
-            identity, attachment, bool(value["cache_owner_ready"]), int(value["outbound_cursor"])
-        )
-    except (AssertionError, KeyError, TypeError, ValueError, IdentityError) as exc:
+        return AgentStatus.from_json(value)
+    except (CodecError, IdentityError) as exc:
         raise RecoveryClientError("bad_response", f"malformed status: {exc!r}") from None
 
 

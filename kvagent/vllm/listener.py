@@ -4,7 +4,7 @@ Decoding and normalization take the typed fast path (:mod:`kvagent.vllm.typed`) 
 allows it, and the general path otherwise. A burst is handled in slices of about a millisecond, so the
 coordinator and recovery requests on the same event loop are never kept waiting longer.
 
-Admission never waits on the coordinator (``CoordinatorHandle.admit`` is a non-blocking send on an
+Admission never waits on the coordinator (``CoordinatorHandle.admit_nowait`` is a non-blocking send on an
 unbounded channel; memory stays bounded because the coordinator drains much faster than one engine
 publishes, and the SUB's RCVHWM bounds what the engine can queue). If the listener ends on its own — an
 error, or the attachment no longer being ready — it quarantines its generation with
@@ -32,10 +32,10 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.coordinator.task import CoordinatorHandle
+from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES
-from kvagent.model.status import Attachment, StatusCell
+from kvagent.model.status import Attachment
 from kvagent.vllm.decode import RawMessage
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.sequence import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
@@ -119,7 +119,7 @@ class _Pipeline:
             chunks = build_ingress_chunks(self.generation, message.seq, normalized)
         except ChunkingError as exc:
             raise ListenerError(str(exc)) from exc
-        admit = self.coordinator.admit
+        admit = self.coordinator.admit_nowait
         try:
             for chunk in chunks:
                 admit(chunk)

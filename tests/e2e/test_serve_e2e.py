@@ -106,7 +106,7 @@ async def test_json_log_lines_of_a_slot_carry_its_name_and_generation(tmp_path: 
                 record = json.loads(line)
                 assert (record["slot"], record["generation"], record["level"]) == ("s0", 1, "warning")
                 # The coordinator's own lines (another task) carry the slot as well.
-                quarantined = json.loads(await agent.log.wait_for(lambda text: "Quarantining" in text))
+                quarantined = json.loads(await agent.log.wait_for(lambda text: "ingress_quarantined" in text))
                 assert quarantined["slot"] == "s0"
     finally:
         engine.close()

@@ -37,9 +37,11 @@ def test_handle_admission_does_not_wait_for_a_coordinator_that_is_not_running() 
     assert slot.core.ingress_queue_depth() == 0
     handle, _run = open_coordinator(slot.core)
     for cursor in range(1, 1025):
-        handle.admit(chunk(7, cursor))
+        handle.admit_nowait(chunk(7, cursor))
     assert handle.ingress_backlog == 1024
     assert slot.core.ingress_queue_depth() == 1024
+    assert handle.statistics().ingress_queue_depth == 1024
+    assert slot.core.statistics().ingress_queue_depth == 0  # the bare machine has no queue
 
 
 # -- 9.4 ------------------------------------------------------------------------------------------
@@ -55,8 +57,8 @@ async def test_one_stream_lifecycle_preserves_cache_owner_across_worker_reattach
             assert first.ready_at_outbound_cursor == 1
             assert first.generation == 1
 
-            handle.admit(chunk(1, 1, [store(W, None, 101, 11), store(C, None, 101, 11)]))
-            handle.admit(chunk(1, 2, [store(C, 101, 102, 12)]))
+            handle.admit_nowait(chunk(1, 1, [store(W, None, 101, 11), store(C, None, 101, 11)]))
+            handle.admit_nowait(chunk(1, 2, [store(C, 101, 102, 12)]))
             await slot.sink.wait_for_calls(3)
             await handle.quarantine(first.generation, "test interruption")
             attachment = slot.current().attachment
@@ -82,7 +84,7 @@ async def test_one_stream_lifecycle_preserves_cache_owner_across_worker_reattach
 
             await handle.shutdown()
     with pytest.raises(CoordinatorClosed, match="^state-agent ingress coordinator is closed$"):
-        handle.admit(chunk(2, 1))
+        handle.admit_nowait(chunk(2, 1))
     with pytest.raises(CoordinatorClosed, match="^state-agent coordinator is closed$"):
         await handle.quarantine(2, "late")
 
@@ -94,7 +96,7 @@ async def test_control_commands_win_over_queued_ingress() -> None:
     slot = Slot()
     slot.core.attach(attachment_for(FIRST))
     handle, run = open_coordinator(slot.core)
-    handle.admit(chunk(1, 1, [store(W, None, 101, 11)]))
+    handle.admit_nowait(chunk(1, 1, [store(W, None, 101, 11)]))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle.quarantine, 1, "operator quarantine")
@@ -114,8 +116,8 @@ async def test_ingress_errors_are_logged_and_the_loop_continues() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(run)
             await handle.attach(attachment_for(FIRST))
-            handle.admit(chunk(8, 1, [store(W, None, 1, 1)]))
-            handle.admit(chunk(1, 1, [store(W, None, 2, 2)]))
+            handle.admit_nowait(chunk(8, 1, [store(W, None, 1, 1)]))
+            handle.admit_nowait(chunk(1, 1, [store(W, None, 2, 2)]))
             await slot.sink.wait_for_calls(2)
             with pytest.raises(CoordinatorError, match="^KV state agent already has an attachment$"):
                 await handle.attach(attachment_for(REPLACEMENT))
@@ -132,7 +134,7 @@ async def test_many_chunks_are_processed_in_order_with_interleaved_control() -> 
             await nursery.start(run)
             await handle.attach(attachment_for(FIRST))
             for cursor in range(1, 201):
-                handle.admit(chunk(1, cursor, [store(W, None, cursor, cursor)]))
+                handle.admit_nowait(chunk(1, cursor, [store(W, None, cursor, cursor)]))
             await handle.begin_detach(1)
             # BeginDetach was handled before most of the backlog; CompleteDetach drains what is left.
             assert await handle.complete_detach(1) == slot.core.outbound_cursor
@@ -146,7 +148,7 @@ async def test_complete_detach_drains_the_queue_through_the_handle() -> None:
     slot.core.attach(attachment_for(FIRST))
     slot.core.begin_detach(1)
     handle, run = open_coordinator(slot.core)
-    handle.admit(chunk(1, 1, [store(W, None, 101, 11), store(C, None, 201, 21)]))
+    handle.admit_nowait(chunk(1, 1, [store(W, None, 101, 11), store(C, None, 201, 21)]))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle.complete_detach, 1)
@@ -165,7 +167,7 @@ async def test_closed_control_channel_stops_the_loop_and_queued_commands_are_dro
             await nursery.start(run)
             handle.close()
     with pytest.raises(CoordinatorClosed):
-        handle.admit(chunk(1, 1))
+        handle.admit_nowait(chunk(1, 1))
 
     other = Slot()
     handle, run = open_coordinator(other.core)
@@ -193,7 +195,7 @@ async def test_cancellation_stops_a_busy_loop() -> None:
     slot.core.attach(attachment_for(FIRST))
     handle, run = open_coordinator(slot.core)
     for cursor in range(1, 1001):
-        handle.admit(chunk(1, cursor, [store(W, None, cursor, cursor)]))
+        handle.admit_nowait(chunk(1, cursor, [store(W, None, cursor, cursor)]))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             await nursery.start(run)

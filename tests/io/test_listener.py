@@ -11,11 +11,11 @@ import pytest
 import trio
 
 from kvagent.coordinator.machine import SlotCoordinator
-from kvagent.coordinator.task import open_coordinator
+from kvagent.coordinator.task import StatusCell, open_coordinator
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import IngressChunk, RouterEvent
-from kvagent.model.status import AgentStatus, Attachment, StatusCell
-from kvagent.publish.sinks import RecordingSink
+from kvagent.model.status import AgentStatus, Attachment
+from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from kvagent.vllm.listener import LISTENER_TERMINATED, ListenerOptions, ListenerStats, run_listener
@@ -439,7 +439,7 @@ async def test_the_capture_reaches_the_real_coordinator_and_index() -> None:
         slot_rank=0,
         index=index,
         sink=sink,
-        status=status,
+        on_status=status.set,
         request_withdrawal=lambda _: None,
     )
     handle, run_coordinator = open_coordinator(core)

@@ -9,9 +9,13 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
+from kvagent.agent.config import SlotAgentConfig
+from kvagent.agent.host import open_host
+from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
-from kvagent.publish.zmq_plane import ZmqEventPlane, decode_event_plane_message, split_publication
+from kvagent.model.ids import derive_cache_owner_id
+from kvagent.publish.zmq_plane import PlaneSink, ZmqEventPlane, decode_event_plane_message, split_publication
 from kvagent.wire.router_event import encode_router_events
 
 GOLDEN_HEX = (
@@ -87,6 +91,22 @@ async def test_pub_sends_the_golden_bytes(context: zmq.Context[Any]) -> None:
     plane.close()
 
 
+async def test_a_slot_sink_names_the_publisher_it_was_built_for(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", context=context)
+    with trio.fail_after(10):
+        sub = await subscriber(context, plane)
+        plane.sink_for(41).publish(golden_events())
+        plane.sink_for(42).publish([store(9, 90)])
+        first, second = await sub.recv_multipart(), await sub.recv_multipart()
+    assert decode_event_plane_message(first) == (41, 1, golden_events())
+    assert decode_event_plane_message(second)[:2] == (42, 9)
+    statistics = plane.statistics()
+    assert (statistics.subscriptions, statistics.messages_sent, statistics.events_sent) == (1, 2, 4)
+    assert (statistics.dropped_messages, statistics.dropped_events) == (0, 0)
+    sub.close()
+    plane.close()
+
+
 def test_split_at_event_and_block_bounds() -> None:
     events = [store(i + 1, i * 10) for i in range(300)]
     assert [len(b) for b in split_publication(events)] == [128, 128, 44]
@@ -108,7 +128,7 @@ async def test_a_subscriber_that_never_reads_never_blocks_publish(context: zmq.C
     started = trio.current_time()
     for i in range(4000):
         plane.publish(1, [store(i * 1000 + 1, i * 1000, blocks=150)])
-    counters = plane.counters
+    counters = plane.statistics()
     assert counters.messages_sent + counters.dropped_messages == 4000
     assert counters.dropped_messages > 0 and counters.dropped_events == counters.dropped_messages
     assert counters.messages_sent > 0
@@ -121,7 +141,8 @@ def test_without_any_subscriber_publish_is_a_no_op_that_succeeds(context: zmq.Co
     plane = ZmqEventPlane("tcp://127.0.0.1:0", sndhwm=1, context=context)
     for i in range(100):
         plane.publish(1, [store(i + 1, i)])
-    assert plane.counters.messages_sent == 100 and plane.counters.dropped_messages == 0
+    statistics = plane.statistics()
+    assert statistics.messages_sent == 100 and statistics.dropped_messages == 0
     plane.close()
 
 
@@ -147,7 +168,7 @@ async def test_subscriber_repairs_dropped_messages_from_the_index(context: zmq.C
                         for frames in await sub.recv_multipart_batch():
                             for e in decode_event_plane_message(frames)[2]:
                                 received[e.event_id] = e
-        assert plane.counters.dropped_messages > 0
+        assert plane.statistics().dropped_messages > 0
         missing = [i for i in range(1, 2001) if i not in received]
         assert missing
         answer = index.events_in_range(missing[0], None)
@@ -158,4 +179,25 @@ async def test_subscriber_repairs_dropped_messages_from_the_index(context: zmq.C
         replica.apply(received[event_id])
     assert replica.resident_blocks() == index.resident_blocks()
     sub.close()
+    plane.close()
+
+
+async def test_a_hosted_slot_publishes_under_its_own_publisher_id(context: zmq.Context[Any]) -> None:
+    plane = ZmqEventPlane("tcp://127.0.0.1:0", context=context)
+    sinks: list[PlaneSink] = []
+
+    def sink_factory(config: SlotAgentConfig, publisher_id: int) -> PlaneSink:
+        assert config.publisher_id == publisher_id  # the host fixes the id before it builds the sink
+        sinks.append(plane.sink_for(publisher_id))
+        return sinks[-1]
+
+    config = SlotAgentConfig(
+        name="s0", cache_owner_id=derive_cache_owner_id("s0", kv_block_size=32), kv_block_size=32
+    )
+    with trio.fail_after(10):
+        async with open_host(
+            discovery=MemoryDiscovery(), sink_factory=sink_factory, zmq_context=context
+        ) as host:
+            agent = await host.add_slot(config)
+            assert [sink.publisher_id for sink in sinks] == [agent.identity.publisher_id]
     plane.close()

@@ -18,6 +18,8 @@ from kvagent.recovery.server import serve_recovery
 from kvagent.recovery.subscribe import subscribe
 from tests.support.agent import OWNER, XpubEngine, attach, batch, gpu_store
 
+PUBLISHER = 7
+
 
 async def test_dropped_event_plane_messages_are_repaired_through_recover() -> None:
     context: zmq.Context[Any] = zmq.Context()
@@ -74,7 +76,7 @@ async def test_dropped_event_plane_messages_are_repaired_through_recover() -> No
                     if received[-1].event_id < agent.status().outbound_cursor:
                         probe += 1
                         await engine.send_payload(batch([gpu_store([probe])]))
-                assert plane.counters.dropped_messages > 0, "the test must actually lose messages"
+                assert plane.statistics().dropped_messages > 0, "the test must actually lose messages"
                 ids = [e.event_id for e in received]
                 assert ids == list(range(start_cursor + 1, start_cursor + 1 + len(ids)))
                 replica = RecoveryIndex(32, ring_capacity=8192)

@@ -9,7 +9,7 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.coordinator.task import CoordinatorHandle
+from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import IngressChunk, WorkerWithDpRank
 from kvagent.model.ids import (
@@ -22,7 +22,7 @@ from kvagent.model.ids import (
     RoutingScopeId,
     StableDpSlotId,
 )
-from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, StatusCell
+from kvagent.model.status import AgentStatus, Attachment, AttachmentSource
 from kvagent.vllm.decode import REPLAY_END_SEQ
 
 OWNER = CacheOwnerId(
@@ -72,7 +72,7 @@ class RecordingCoordinator:
         self._changed.set()
         self._changed = trio.Event()
 
-    def admit(self, chunk: IngressChunk) -> None:
+    def admit_nowait(self, chunk: IngressChunk) -> None:
         if self.closed:
             raise KvAgentError("state-agent ingress coordinator is closed", code="internal")
         self.chunks.append(chunk)

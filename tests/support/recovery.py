@@ -15,6 +15,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from kvagent.agent.host import SlotRegistry
+from kvagent.coordinator.task import StatusCell
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import ResidencyDomain, RouterEvent, StorageTier, Stored, WorkerWithDpRank
@@ -28,7 +29,7 @@ from kvagent.model.ids import (
     RoutingScopeId,
     StableDpSlotId,
 )
-from kvagent.model.status import AgentStatus, AttachmentStatus, StatusCell
+from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.server import RecoveryServerInfo, serve_recovery
 
 __all__ = [

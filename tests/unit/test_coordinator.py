@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.coordinator.task import StatusCell
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CoordinatorError, IndexApplyError
 from kvagent.model.events import (
@@ -32,8 +33,8 @@ from kvagent.model.ids import (
     RoutingScopeId,
     StableDpSlotId,
 )
-from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, StatusCell
-from kvagent.publish.sinks import RecordingSink
+from kvagent.model.status import AgentStatus, Attachment, AttachmentSource
+from kvagent.testing import RecordingSink
 
 W = ResidencyDomain.WORKER
 C = ResidencyDomain.CACHE_OWNER
@@ -126,7 +127,7 @@ class Slot:
             slot_rank=SLOT_RANK,
             index=self.local,
             sink=self.sink,
-            status=self.status,
+            on_status=lambda status: self.status.set(status),  # late-bound: a test wraps set
             request_withdrawal=self.withdrawals.append,
             strict_cache_owner=strict_cache_owner,
         )
@@ -597,3 +598,20 @@ def test_an_ingress_batch_publishes_one_status_at_its_end() -> None:
         pass
     slot.core.handle_ingress(chunk(generation, 2, [remove(W, 10, tier=DEVICE, rank=FIRST.dp_rank)]))
     assert [status.outbound_cursor for status in published] == [barrier_cursor + 2, barrier_cursor + 3]
+
+
+def test_statistics_is_a_frozen_snapshot_of_the_counters() -> None:
+    slot = Slot()
+    generation = slot.core.attach(attachment_for(FIRST)).generation
+    slot.core.handle_ingress(chunk(generation, 1, [store(W, None, 10, 110)]))
+    slot.core.quarantine(generation, "operator quarantine")
+    before = slot.core.statistics()
+    assert (before.attachments, before.ingress_chunks, before.events_in) == (1, 1, 1)
+    assert (before.publications, before.events_published, before.events_out_ids) == (2, 2, 2)
+    assert before.quarantines == {"operator quarantine": 1}
+    assert before.ingress_queue_depth == 0
+    slot.core.counters.count_filtered("stale_generation")
+    slot.core.counters.quarantines["operator quarantine"] += 1
+    # Later counting changes neither the snapshot's scalars nor its labelled counters.
+    assert before.filtered == {} and before.quarantines == {"operator quarantine": 1}
+    assert slot.core.statistics().filtered == {"stale_generation": 1}

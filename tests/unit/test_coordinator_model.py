@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.coordinator.task import StatusCell
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
@@ -42,8 +43,8 @@ from kvagent.model.ids import (
     RoutingScopeId,
     StableDpSlotId,
 )
-from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, StatusCell
-from kvagent.publish.sinks import RecordingSink
+from kvagent.model.status import AgentStatus, Attachment, AttachmentSource
+from kvagent.testing import RecordingSink
 
 W = ResidencyDomain.WORKER
 C = ResidencyDomain.CACHE_OWNER
@@ -148,7 +149,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             slot_rank=RANK,
             index=self.index,
             sink=self.sink,
-            status=self.status,
+            on_status=self.status.set,
             request_withdrawal=self.withdrawals.append,
         )
         self.model = Model()

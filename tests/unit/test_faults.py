@@ -10,7 +10,7 @@ import trio
 from kvagent import AttachmentConfig
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
-from kvagent.publish.sinks import RecordingSink
+from kvagent.testing import RecordingSink
 from tests.support.agent import (
     OWNER,
     XpubEngine,

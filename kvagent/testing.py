@@ -1,0 +1,47 @@
+"""Public test helpers (in the spirit of :mod:`trio.testing`): doubles for tests, examples and embedders.
+
+- :class:`RecordingSink`: an :class:`~kvagent.publish.sinks.EventSink` that records what it is given and can
+  be told to fail;
+- :class:`FakeVllmEngine`, :class:`SimulatedWorkload` and :func:`run_simulated_engine`: a fake vLLM engine
+  speaking the real KV event wire protocol, and a realistic workload to drive it.
+
+Nothing in kvagent's production code imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from kvagent.model.errors import SinkError
+from kvagent.model.events import RouterEvent
+from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
+
+__all__ = ["FakeVllmEngine", "RecordingSink", "SimulatedWorkload", "run_simulated_engine"]
+
+
+class RecordingSink:
+    """Counts every publish call (failed ones too) and records the events of the successful ones.
+
+    Set ``fail = True`` to make each later call raise :class:`~kvagent.model.errors.SinkError`.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.events: list[RouterEvent] = []
+        self.fail = False
+        self._changed = trio.Event()
+
+    def publish(self, events: Sequence[RouterEvent]) -> None:
+        self.calls += 1
+        self._changed.set()
+        self._changed = trio.Event()
+        if self.fail:
+            raise SinkError("injected publication failure")
+        self.events.extend(events)
+
+    async def wait_for_calls(self, count: int) -> None:
+        """Return once ``publish`` has been called ``count`` times in all."""
+        while self.calls < count:
+            await self._changed.wait()
