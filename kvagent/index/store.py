@@ -55,6 +55,10 @@ class StoreColumns(NamedTuple):
     mm: dict[int, MmExtraInfo]
     live: int
 
+    def masks(self) -> tuple[bytes, bytes]:
+        """(is live, has a parent): one 0/1 byte per row each, computed at C speed from the flags."""
+        return self.flags.translate(_LIVE_MASK), self.flags.translate(_HAS_PARENT)
+
 
 class BlockStore:
     __slots__ = (

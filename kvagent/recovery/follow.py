@@ -20,17 +20,17 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
-from kvagent.model.errors import KvAgentError
-from kvagent.model.events import (
-    RESET_ALL,
+from kvagent.index.recovery_index import (
+    DumpSnapshot,
     EventsAnswer,
     RangeAnswer,
-    RouterEvent,
+    RecoveryIndex,
     TooNewAnswer,
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import RESET_ALL, RouterEvent
 from kvagent.recovery.dump import (
     EncodedRing,
     columns_frames,

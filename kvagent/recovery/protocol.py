@@ -8,7 +8,6 @@ normative description.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -16,23 +15,18 @@ from typing import Any, Protocol
 import attrs
 import msgpack
 
-from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.errors import IdentityError, KvAgentError
-from kvagent.model.events import (
-    RESET_ALL,
-    U32_MAX,
-    U64_MAX,
+from kvagent.index.recovery_index import (
     EventsAnswer,
     RangeAnswer,
-    ResetScope,
-    ResidencyDomain,
-    RouterEvent,
+    RecoveryIndex,
     TooNewAnswer,
     TreeDumpAnswer,
 )
+from kvagent.model.errors import IdentityError, KvAgentError
+from kvagent.model.events import RESET_ALL, U32_MAX, U64_MAX, ResetScope, ResidencyDomain, RouterEvent
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, AttachmentStatus
-from kvagent.wire.router_event import router_event_to_wire
+from kvagent.wire.router_event import Encoding, encode_event
 
 __all__ = [
     "SlotDirectory",
@@ -95,11 +89,6 @@ class SlotDirectory(Protocol):
     def names(self) -> list[str]: ...
 
 
-class Encoding(enum.Enum):
-    JSON = "json"
-    MSGPACK = "msgpack"
-
-
 # --- frames -----------------------------------------------------------------------------------------
 
 
@@ -138,14 +127,6 @@ def too_new_response(request_id: int, answer: TooNewAnswer) -> dict[str, object]
         "requested_end": answer.requested_end,
         "newest_available": answer.newest_available,
     }
-
-
-def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
-    """One event in the frame's encoding, ready to be spliced into an ``events`` list."""
-    wire = router_event_to_wire(event)
-    if encoding is Encoding.JSON:
-        return json.dumps(wire, separators=(",", ":"))
-    return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def _assemble(

@@ -21,17 +21,16 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
-from kvagent.index.recovery_index import DumpSnapshot
-from kvagent.model.errors import KvAgentError
-from kvagent.model.events import (
-    U32_MAX,
-    U64_MAX,
+from kvagent.index.recovery_index import (
+    DumpSnapshot,
     EventsAnswer,
     InvalidRangeAnswer,
     TooNewAnswer,
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import U32_MAX, U64_MAX
 from kvagent.model.status import AgentStatus
 from kvagent.recovery.dump import (
     columns_frames,

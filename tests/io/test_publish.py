@@ -11,7 +11,8 @@ import zmq
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
-from kvagent.publish.zmq_plane import ZmqEventPlane, decode_event_plane_message, split_publication
+from kvagent.publish.zmq_plane import ZmqEventPlane
+from kvagent.wire.event_plane import decode_event_plane_message, split_publication
 from kvagent.wire.router_event import encode_router_events
 
 GOLDEN_HEX = (

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvagent.coordinator.machine import SlotCoordinator
-from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.errors import CoordinatorError, IndexApplyError
 from kvagent.model.events import (
     CLEARED,
@@ -19,7 +19,6 @@ from kvagent.model.events import (
     RouterEvent,
     StorageTier,
     Stored,
-    TreeDumpAnswer,
     WorkerWithDpRank,
 )
 from kvagent.model.ids import (

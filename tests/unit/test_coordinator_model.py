@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvagent.coordinator.machine import SlotCoordinator
-from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
@@ -29,7 +29,6 @@ from kvagent.model.events import (
     ResidencyOwner,
     StorageTier,
     Stored,
-    TreeDumpAnswer,
     WorkerWithDpRank,
 )
 from kvagent.model.ids import (
