@@ -80,6 +80,8 @@ class TreeDumpAnswer:
 
 @attrs.frozen(slots=True)
 class TooNewAnswer:
+    """The requested start lies after the newest buffered event (the requester is ahead of this index)."""
+
     requested_start: int | None
     requested_end: int | None
     newest_available: int
@@ -87,12 +89,16 @@ class TooNewAnswer:
 
 @attrs.frozen(slots=True)
 class InvalidRangeAnswer:
+    """The requested end lies before the requested start."""
+
     start_id: int
     end_id: int
 
 
 @attrs.frozen(slots=True)
 class TreeDumpFailedAnswer:
+    """A dump that could not be built (4.5): reported as such, never as an empty dump."""
+
     last_event_id: int
     message: str
 

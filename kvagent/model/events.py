@@ -100,18 +100,24 @@ class IngressProtocol(enum.Enum):
 
 @attrs.frozen(slots=True)
 class WorkerWithDpRank:
+    """The exact residency owner of Worker-domain events: one data-parallel rank of one worker."""
+
     worker_id: int
     dp_rank: int
 
 
 @attrs.frozen(slots=True)
 class MmObject:
+    """One multimodal object in a block: its hash and the token ranges ``[start, end)`` it covers."""
+
     mm_hash: int
     offsets: tuple[tuple[int, int], ...]
 
 
 @attrs.frozen(slots=True)
 class MmExtraInfo:
+    """A block's multimodal objects (``mm_extra_info`` on the wire)."""
+
     mm_objects: tuple[MmObject, ...]
 
 
@@ -128,6 +134,8 @@ class Stored:
 
 @attrs.frozen(slots=True)
 class Removed:
+    """Blocks no longer resident; unknown hashes are ignored."""
+
     block_hashes: tuple[int, ...]
 
 

@@ -1,19 +1,12 @@
 """RouterEvent bytes, both ways: the one module that writes and reads them (agent-semantics.md 8).
 
-Dynamo's named-map msgpack encoding and its JSON twin use the same names and shapes, so one builder
-(:func:`router_event_to_wire`) produces both and one validator (:func:`router_event_from_wire`) reads both.
-
-Writers:
-
-- :func:`encode_router_events`: a ``Vec<RouterEvent>`` payload, byte-identical to Dynamo (golden vector 8.3);
-  integers in their shortest msgpack form.
-- :func:`encode_event`: one event in a recovery frame's encoding, ready to be spliced into an ``events`` list.
-  Its msgpack comes from per-route byte templates with fixed-width ``0xcf`` u64 fields (valid msgpack that
-  decodes to the same map, about ten times cheaper than building and packing the map).
-- :class:`OneBlockRows`: a tree dump's one-block Stored events, straight from block columns.
-
-Readers: :func:`router_event_from_wire` (one map) and :func:`decode_router_events` (a msgpack payload); a
-fast path takes the common valid shapes and anything else falls back to a field-by-field check.
+Dynamo's named-map msgpack encoding and its JSON twin use the same names and shapes: one builder
+(:func:`router_event_to_wire`) produces both, one validator (:func:`router_event_from_wire`) reads both.
+:func:`encode_router_events` writes a ``Vec<RouterEvent>`` byte-identical to Dynamo (golden vector 8.3);
+:func:`encode_event` writes one event of a recovery frame, its msgpack from per-route byte templates with
+fixed-width ``0xcf`` u64 fields (the same map, ten times cheaper); :class:`OneBlockRows` writes a tree dump's
+one-block Stored events straight from block columns.  Decoding takes the common valid shapes on a fast
+path; anything else goes through a field-by-field check that names the offending field.
 """
 
 from __future__ import annotations
@@ -162,7 +155,8 @@ router_event_to_json = router_event_to_wire
 def encode_router_events(events: Sequence[RouterEvent]) -> bytes:
     """A msgpack array of named maps, byte-identical to Dynamo's encoding (golden vector 8.3)."""
     try:
-        return msgpack.packb([router_event_to_wire(event) for event in events], use_bin_type=True)  # type: ignore[no-any-return]
+        payload: bytes = msgpack.packb([router_event_to_wire(event) for event in events], use_bin_type=True)
+        return payload
     except (OverflowError, TypeError, ValueError) as exc:
         raise CodecError(f"router event cannot be encoded: {exc}") from exc
 
@@ -185,34 +179,27 @@ _BLOCK_HEAD = _packer.pack_map_header(3) + _pack("block_hash") + _FIXED_U64
 _BLOCK_MID = _pack("tokens_hash") + _FIXED_U64
 _BLOCK_TAIL = _pack("mm_extra_info") + _NIL
 _BLOCK = struct.Struct(f">{len(_BLOCK_HEAD)}sQ{len(_BLOCK_MID)}sQ{len(_BLOCK_TAIL)}s")
-_STORED_HEAD = b"".join(
-    [_pack("data"), _packer.pack_map_header(1), _pack("stored"), _packer.pack_map_header(3), _pack("parent_hash")]
-)
+
+
+def _data_head(variant: str, fields: int, first_field: str) -> bytes:
+    """``"data": {variant: {`` a map of ``fields`` entries, up to the value of its first one."""
+    variant_map: bytes = _packer.pack_map_header(1) + _pack(variant) + _packer.pack_map_header(fields)
+    return _pack("data") + variant_map + _pack(first_field)
+
+
+_STORED_HEAD = _data_head("stored", 3, "parent_hash")
 _START_POSITION = _pack("start_position")
 _BLOCKS = _pack("blocks")
-_REMOVED_HEAD = b"".join(
-    [_pack("data"), _packer.pack_map_header(1), _pack("removed"), _packer.pack_map_header(1), _pack("block_hashes")]
-)
+_REMOVED_HEAD = _data_head("removed", 1, "block_hashes")
 _CLEARED = _pack("data") + _pack("cleared")
 
 
 def _route_head(worker_id: int, tier: StorageTier, domain: ResidencyDomain, optional_fields: int) -> bytes:
     """A wire event's msgpack bytes up to its event id, ending in the marker of a fixed-width u64."""
-    return b"".join(
-        [
-            _packer.pack_map_header(4 + optional_fields),
-            _pack("worker_id"),
-            _pack(worker_id),
-            _pack("storage_tier"),
-            _pack(tier.value),
-            _pack("residency_domain"),
-            _pack(domain.value),
-            _pack("event"),
-            _packer.pack_map_header(3),
-            _pack("event_id"),
-            _FIXED_U64,
-        ]
-    )
+    route = [("worker_id", worker_id), ("storage_tier", tier.value), ("residency_domain", domain.value)]
+    fields = [_pack(name) + _pack(value) for name, value in route]
+    event = _pack("event") + _packer.pack_map_header(3) + _pack("event_id") + _FIXED_U64
+    return b"".join([_packer.pack_map_header(4 + optional_fields), *fields, event])
 
 
 def _route_tail(dp_rank: int, source: CacheOwnerId | None, session_id: str | None) -> bytes:
@@ -249,7 +236,8 @@ def _data_bytes(data: EventData) -> bytes:
         if len(tokens) != len(hashes):
             raise ValueError("stored event has columns of different lengths")
         parent = _NIL if data.parent_hash is None else _U64.pack(0xCF, data.parent_hash)
-        blocks = map(_BLOCK.pack, repeat(_BLOCK_HEAD), hashes, repeat(_BLOCK_MID), tokens, repeat(_BLOCK_TAIL))
+        rows = (repeat(_BLOCK_HEAD), hashes, repeat(_BLOCK_MID), tokens, repeat(_BLOCK_TAIL))
+        blocks = map(_BLOCK.pack, *rows)
         head = [_STORED_HEAD, parent, _START_POSITION, _pack(data.start_position), _BLOCKS]
         return b"".join([*head, _packer.pack_array_header(len(hashes)), *blocks])
     if type(data) is Removed:
@@ -267,7 +255,8 @@ def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
     which take the reference path (that reports them).
     """
     data = event.data
-    if encoding is not Encoding.MSGPACK or (type(data) is Stored and data.mm_extra_infos is not None):
+    with_info = type(data) is Stored and data.mm_extra_infos is not None
+    if encoding is not Encoding.MSGPACK or with_info:
         return _reference_encode(encoding, event)
     try:
         head, tail = _route_bytes(event)
@@ -279,9 +268,13 @@ def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
 # --- a tree dump's rows -----------------------------------------------------------------------------
 
 
+_Parts = list[str | bytes]
+
+
 class BlockRows(NamedTuple):
-    """Blocks as columns, one row each: block ``hashes[r]``, tokens hash ``tokens[r]``, parent ``parents[r]``
-    when ``has_parent[r]`` is 1; a row whose ``live`` byte is 0 is skipped; ``mm`` maps a row to its info."""
+    """Blocks as columns, one row each: block ``hashes[r]``, tokens hash ``tokens[r]``, parent
+    ``parents[r]`` when ``has_parent[r]`` is 1; a row whose ``live`` byte is 0 is skipped; ``mm`` maps a row
+    to its multimodal info."""
 
     hashes: Sequence[int]
     parents: Sequence[int]
@@ -318,7 +311,9 @@ class OneBlockRows:
         self._pack_with_parent = struct.Struct(
             f">{len(head)}sQ{len(mid)}sQ{len(blocks)}sQ{len(_BLOCK_MID)}sQ{len(tail)}s"
         ).pack
-        self._pack_root = struct.Struct(f">{len(head)}sQ{len(root_mid)}sQ{len(_BLOCK_MID)}sQ{len(tail)}s").pack
+        self._pack_root = struct.Struct(
+            f">{len(head)}sQ{len(root_mid)}sQ{len(_BLOCK_MID)}sQ{len(tail)}s"
+        ).pack
         # JSON: json.dumps(router_event_to_wire(...), separators=(",", ":")) with the row's numbers left open.
         source_text = "" if source is None else f',"state_source":{json.dumps(state_source_to_wire(source))}'
         self._json = (
@@ -328,12 +323,12 @@ class OneBlockRows:
             f'"mm_extra_info":null}}]}}}},"dp_rank":{dp_rank}}}{source_text}}}'
         )
 
-    def encode(self, rows: BlockRows, first: int, end: int, event_id: int) -> tuple[list[str | bytes], int]:
+    def encode(self, rows: BlockRows, first: int, end: int, event_id: int) -> tuple[_Parts, int]:
         """Rows ``first`` to ``end - 1`` as events numbered from ``event_id``; returns them and the next id.
 
         Rows with multimodal info take the reference path; the runs between them the templates.
         """
-        parts: list[str | bytes] = []
+        parts: _Parts = []
         run = self._msgpack_run if self._encoding is Encoding.MSGPACK else self._json_run
         position = first
         for row in sorted(row for row in rows.mm if first <= row < end) if rows.mm else ():
@@ -348,25 +343,27 @@ class OneBlockRows:
             position = row + 1
         return parts, run(rows, position, end, event_id, parts)
 
-    def _msgpack_run(self, rows: BlockRows, first: int, end: int, event_id: int, parts: list[str | bytes]) -> int:
+    def _msgpack_run(self, rows: BlockRows, first: int, end: int, event_id: int, parts: _Parts) -> int:
         hashes, parents, tokens, has_parent, live, _mm = rows
-        head, mid, blocks, tokens_key, tail, root_mid = self._bytes
-        pack_with_parent, pack_root = self._pack_with_parent, self._pack_root
+        head, mid, blocks, key, tail, root_mid = self._bytes
+        with_parent, root = self._pack_with_parent, self._pack_root
         append = parts.append
         for row in compress(range(first, end), live[first:end]):
             if has_parent[row]:
-                append(pack_with_parent(head, event_id, mid, parents[row], blocks, hashes[row], tokens_key, tokens[row], tail))
+                parent = parents[row]
+                append(with_parent(head, event_id, mid, parent, blocks, hashes[row], key, tokens[row], tail))
             else:
-                append(pack_root(head, event_id, root_mid, hashes[row], tokens_key, tokens[row], tail))
+                append(root(head, event_id, root_mid, hashes[row], key, tokens[row], tail))
             event_id += 1
         return event_id
 
-    def _json_run(self, rows: BlockRows, first: int, end: int, event_id: int, parts: list[str | bytes]) -> int:
+    def _json_run(self, rows: BlockRows, first: int, end: int, event_id: int, parts: _Parts) -> int:
         hashes, parents, tokens, has_parent, live, _mm = rows
         template = self._json
         append = parts.append
         for row in compress(range(first, end), live[first:end]):
-            append(template % (event_id, parents[row] if has_parent[row] else "null", hashes[row], tokens[row]))
+            parent = parents[row] if has_parent[row] else "null"
+            append(template % (event_id, parent, hashes[row], tokens[row]))
             event_id += 1
         return event_id
 
@@ -398,11 +395,14 @@ def _list(value: object, field: str) -> list[object]:
     return list(value)
 
 
+_ABSENT = object()
+
+
 def _required(obj: dict[object, object], key: str, field: str) -> object:
-    try:
-        return obj[key]
-    except KeyError:
-        raise CodecError(f"{field}.{key} is missing") from None
+    value = obj.get(key, _ABSENT)
+    if value is _ABSENT:
+        raise CodecError(f"{field}.{key} is missing")
+    return value
 
 
 def mm_extra_info_from_wire(value: object, field: str = "mm_extra_info") -> MmExtraInfo | None:
