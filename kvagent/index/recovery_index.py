@@ -32,6 +32,7 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
     WorkerWithDpRank,
+    residency_owner,
 )
 from kvagent.model.ids import CacheOwnerId
 
@@ -259,15 +260,11 @@ class RecoveryIndex:
         if not isinstance(event.storage_tier, StorageTier):
             raise IndexApplyError(f"unknown storage tier {event.storage_tier!r}")
         domain = event.residency_domain
-        owner: ResidencyOwner
-        if domain is ResidencyDomain.WORKER:
-            owner = WorkerWithDpRank(event.worker_id, event.dp_rank)
-        elif domain is ResidencyDomain.CACHE_OWNER:
-            if event.state_source is None:
-                raise IndexApplyError("CacheOwner residency event has no state_source")
-            owner = event.state_source
-        else:
+        if domain is not ResidencyDomain.WORKER and domain is not ResidencyDomain.CACHE_OWNER:
             raise IndexApplyError(f"unsupported residency domain {domain!r}")
+        owner = residency_owner(event)
+        if owner is None:
+            raise IndexApplyError("CacheOwner residency event has no state_source")
         if len(self._routes) >= _MAX_ROUTES:
             self._routes.clear()
         key = self._routes[route] = (owner, event.storage_tier)
