@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
+
+import attrs
+import structlog
 
 from kvagent._util.gcutil import gc_paused
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
@@ -22,26 +24,32 @@ from kvagent.model.events import (
     RESET_ALL,
     U64_MAX,
     Cleared,
-    EventsAnswer,
-    InvalidRangeAnswer,
-    RangeAnswer,
     Removed,
+    ResetScope,
     ResidencyDomain,
     ResidencyOwner,
     RouterEvent,
     StorageTier,
     Stored,
-    TooNewAnswer,
-    TreeDumpAnswer,
-    TreeDumpFailedAnswer,
     WorkerWithDpRank,
+    residency_owner,
 )
 from kvagent.model.ids import CacheOwnerId
-from kvagent.wire.router_event import mm_extra_info_to_wire, state_source_to_wire
 
-__all__ = ["DumpGroup", "DumpSnapshot", "IndexApplyError", "RecoveryIndex"]
+__all__ = [
+    "DumpGroup",
+    "DumpSnapshot",
+    "EventsAnswer",
+    "IndexApplyError",
+    "InvalidRangeAnswer",
+    "RangeAnswer",
+    "RecoveryIndex",
+    "TooNewAnswer",
+    "TreeDumpAnswer",
+    "TreeDumpFailedAnswer",
+]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 DEFAULT_RING_CAPACITY = 1024  # Dynamo's WORKER_KV_INDEXER_BUFFER_SIZE
 
@@ -49,6 +57,57 @@ StoreKey = tuple[ResidencyOwner, StorageTier]
 _MAX_ROUTES = 4096  # distinct routes seen by one index are a handful; the bound only guards odd inputs
 _CACHE_OWNER = ResidencyDomain.CACHE_OWNER
 _DEVICE = StorageTier.DEVICE
+
+
+# --- answers to a range query (4.4) -----------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class EventsAnswer:
+    """The buffered events from the requested start through the newest."""
+
+    events: tuple[RouterEvent, ...]
+    last_event_id: int
+
+
+@attrs.frozen(slots=True)
+class TreeDumpAnswer:
+    """Every resident block as a one-block Stored event (ids from 0), parents first."""
+
+    events: tuple[RouterEvent, ...]
+    last_event_id: int
+    reset_scope: ResetScope = RESET_ALL
+
+
+@attrs.frozen(slots=True)
+class TooNewAnswer:
+    """The requested start lies after the newest buffered event (the requester is ahead of this index)."""
+
+    requested_start: int | None
+    requested_end: int | None
+    newest_available: int
+
+
+@attrs.frozen(slots=True)
+class InvalidRangeAnswer:
+    """The requested end lies before the requested start."""
+
+    start_id: int
+    end_id: int
+
+
+@attrs.frozen(slots=True)
+class TreeDumpFailedAnswer:
+    """A dump that could not be built (4.5): reported as such, never as an empty dump."""
+
+    last_event_id: int
+    message: str
+
+
+RangeAnswer: TypeAlias = (
+    EventsAnswer | TreeDumpAnswer | TooNewAnswer | InvalidRangeAnswer | TreeDumpFailedAnswer
+)
+
 
 
 class DumpGroup(NamedTuple):
@@ -133,17 +192,8 @@ class RecoveryIndex:
         event_id = event.event_id
         if not 0 <= event_id <= U64_MAX:
             raise IndexApplyError(f"event id {event_id} is not a u64")
-        domain = event.residency_domain
-        # A Worker route does not depend on state_source (every outbound event carries the agent's owner).
-        route = (domain, event.worker_id, event.dp_rank, event.state_source if domain is _CACHE_OWNER else None,
-                 event.storage_tier)
-        try:
-            key = self._routes.get(route)
-        except TypeError:  # an unhashable field: not one of the value types the route needs
-            raise IndexApplyError(f"unknown storage tier or residency domain in event {event_id}") from None
-        if key is None:
-            key = self._route(event, route)
-        if domain is _CACHE_OWNER and event.storage_tier is _DEVICE and cls is not Cleared:
+        key = self._store_key(event)
+        if event.residency_domain is _CACHE_OWNER and event.storage_tier is _DEVICE and cls is not Cleared:
             raise IndexApplyError("CacheOwner residency cannot target the Device tier")
         ring = self._ring
         if ring:
@@ -152,67 +202,75 @@ class RecoveryIndex:
                 # Ids only grow (3.10); a smaller one would break the ring's binary search.
                 raise IndexApplyError(f"KV event id {event_id} does not follow newest buffered id {newest}")
             if event_id != newest + 1:
-                log.warning(
-                    "Non-consecutive KV event id",
-                    extra={"expected_event_id": newest + 1, "event_id": event_id},
-                )
+                log.warning("non_consecutive_event_id", expected_event_id=newest + 1, event_id=event_id)
 
-        if cls is Stored:
-            assert isinstance(data, Stored)
-            hashes, tokens, parent = data.block_hashes, data.tokens_hashes, data.parent_hash
-            if (
-                len(tokens) != len(hashes)
-                or (data.mm_extra_infos is not None and len(data.mm_extra_infos) != len(hashes))
-                or (hashes and (min(hashes) < 0 or max(hashes) > U64_MAX or min(tokens) < 0 or max(tokens) > U64_MAX))
-                or (parent is not None and not 0 <= parent <= U64_MAX)
-            ):
-                _validate_stored(data)  # raises, naming what is wrong
-            store = self._stores.get(key)
-            if store is None:
-                store = self._stores[key] = BlockStore()
-            store.store(data.parent_hash, data.block_hashes, data.tokens_hashes, data.mm_extra_infos)
+        if type(data) is Stored:
+            self._store(key, data)
         elif cls is Removed:
-            assert isinstance(data, Removed)
             store = self._stores.get(key)
             if store is not None:
                 store.remove(data.block_hashes)
                 if not store:
                     del self._stores[key]
         else:
-            self._clear(event, key[0])
+            self._clear(key[0])
 
-        if domain is _CACHE_OWNER:
+        if event.residency_domain is _CACHE_OWNER:
             self._cache_owner_workers[key[0]] = (event.worker_id, event.dp_rank)  # type: ignore[index]
         ring.append(event)
         self._applied += 1
         self._dump_cache = None
+        self._announce(event)
+
+    def _store_key(self, event: RouterEvent) -> StoreKey:
+        domain = event.residency_domain
+        # A Worker route does not depend on state_source (every outbound event carries the agent's owner).
+        source = event.state_source if domain is _CACHE_OWNER else None
+        route = (domain, event.worker_id, event.dp_rank, source, event.storage_tier)
+        try:
+            key = self._routes.get(route)
+        except TypeError:  # an unhashable field: not one of the value types the route needs
+            raise IndexApplyError(f"unknown storage tier or residency domain in event {event.event_id}") from None
+        return self._route(event, route) if key is None else key
+
+    def _store(self, key: StoreKey, data: Stored) -> None:
+        hashes, tokens, parent = data.block_hashes, data.tokens_hashes, data.parent_hash
+        if (
+            len(tokens) != len(hashes)
+            or (data.mm_extra_infos is not None and len(data.mm_extra_infos) != len(hashes))
+            or (hashes and (min(hashes) < 0 or max(hashes) > U64_MAX or min(tokens) < 0 or max(tokens) > U64_MAX))
+            or (parent is not None and not 0 <= parent <= U64_MAX)
+        ):
+            _validate_stored(data)  # raises, naming what is wrong
+        store = self._stores.get(key)
+        if store is None:
+            store = self._stores[key] = BlockStore()
+        store.store(parent, hashes, tokens, data.mm_extra_infos)
+
+    def _announce(self, event: RouterEvent) -> None:
         for callback in self._subscriber_snapshot:
             try:
                 callback(event)
-            except Exception:
+            except Exception as exc:
                 # The event is applied; a broken follower must not make the coordinator treat it as failed.
-                log.exception("recovery index subscriber failed", extra={"event_id": event_id})
+                log.exception("index_subscriber_failed", event_id=event.event_id, error=str(exc))
 
     def _route(self, event: RouterEvent, route: tuple[object, ...]) -> StoreKey:
         """The (exact owner, tier) an event's residency lives under, validated once per distinct route."""
         if not isinstance(event.storage_tier, StorageTier):
             raise IndexApplyError(f"unknown storage tier {event.storage_tier!r}")
         domain = event.residency_domain
-        owner: ResidencyOwner
-        if domain is ResidencyDomain.WORKER:
-            owner = WorkerWithDpRank(event.worker_id, event.dp_rank)
-        elif domain is ResidencyDomain.CACHE_OWNER:
-            if event.state_source is None:
-                raise IndexApplyError("CacheOwner residency event has no state_source")
-            owner = event.state_source
-        else:
+        if domain is not ResidencyDomain.WORKER and domain is not ResidencyDomain.CACHE_OWNER:
             raise IndexApplyError(f"unsupported residency domain {domain!r}")
+        owner = residency_owner(event)
+        if owner is None:
+            raise IndexApplyError("CacheOwner residency event has no state_source")
         if len(self._routes) >= _MAX_ROUTES:
             self._routes.clear()
         key = self._routes[route] = (owner, event.storage_tier)
         return key
 
-    def _clear(self, event: RouterEvent, owner: ResidencyOwner) -> None:
+    def _clear(self, owner: ResidencyOwner) -> None:
         """A Worker clear drops every Worker owner of the event's rank; a CacheOwner clear drops that owner."""
         if isinstance(owner, WorkerWithDpRank):
             rank = owner.dp_rank
@@ -255,7 +313,7 @@ class RecoveryIndex:
             try:
                 return self.tree_dump()
             except Exception as exc:  # 4.5: any failure becomes TreeDumpFailed, never an empty dump
-                log.exception("recovery index tree dump failed")
+                log.exception("index_tree_dump_failed", error=str(exc))
                 return TreeDumpFailedAnswer(self.current_event_id(), str(exc))
         newest = ring[-1].event_id
         if start > newest:
@@ -278,7 +336,7 @@ class RecoveryIndex:
             try:
                 return self.dump_snapshot()
             except Exception as exc:  # 4.5: any failure becomes TreeDumpFailed, never an empty dump
-                log.exception("recovery index tree dump failed")
+                log.exception("index_tree_dump_failed", error=str(exc))
                 return TreeDumpFailedAnswer(self.current_event_id(), str(exc))
         return self.events_in_range(start, end)
 
@@ -354,59 +412,6 @@ class RecoveryIndex:
         snapshot = DumpSnapshot(groups, self.current_event_id(), sum(g.columns.live for g in groups))
         self._snapshot_cache = (self._applied, snapshot)
         return snapshot
-
-    def iter_tree_dump_wire(self, chunk_events: int) -> Iterator[list[dict[str, object]]]:
-        """The tree dump as kvagent.wire.router_event wire-form maps, ``chunk_events`` maps per list.
-
-        Same events as :meth:`tree_dump` (whose ``last_event_id`` is ``current_event_id()`` read before
-        iterating) without building RouterEvent objects, for servers streaming big dumps.  It reads live
-        state: an apply between two chunks makes the next step raise ``RuntimeError`` (a failed dump).
-        """
-        if chunk_events <= 0:
-            raise ValueError(f"chunk_events must be positive, got {chunk_events}")
-        applied_at_start = self._applied
-        maps = self._iter_dump_wire_maps()
-        while True:
-            if self._applied != applied_at_start:
-                raise RuntimeError("recovery index changed during tree dump")
-            with gc_paused():
-                chunk = list(itertools.islice(maps, chunk_events))
-            if not chunk:
-                return
-            yield chunk
-
-    def _iter_dump_wire_maps(self) -> Iterator[dict[str, object]]:
-        event_id = 0
-        for worker_id, tier, domain, dp_rank, source, store in self._dump_groups():
-            tier_text, domain_text = tier.value, domain.value
-            source_text = None if source is None else state_source_to_wire(source)
-            for block, parent, tokens, mm in store.replay_order():
-                wire: dict[str, object] = {
-                    "worker_id": worker_id,
-                    "storage_tier": tier_text,
-                    "residency_domain": domain_text,
-                    "event": {
-                        "event_id": event_id,
-                        "data": {
-                            "stored": {
-                                "parent_hash": parent,
-                                "start_position": None,
-                                "blocks": [
-                                    {
-                                        "block_hash": block,
-                                        "tokens_hash": tokens,
-                                        "mm_extra_info": mm_extra_info_to_wire(mm),
-                                    }
-                                ],
-                            }
-                        },
-                        "dp_rank": dp_rank,
-                    },
-                }
-                if source_text is not None:
-                    wire["state_source"] = source_text
-                yield wire
-                event_id += 1
 
     def _dump_groups(
         self,

@@ -55,6 +55,10 @@ class StoreColumns(NamedTuple):
     mm: dict[int, MmExtraInfo]
     live: int
 
+    def masks(self) -> tuple[bytes, bytes]:
+        """(is live, has a parent): one 0/1 byte per row each, computed at C speed from the flags."""
+        return self.flags.translate(_LIVE_MASK), self.flags.translate(_HAS_PARENT)
+
 
 class BlockStore:
     __slots__ = (
@@ -80,6 +84,12 @@ class BlockStore:
         # The scan and destination rows of a compaction in progress; -1 when none runs.
         self._compact_read = self._compact_write = -1
 
+    def _parts(
+        self,
+    ) -> tuple[dict[int, int], array[int], array[int], array[int], bytearray, dict[int, MmExtraInfo]]:
+        """The row map and the columns (local names in the hot loops)."""
+        return self._slots, self._hashes, self._parents, self._tokens, self._flags, self._mm
+
     def __len__(self) -> int:
         return len(self._slots)
 
@@ -100,14 +110,7 @@ class BlockStore:
 
         The caller has validated lengths and u64 ranges, so nothing here can fail half-way.
         """
-        slots, hashes, parents, tokens, flags, mm = (
-            self._slots,
-            self._hashes,
-            self._parents,
-            self._tokens,
-            self._flags,
-            self._mm,
-        )
+        slots, hashes, parents, tokens, flags, mm = self._parts()
         if self._compact_read >= 0:
             self._compact_step()
         count = len(block_hashes)
@@ -152,14 +155,7 @@ class BlockStore:
 
     def remove(self, block_hashes: tuple[int, ...]) -> None:
         """Delete the given hashes; unknown hashes are ignored."""
-        slots, hashes, parents, tokens, flags, mm = (
-            self._slots,
-            self._hashes,
-            self._parents,
-            self._tokens,
-            self._flags,
-            self._mm,
-        )
+        slots, hashes, parents, tokens, flags, mm = self._parts()
         dead = self._dead
         for block_hash in block_hashes:
             slot = slots.pop(block_hash, None)
@@ -192,14 +188,7 @@ class BlockStore:
         position is dead (zeroed and flagged), and so is every row a move vacates. Whole runs of live rows
         move as array slices.
         """
-        flags, hashes, parents, tokens, slots, mm = (
-            self._flags,
-            self._hashes,
-            self._parents,
-            self._tokens,
-            self._slots,
-            self._mm,
-        )
+        slots, hashes, parents, tokens, flags, mm = self._parts()
         read, write = self._compact_read, self._compact_write
         budget = _COMPACT_STEP_ROWS
         while budget > 0:
@@ -313,13 +302,7 @@ class BlockStore:
         whose resident parent comes later (re-stored parent, reparenting) pulls its unemitted ancestors out
         first.  A parent cycle (only possible with adversarial input) is cut at the block where it closes.
         """
-        slots, parents, tokens, flags, mm = (
-            self._slots,
-            self._parents,
-            self._tokens,
-            self._flags,
-            self._mm,
-        )
+        slots, _hashes, parents, tokens, flags, mm = self._parts()
         # 0 = not yet emitted, 1 = emitted, 2 = on the ancestor chain being resolved.
         state = bytearray(len(parents))
         for block_hash, slot in slots.items():
@@ -340,13 +323,7 @@ class BlockStore:
     def _emit_with_ancestors(
         self, block_hash: int, slot: int, state: bytearray
     ) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
-        slots, parents, tokens, flags, mm = (
-            self._slots,
-            self._parents,
-            self._tokens,
-            self._flags,
-            self._mm,
-        )
+        slots, _hashes, parents, tokens, flags, mm = self._parts()
         chain = [(block_hash, slot)]
         state[slot] = 2
         while flags[slot] == FLAG_PARENT:

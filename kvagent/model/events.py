@@ -1,4 +1,4 @@
-"""Value types shared by every layer: tiers, domains, placement events, RouterEvents, recovery answers.
+"""Value types shared by every layer: tiers, domains, placement events, RouterEvents, and every limit.
 
 Block data is kept as parallel tuples (hashes, local hashes, optional MM infos) instead of one object per
 block: the ingest hot path creates one object per event, not one per block.
@@ -23,23 +23,17 @@ __all__ = [
     "MAX_RAW_PAYLOAD_BYTES",
     "Cleared",
     "EventData",
-    "EventsAnswer",
     "IngressChunk",
     "IngressProtocol",
-    "InvalidRangeAnswer",
     "MmExtraInfo",
     "MmObject",
     "PlacementEvent",
-    "RangeAnswer",
     "Removed",
     "ResetScope",
     "ResidencyDomain",
     "RouterEvent",
     "StorageTier",
     "Stored",
-    "TooNewAnswer",
-    "TreeDumpAnswer",
-    "TreeDumpFailedAnswer",
     "WorkerWithDpRank",
     "block_count",
 ]
@@ -55,8 +49,6 @@ MAX_RAW_PAYLOAD_BYTES = 8 * 1024 * 1024
 KV_STATE_EVENTS_TOPIC = "kv-state-events-v2"
 KV_STATE_SOURCES_TOPIC = "kv-state-sources-v2"
 KV_STATE_ATTACHMENTS_TOPIC = "kv-state-attachments-v2"
-KV_STATE_HOSTS_TOPIC = "kv-state-hosts-v2"
-KV_STATE_ATTACHMENT_INTENTS_TOPIC = "kv-state-attachment-intents-v2"
 
 
 class StorageTier(enum.Enum):
@@ -76,10 +68,6 @@ class StorageTier(enum.Enum):
             return cls.DEVICE
         return _MEDIUM_TIERS.get(medium)
 
-    @property
-    def canonical_medium(self) -> str | None:
-        return _CANONICAL_MEDIA[self]
-
 
 _MEDIUM_TIERS = {
     "GPU": StorageTier.DEVICE,
@@ -95,12 +83,6 @@ _MEDIUM_TIERS = {
     "NETWORK": StorageTier.EXTERNAL,
     "REMOTE": StorageTier.EXTERNAL,
     "SHARED": StorageTier.EXTERNAL,
-}
-_CANONICAL_MEDIA = {
-    StorageTier.DEVICE: None,
-    StorageTier.HOST_PINNED: "CPU_PINNED",
-    StorageTier.DISK: "DISK",
-    StorageTier.EXTERNAL: "EXTERNAL",
 }
 
 
@@ -118,18 +100,24 @@ class IngressProtocol(enum.Enum):
 
 @attrs.frozen(slots=True)
 class WorkerWithDpRank:
+    """The exact residency owner of Worker-domain events: one data-parallel rank of one worker."""
+
     worker_id: int
     dp_rank: int
 
 
 @attrs.frozen(slots=True)
 class MmObject:
+    """One multimodal object in a block: its hash and the token ranges ``[start, end)`` it covers."""
+
     mm_hash: int
     offsets: tuple[tuple[int, int], ...]
 
 
 @attrs.frozen(slots=True)
 class MmExtraInfo:
+    """A block's multimodal objects (``mm_extra_info`` on the wire)."""
+
     mm_objects: tuple[MmObject, ...]
 
 
@@ -146,6 +134,8 @@ class Stored:
 
 @attrs.frozen(slots=True)
 class Removed:
+    """Blocks no longer resident; unknown hashes are ignored."""
+
     block_hashes: tuple[int, ...]
 
 
@@ -219,43 +209,6 @@ class ResetScope:
 
 
 RESET_ALL = ResetScope()
-
-
-@attrs.frozen(slots=True)
-class EventsAnswer:
-    events: tuple[RouterEvent, ...]
-    last_event_id: int
-
-
-@attrs.frozen(slots=True)
-class TreeDumpAnswer:
-    events: tuple[RouterEvent, ...]
-    last_event_id: int
-    reset_scope: ResetScope = RESET_ALL
-
-
-@attrs.frozen(slots=True)
-class TooNewAnswer:
-    requested_start: int | None
-    requested_end: int | None
-    newest_available: int
-
-
-@attrs.frozen(slots=True)
-class InvalidRangeAnswer:
-    start_id: int
-    end_id: int
-
-
-@attrs.frozen(slots=True)
-class TreeDumpFailedAnswer:
-    last_event_id: int
-    message: str
-
-
-RangeAnswer: TypeAlias = (
-    EventsAnswer | TreeDumpAnswer | TooNewAnswer | InvalidRangeAnswer | TreeDumpFailedAnswer
-)
 
 
 ResidencyOwner: TypeAlias = WorkerWithDpRank | CacheOwnerId

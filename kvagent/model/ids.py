@@ -13,6 +13,7 @@ import re
 import secrets
 import struct
 from collections.abc import Mapping
+from typing import ClassVar, Self
 
 import attrs
 import blake3
@@ -31,12 +32,9 @@ __all__ = [
     "RoutingScopeId",
     "StableDpSlotId",
     "attachment_record_id",
-    "cache_owner_residency_key",
     "derive_cache_owner_id",
-    "host_record_id",
     "new_publisher_id",
     "resolve_stable_dp_slot_id",
-    "worker_residency_key",
 ]
 
 MAX_IDENTITY_ENTRIES = 32
@@ -59,10 +57,7 @@ DEFAULT_MATERIAL_VALUES = (b"kvagent-default",)
 # kvagent defines: event hash format 1 = XXH3-64 LocalBlockHash over u32-LE tokens (seed 1337).
 EVENT_HASH_FORMAT_XXH3_64_U32LE = 1
 
-WORKER_OWNER_TAG = b"dynamo/residency-owner/worker/v1"
-CACHE_OWNER_OWNER_TAG = b"dynamo/residency-owner/cache-owner/v1"
 ATTACHMENT_RECORD_TAG = b"dynamo/kv-state-attachment-record/v2"
-HOST_RECORD_TAG = b"dynamo/kv-state-host/v2"
 
 
 class IdentitySource(enum.Enum):
@@ -124,36 +119,32 @@ def _check_digest(instance: object, attribute: attrs.Attribute[bytes], value: by
 class _DigestId:
     """A 16-byte digest plus the source of its material; equality compares the digest only."""
 
+    _what: ClassVar[str] = "digest id"  # names the id kind in parse errors
+
     digest: bytes = attrs.field(validator=_check_digest)
     source: IdentitySource = attrs.field(default=IdentitySource.EXPLICIT, eq=False)
 
     def __str__(self) -> str:
         return self.digest.hex()
 
-    @property
-    def source_byte(self) -> bytes:
-        return b"\x01" if self.source is IdentitySource.EXPLICIT else b"\x00"
+    @classmethod
+    def parse(cls, text: str) -> Self:
+        return cls(_parse_hex(text, 16, cls._what), IdentitySource.EXPLICIT)
 
 
 @attrs.frozen(slots=True)
 class StableDpSlotId(_DigestId):
-    @classmethod
-    def parse(cls, text: str) -> StableDpSlotId:
-        return cls(_parse_hex(text, 16, "stable DP slot id"), IdentitySource.EXPLICIT)
+    _what = "stable DP slot id"
 
 
 @attrs.frozen(slots=True)
 class CacheSemanticsId(_DigestId):
-    @classmethod
-    def parse(cls, text: str) -> CacheSemanticsId:
-        return cls(_parse_hex(text, 16, "cache semantics id"), IdentitySource.EXPLICIT)
+    _what = "cache semantics id"
 
 
 @attrs.frozen(slots=True)
 class RoutingScopeId(_DigestId):
-    @classmethod
-    def parse(cls, text: str) -> RoutingScopeId:
-        return cls(_parse_hex(text, 16, "routing scope id"), IdentitySource.EXPLICIT)
+    _what = "routing scope id"
 
 
 @attrs.frozen(slots=True)
@@ -220,26 +211,6 @@ class CacheOwnerId:
         domain_text, dc_text, slot_text = text.split("/")
         pool = PoolId(IndexerDomainId.parse(domain_text), DcId.parse(dc_text))
         return cls(pool, StableDpSlotId.parse(slot_text))
-
-    def to_structured(self) -> dict[str, object]:
-        """kvagent's structured form (the one place to change once Dynamo's is confirmed)."""
-        domain = self.pool.indexer_domain
-        return {
-            "pool": {
-                "indexer_domain": {
-                    "cache_semantics": {
-                        "digest": domain.cache_semantics.digest.hex(),
-                        "source": domain.cache_semantics.source.value,
-                    },
-                    "routing_scope": {
-                        "digest": domain.routing_scope.digest.hex(),
-                        "source": domain.routing_scope.source.value,
-                    },
-                },
-                "dc_id": self.pool.dc_id.value,
-            },
-            "slot": {"digest": self.slot.digest.hex(), "source": self.slot.source.value},
-        }
 
 
 @attrs.frozen(slots=True)
@@ -331,25 +302,6 @@ def derive_cache_owner_id(
     return CacheOwnerId(pool, resolve_stable_dp_slot_id(slot_name))
 
 
-def worker_residency_key(worker_id: int, dp_rank: int) -> bytes:
-    return blake3.blake3(WORKER_OWNER_TAG + struct.pack(">QI", worker_id, dp_rank)).digest()[:16]
-
-
-def cache_owner_residency_key(owner: CacheOwnerId) -> bytes:
-    domain = owner.pool.indexer_domain
-    material = (
-        CACHE_OWNER_OWNER_TAG
-        + domain.cache_semantics.digest
-        + domain.cache_semantics.source_byte
-        + domain.routing_scope.digest
-        + domain.routing_scope.source_byte
-        + struct.pack(">Q", owner.pool.dc_id.value)
-        + owner.slot.digest
-        + owner.slot.source_byte
-    )
-    return blake3.blake3(material).digest()[:16]
-
-
 def _record_id(tag: bytes, *values: int) -> int:
     digest = blake3.blake3(tag + b"".join(struct.pack(">Q", v) for v in values)).digest()
     record_id = int.from_bytes(digest[:8], "big") & JSON_SAFE_MASK
@@ -358,10 +310,6 @@ def _record_id(tag: bytes, *values: int) -> int:
 
 def attachment_record_id(publisher_id: int, generation: int) -> int:
     return _record_id(ATTACHMENT_RECORD_TAG, publisher_id, generation)
-
-
-def host_record_id(instance_id: int) -> int:
-    return _record_id(HOST_RECORD_TAG, instance_id)
 
 
 def new_publisher_id() -> int:

@@ -4,7 +4,8 @@ Message: ``[b"kv-state-events-v2", publisher_id (u64 BE), first event_id (u64 BE
 payload is the Dynamo-identical msgpack ``Vec<RouterEvent>``, split at event boundaries into batches of at
 most 128 events and 8192 blocks.  A slow or absent subscriber never blocks the coordinator: sends are
 non-blocking, drops at the high-water mark are counted, and subscribers detect gaps by event id and repair
-them with the websocket ``recover`` op (``kvagent.recovery.subscribe.subscribe`` does exactly that).
+them with the websocket ``recover`` op (``kvagent.recovery.client.subscribe`` does exactly that).  The
+message format is declared in kvagent.wire.event_plane.
 """
 
 from __future__ import annotations
@@ -17,19 +18,14 @@ import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import SinkError
-from kvagent.model.events import MAX_CHUNK_BLOCKS, MAX_CHUNK_EVENTS, RouterEvent, block_count
-from kvagent.wire.router_event import decode_router_events, encode_router_events
+from kvagent.model.events import RouterEvent
+from kvagent.wire.event_plane import encode_event_plane_message, split_publication
 
 __all__ = [
-    "EVENT_PLANE_TOPIC",
     "EventPlaneStatistics",
     "PlaneSink",
     "ZmqEventPlane",
-    "decode_event_plane_message",
-    "split_publication",
 ]
-
-EVENT_PLANE_TOPIC = b"kv-state-events-v2"
 
 
 @attrs.frozen(slots=True)
@@ -49,24 +45,6 @@ class EventPlaneStatistics:
     events_sent: int
     dropped_messages: int
     dropped_events: int
-
-
-def split_publication(
-    events: Sequence[RouterEvent], max_events: int = MAX_CHUNK_EVENTS, max_blocks: int = MAX_CHUNK_BLOCKS
-) -> list[Sequence[RouterEvent]]:
-    """Split at event boundaries; a single event larger than the block bound goes alone."""
-    batches: list[Sequence[RouterEvent]] = []
-    start = 0
-    blocks = 0
-    for i, event in enumerate(events):
-        size = block_count(event.data)
-        if i > start and (i - start >= max_events or blocks + size > max_blocks):
-            batches.append(events[start:i])
-            start, blocks = i, 0
-        blocks += size
-    if start < len(events):
-        batches.append(events[start:])
-    return batches
 
 
 class ZmqEventPlane:
@@ -131,14 +109,8 @@ class ZmqEventPlane:
 
     def publish(self, publisher_id: int, events: Sequence[RouterEvent]) -> None:
         self.poll_subscriptions()
-        prefix = publisher_id.to_bytes(8, "big")
         for batch in split_publication(events):
-            frames = [
-                EVENT_PLANE_TOPIC,
-                prefix,
-                batch[0].event_id.to_bytes(8, "big"),
-                encode_router_events(batch),
-            ]
+            frames = encode_event_plane_message(publisher_id, batch)
             try:
                 sent = self._socket.send_multipart_nowait(frames)
             except zmq.ZMQError as exc:
@@ -167,16 +139,3 @@ class PlaneSink:
 
     def publish(self, events: Sequence[RouterEvent]) -> None:
         self.plane.publish(self.publisher_id, events)
-
-
-def decode_event_plane_message(frames: Sequence[bytes]) -> tuple[int, int, list[RouterEvent]]:
-    """``(publisher_id, first_event_id, events)`` of one event-plane message."""
-    if len(frames) != 4 or frames[0] != EVENT_PLANE_TOPIC or len(frames[1]) != 8 or len(frames[2]) != 8:
-        raise ValueError(
-            "not a kv-state-events-v2 message: expected [topic, publisher_id(8), event_id(8), payload]"
-        )
-    events = decode_router_events(frames[3])
-    first = int.from_bytes(frames[2], "big")
-    if events and events[0].event_id != first:
-        raise ValueError(f"first event id {events[0].event_id} does not match the header {first}")
-    return int.from_bytes(frames[1], "big"), first, events

@@ -1,41 +1,37 @@
-"""A Trio client for the websocket recovery protocol v1 (``kvagent query``, routers, tests).
+"""Trio clients for routers: the websocket recovery protocol v1, and ``subscribe`` (event plane + repair).
 
-One client owns one connection and sends one request at a time; a streamed answer (``"more": true``
-frames) is reassembled by :meth:`RecoveryClient.recover`, while :meth:`RecoveryClient.follow` yields frame by
-frame so a large backlog never has to sit in memory whole.
+One :class:`RecoveryClient` owns one connection and sends one request at a time; a streamed answer
+(``"more": true`` frames) is reassembled by :meth:`RecoveryClient.recover`, while
+:meth:`RecoveryClient.follow` yields frame by frame so a large backlog never has to sit in memory whole.
+:func:`subscribe` reads the lossy ZMQ event plane and fills its gaps with ``recover``.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import sys
-from array import array
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
 import msgpack
+import zmq
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from kvagent._util.gcutil import gc_paused
+from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import CodecError, FollowOverrun, IdentityError, RecoveryClientError
 from kvagent.model.events import (
-    MmExtraInfo,
-    ResidencyDomain,
     RouterEvent,
-    StorageTier,
-    Stored,
 )
-from kvagent.model.ids import CacheOwnerId, KvStateAgentIdentity
+from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus
+from kvagent.recovery.dump import DumpColumns, dump_columns_from_wire
+from kvagent.wire.event_plane import EVENT_PLANE_TOPIC, decode_event_plane_message, is_event_plane_message
 from kvagent.wire.router_event import (
     decode_router_events,
-    mm_extra_info_from_wire,
     router_event_from_json,
-    state_source_from_wire,
+    router_event_to_json,
 )
 
 __all__ = [
@@ -45,122 +41,16 @@ __all__ = [
     "RecoverResult",
     "RecoveryClient",
     "RecoveryClientError",
+    "SubscribeGapError",
     "agent_status_from_json",
     "connect_slot",
+    "subscribe",
 ]
 
 CLIENT_MAX_MESSAGE_BYTES = 4 << 20  # the server sends frames of at most 1 MiB; leave headroom
 # trio-websocket reads 4 KiB at a time by default: a 1 MiB frame then costs 256 reads, each through
 # wsproto's parser, which made the client's reader the bottleneck of many concurrent recoveries.
 CLIENT_RECEIVE_BYTES = 256 << 10
-
-
-_FLAG_ROOT, _FLAG_PARENT, _FLAG_DEAD = 0, 1, 2
-
-
-@attrs.frozen(slots=True, eq=False)
-class DumpColumns:
-    """One piece of a ``"dump_format": "columns"`` tree dump: rows of one (owner, tier), parents first.
-
-    Row i is block ``block_hashes[i]`` with tokens hash ``tokens_hashes[i]`` and, when ``flags[i]`` is 1,
-    parent ``parent_hashes[i]`` (0: a root; 2: a padding row to skip).  A router that rebuilds its own tree
-    reads the arrays directly; :meth:`blocks` and :meth:`events` are conveniences.
-    """
-
-    worker_id: int
-    storage_tier: StorageTier
-    residency_domain: ResidencyDomain
-    dp_rank: int
-    state_source: CacheOwnerId | None
-    first_event_id: int
-    block_hashes: array[int]
-    parent_hashes: array[int]
-    tokens_hashes: array[int]
-    flags: bytes
-    mm_extra_infos: Mapping[int, MmExtraInfo]
-
-    @property
-    def live(self) -> int:
-        """Rows that are blocks (not padding)."""
-        return len(self.flags) - self.flags.count(_FLAG_DEAD)
-
-    def blocks(self) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
-        """(block hash, parent hash or None, tokens hash, mm info) of each block, in dump order."""
-        mm = self.mm_extra_infos
-        rows = zip(self.block_hashes, self.parent_hashes, self.tokens_hashes, self.flags, strict=True)
-        for row, (block, parent, tokens, flag) in enumerate(rows):
-            if flag != _FLAG_DEAD:
-                yield block, parent if flag == _FLAG_PARENT else None, tokens, mm.get(row) if mm else None
-
-    def events(self) -> Iterator[RouterEvent]:
-        """The same blocks as the ``events`` dump format's one-block Stored events (same synthetic ids)."""
-        event_id = self.first_event_id
-        for block, parent, tokens, info in self.blocks():
-            data = Stored(parent, (block,), (tokens,), None if info is None else (info,))
-            yield RouterEvent(
-                self.worker_id,
-                self.storage_tier,
-                self.residency_domain,
-                event_id,
-                data,
-                self.dp_rank,
-                self.state_source,
-            )
-            event_id += 1
-
-
-def _blob(value: object, field: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):  # the JSON encoding carries the columns as base64
-        try:
-            return base64.b64decode(value, validate=True)
-        except binascii.Error:
-            raise RecoveryClientError("bad_response", f"{field} is not base64") from None
-    raise RecoveryClientError("bad_response", f"{field} must be bytes or a base64 string")
-
-
-def _u64_column(value: object, field: str, rows: int) -> array[int]:
-    blob = _blob(value, field)
-    if len(blob) != 8 * rows:
-        raise RecoveryClientError("bad_response", f"{field} has {len(blob)} bytes for {rows} rows")
-    column = array("Q")
-    column.frombytes(blob)
-    if sys.byteorder != "little":
-        column.byteswap()
-    return column
-
-
-def _dump_columns(piece: object) -> DumpColumns:
-    """Validate one piece of a columns dump (C-speed: no per-row Python work)."""
-    try:
-        assert isinstance(piece, dict)
-        rows = piece["rows"]
-        assert isinstance(rows, int) and rows >= 0
-        flags = _blob(piece["flags"], "flags")
-        if len(flags) != rows or flags.translate(None, b"\x00\x01\x02"):
-            raise RecoveryClientError("bad_response", "dump flags must be one 0/1/2 byte per row")
-        mm: dict[int, MmExtraInfo] = {}
-        for row, raw_info in piece.get("mm_extra_infos") or ():
-            info = mm_extra_info_from_wire(raw_info)
-            if info is not None and isinstance(row, int) and 0 <= row < rows:
-                mm[row] = info
-        source = piece.get("state_source")
-        return DumpColumns(
-            int(piece["worker_id"]),
-            StorageTier(piece["storage_tier"]),
-            ResidencyDomain(piece["residency_domain"]),
-            int(piece["dp_rank"]),
-            None if source is None else state_source_from_wire(source),
-            int(piece["first_event_id"]),
-            _u64_column(piece["block_hashes"], "block_hashes", rows),
-            _u64_column(piece["parent_hashes"], "parent_hashes", rows),
-            _u64_column(piece["tokens_hashes"], "tokens_hashes", rows),
-            flags,
-            mm,
-        )
-    except (AssertionError, KeyError, TypeError, ValueError) as exc:
-        raise RecoveryClientError("bad_response", f"malformed dump columns: {exc!r}") from None
 
 
 @attrs.frozen(slots=True)
@@ -204,8 +94,6 @@ class RecoverResult:
         return self.raw.get("reset_scope")
 
     def to_json(self) -> dict[str, Any]:
-        from kvagent.wire.router_event import router_event_to_json
-
         return {**self.raw, "events": [router_event_to_json(event) for event in self.all_events()]}
 
 
@@ -346,7 +234,7 @@ class RecoveryClient:
         wire = raw.pop("events", None) or ()
         keep_wire = raw_events or lazy_events  # lazy on a JSON connection: the events are parsed anyway
         events = () if keep_wire else tuple(_events({"events": wire}))
-        dump = tuple(_dump_columns(piece) for piece in raw.pop("groups", None) or ())
+        dump = tuple(dump_columns_from_wire(piece) for piece in raw.pop("groups", None) or ())
         blobs = tuple(raw.pop("events_msgpack", None) or ())
         for key in ("id", "ok", "more", "format"):
             raw.pop(key, None)
@@ -379,7 +267,7 @@ class RecoveryClient:
                 frame.get("last_event_id"),
                 bool(frame.get("more", False)),
                 frame.get("reset_scope"),
-                tuple(_dump_columns(piece) for piece in frame.get("groups") or ()),
+                tuple(dump_columns_from_wire(piece) for piece in frame.get("groups") or ()),
             )
 
     def _control(self, fields: dict[str, Any]) -> dict[str, Any]:
@@ -464,3 +352,71 @@ async def connect_slot(
         receive_buffer_size=CLIENT_RECEIVE_BYTES,
     ) as ws:
         yield RecoveryClient(ws, encoding=encoding)
+
+
+# --- subscribe: the event plane, with gaps repaired through recover ---------------------------------
+
+
+class SubscribeGapError(RecoveryClientError):
+    """A gap the agent can no longer fill from its ring (only a full snapshot would repair it)."""
+
+
+async def subscribe(
+    ws_url: str,
+    slot: str,
+    event_plane_endpoint: str,
+    *,
+    from_cursor: int | None = None,
+    publisher_id: int | None = None,
+    context: zmq.Context[Any] | None = None,
+) -> AsyncIterator[RouterEvent]:
+    """Every outbound event of one slot exactly once, in id order, from the ZMQ event plane.
+
+    The event plane is lossy by design (PUB high-water mark, slow joiners); whenever the next message
+    starts after ``last + 1``, the missing ids are fetched with the websocket ``recover`` op before
+    anything newer is yielded.  ``from_cursor`` is the last id the caller already holds (None: start at
+    the first message that arrives).  A gap older than the agent's ring raises SubscribeGapError; a
+    message that is not a kv-state-events-v2 publication is skipped, a malformed one raises CodecError.
+    """
+    ctx = context if context is not None else zmq.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, EVENT_PLANE_TOPIC)
+    sock.connect(event_plane_endpoint)
+    sub = TrioSocket(sock)
+    last = from_cursor
+    try:
+        async with connect_slot(ws_url, slot) as client:
+            if publisher_id is None:
+                publisher_id = (await client.status()).identity.publisher_id
+            while True:
+                frames = await sub.recv_multipart()
+                if not is_event_plane_message(frames):
+                    continue
+                publisher, _first, events = decode_event_plane_message(frames)
+                if publisher != publisher_id or not events:
+                    continue
+                if last is not None and events[0].event_id > last + 1:
+                    async for event in _repair(client, last, events[0].event_id):
+                        last = event.event_id
+                        yield event
+                for event in events:
+                    if last is None or event.event_id > last:
+                        last = event.event_id
+                        yield event
+    finally:
+        sub.close()
+
+
+async def _repair(client: RecoveryClient, last: int, next_published: int) -> AsyncIterator[RouterEvent]:
+    """The events after ``last`` and before ``next_published``, from the agent's ring."""
+    answer = await client.recover(start=last + 1)
+    if answer.kind != "events":
+        raise SubscribeGapError(
+            "gap_unrecoverable",
+            f"events {last + 1}..{next_published - 1} are no longer buffered (answer {answer.kind}); "
+            "take a full snapshot with recover(start=None)",
+        )
+    for event in answer.events:
+        if last < event.event_id < next_published:
+            yield event

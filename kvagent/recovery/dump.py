@@ -1,69 +1,72 @@
-"""Encoding tree dumps and buffered answers without per-request, per-event work (docs/protocol.md).
-
-Three pieces, all sans-IO:
+"""Tree dumps and buffered answers on the recovery protocol, encoded without per-request, per-event work,
+and the compact dump decoded again (docs/protocol.md).  Sans-IO.
 
 - :class:`EncodedRing`: each ring event is encoded once per encoding and the bytes are reused by every
   ``events`` answer and every follower; entries are keyed by event id and checked by identity, so a cached
   encoding can never belong to another event.
 - :func:`legacy_dump_parts`: the classic per-event dump encoding, produced from a :class:`DumpSnapshot`'s
-  columns with precomputed byte templates (msgpack: fixed-width uint64 ``0xcf`` fields, valid msgpack that
-  decodes to the same map; JSON: byte-identical to ``json.dumps``).  It is a lazy generator, so the server
-  encodes one frame's worth between two sends and never stalls the event loop for a whole dump.
+  columns by kvagent.wire.router_event.OneBlockRows.  It is a lazy generator, so the server encodes one
+  frame's worth between two sends and never stalls the event loop for a whole dump.
 - :func:`columns_frames`: the compact ``"dump_format": "columns"`` dump: raw little-endian u64 columns per
-  (owner, tier) group, cut into frames of at most MAX_FRAME_BYTES.
+  (owner, tier) group, cut into frames of at most MAX_FRAME_BYTES; :func:`dump_columns_from_wire` reads
+  one of its pieces back into :class:`DumpColumns`.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import struct
+import binascii
 import sys
 import weakref
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import repeat
 from typing import cast
 
-import msgpack
+import attrs
 
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot, RecoveryIndex
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT
-from kvagent.model.errors import KvAgentError
+from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, FLAG_ROOT
+from kvagent.model.errors import KvAgentError, RecoveryClientError
 from kvagent.model.events import (
     RESET_ALL,
-    Removed,
+    MmExtraInfo,
     ResetScope,
     ResidencyDomain,
     RouterEvent,
     StorageTier,
     Stored,
 )
+from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import AgentStatus
-from kvagent.recovery.protocol import (
-    CACHE_OWNER_SCOPE,
-    MAX_FRAME_BYTES,
+from kvagent.recovery.protocol import CACHE_OWNER_SCOPE, MAX_FRAME_BYTES, Fence, encode_frame
+from kvagent.wire.router_event import (
+    BlockRows,
     Encoding,
-    Fence,
+    OneBlockRows,
     encode_event,
-    encode_frame,
+    mm_extra_info_from_wire,
+    mm_extra_info_to_wire,
+    state_source_from_wire,
+    state_source_to_wire,
 )
-from kvagent.wire.router_event import mm_extra_info_to_wire, state_source_to_wire
 
 __all__ = [
     "DUMP_FORMATS",
+    "DumpColumns",
     "EncodedRing",
     "columns_frames",
+    "dump_columns_from_wire",
     "encoded_ring",
-    "fast_encode_event",
     "filter_snapshot",
     "legacy_dump_parts",
     "parse_dump_format",
+    "snapshot_header",
 ]
 
 DUMP_FORMATS = ("events", "columns")
 COLUMN_FIELDS = ("block_hashes", "parent_hashes", "tokens_hashes")
 _BYTES_PER_ROW = 8 * len(COLUMN_FIELDS) + 1  # three u64 columns and the flag byte
+_FLAG_VALUES = bytes((FLAG_ROOT, FLAG_PARENT, FLAG_DEAD))
 
 _Piece = tuple[DumpGroup, int, int, int]  # (group, first row, end row, event id of its first live row)
 
@@ -73,119 +76,6 @@ def parse_dump_format(request: Mapping[str, object]) -> str:
     if value not in DUMP_FORMATS:
         raise KvAgentError(f"dump_format must be one of {list(DUMP_FORMATS)}", code="bad_request")
     return str(value)
-
-
-# --- one ring event, fast ----------------------------------------------------------------------------
-
-_packer = msgpack.Packer(use_bin_type=True)
-_pack = _packer.pack
-# (worker_id, tier, domain, dp_rank, state_source, session_id) -> (bytes up to the event id, bytes after data)
-_ROUTE_BYTES: dict[tuple[object, ...], tuple[bytes, bytes]] = {}
-_ROUTE_BYTES_MAX = 4096
-_U64 = struct.Struct(">BQ")
-_BLOCK_HEAD = _packer.pack_map_header(3) + _pack("block_hash") + b"\xcf"
-_BLOCK_MID = _pack("tokens_hash") + b"\xcf"
-_BLOCK_TAIL = _pack("mm_extra_info") + _pack(None)
-_BLOCK = struct.Struct(f">{len(_BLOCK_HEAD)}sQ{len(_BLOCK_MID)}sQ{len(_BLOCK_TAIL)}s")
-_STORED_HEAD = b"".join(
-    [_pack("data"), _packer.pack_map_header(1), _pack("stored"), _packer.pack_map_header(3), _pack("parent_hash")]
-)
-_START_POSITION = _pack("start_position")
-_BLOCKS = _pack("blocks")
-_REMOVED_HEAD = b"".join(
-    [_pack("data"), _packer.pack_map_header(1), _pack("removed"), _packer.pack_map_header(1), _pack("block_hashes")]
-)
-_CLEARED = _pack("data") + _pack("cleared")
-
-
-def _event_head(top_fields: int, worker_id: int, tier: StorageTier, domain: ResidencyDomain) -> bytes:
-    """A wire event's msgpack bytes up to its event id, ending in the 0xcf marker of a fixed-width u64."""
-    return b"".join(
-        [
-            _packer.pack_map_header(top_fields),
-            _pack("worker_id"),
-            _pack(worker_id),
-            _pack("storage_tier"),
-            _pack(tier.value),
-            _pack("residency_domain"),
-            _pack(domain.value),
-            _pack("event"),
-            _packer.pack_map_header(3),
-            _pack("event_id"),
-            b"\xcf",
-        ]
-    )
-
-
-def _route_bytes(event: RouterEvent) -> tuple[bytes, bytes]:
-    key = (
-        event.worker_id,
-        event.storage_tier,
-        event.residency_domain,
-        event.dp_rank,
-        event.state_source,
-        event.session_id,
-    )
-    found = _ROUTE_BYTES.get(key)
-    if found is None:
-        top = 4 + (event.state_source is not None) + (event.session_id is not None)
-        head = _event_head(top, event.worker_id, event.storage_tier, event.residency_domain)
-        tail = _pack("dp_rank") + _pack(event.dp_rank)
-        if event.state_source is not None:
-            tail += _pack("state_source") + _pack(state_source_to_wire(event.state_source))
-        if event.session_id is not None:
-            tail += _pack("session_id") + _pack(event.session_id)
-        if len(_ROUTE_BYTES) >= _ROUTE_BYTES_MAX:
-            _ROUTE_BYTES.clear()  # routes are a handful per slot; this only bounds odd inputs
-        found = _ROUTE_BYTES[key] = (head, tail)
-    return found
-
-
-def fast_encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
-    """:func:`encode_event`, but msgpack from byte templates (u64 fields fixed-width ``0xcf``).
-
-    The result decodes to exactly ``router_event_to_wire(event)``; building that dict and packing it costs
-    about ten times more, and every applied event is encoded once when clients recover or follow.
-    """
-    data = event.data
-    cls = type(data)
-    if encoding is not Encoding.MSGPACK or (cls is Stored and data.mm_extra_infos is not None):  # type: ignore[union-attr]
-        return encode_event(encoding, event)
-    try:
-        head, tail = _route_bytes(event)
-        if cls is Stored:
-            assert isinstance(data, Stored)
-            parent = b"\xc0" if data.parent_hash is None else _U64.pack(0xCF, data.parent_hash)
-            hashes = data.block_hashes
-            body = b"".join(
-                [
-                    _STORED_HEAD,
-                    parent,
-                    _START_POSITION,
-                    _pack(data.start_position),
-                    _BLOCKS,
-                    _packer.pack_array_header(len(hashes)),
-                    *map(
-                        _BLOCK.pack,
-                        repeat(_BLOCK_HEAD),
-                        hashes,
-                        repeat(_BLOCK_MID),
-                        data.tokens_hashes,
-                        repeat(_BLOCK_TAIL),
-                    ),
-                ]
-            )
-        elif cls is Removed:
-            assert isinstance(data, Removed)
-            hashes = data.block_hashes
-            body = b"".join(
-                [_REMOVED_HEAD, _packer.pack_array_header(len(hashes)), *map(_U64.pack, repeat(0xCF), hashes)]
-            )
-        else:
-            body = _CLEARED
-        return b"".join([head, event.event_id.to_bytes(8, "big"), body, tail])
-    except (struct.error, OverflowError, TypeError, ValueError):
-        return encode_event(encoding, event)  # out-of-range values: the reference path reports them
 
 
 # --- the encoded ring ------------------------------------------------------------------------------
@@ -219,7 +109,7 @@ class EncodedRing:
             for position, part in enumerate(parts):
                 if part is None:
                     event = events[position]
-                    parts[position] = cache[event.event_id] = fast_encode_event(encoding, event)
+                    parts[position] = cache[event.event_id] = encode_event(encoding, event)
         if len(cache) > self._limit:
             self._prune(cache)
         return cast("list[str | bytes]", parts)  # every None was filled above
@@ -269,111 +159,19 @@ def filter_snapshot(
 # --- the per-event (legacy) dump encoding -----------------------------------------------------------
 
 
-def _slow_part(encoding: Encoding, group: DumpGroup, event_id: int, row: int) -> str | bytes:
-    columns = group.columns
-    info = columns.mm.get(row)
-    parent = columns.parents[row] if columns.flags[row] == FLAG_PARENT else None
-    data = Stored(parent, (columns.hashes[row],), (columns.tokens[row],), None if info is None else (info,))
-    event = RouterEvent(
-        group.worker_id, group.tier, group.domain, event_id, data, group.dp_rank, group.source
-    )
-    return encode_event(encoding, event)
-
-
-def _msgpack_templates(group: DumpGroup) -> tuple[struct.Struct, struct.Struct, tuple[bytes, ...]]:
-    pack = msgpack.Packer(use_bin_type=True).pack
-    packer = msgpack.Packer(use_bin_type=True)
-    source = group.source
-    head = _event_head(4 if source is None else 5, group.worker_id, group.tier, group.domain)
-    data = b"".join(
-        [pack("data"), packer.pack_map_header(1), pack("stored"), packer.pack_map_header(3), pack("parent_hash")]
-    )
-    blocks = b"".join(
-        [
-            pack("start_position"),
-            pack(None),
-            pack("blocks"),
-            packer.pack_array_header(1),
-            packer.pack_map_header(3),
-            pack("block_hash"),
-            b"\xcf",
-        ]
-    )
-    tokens = pack("tokens_hash") + b"\xcf"
-    tail = pack("mm_extra_info") + pack(None) + pack("dp_rank") + pack(group.dp_rank)
-    if source is not None:
-        tail += pack("state_source") + pack(state_source_to_wire(source))
-    with_parent_mid = data + b"\xcf"
-    root_mid = data + b"\xc0" + blocks
-    with_parent = struct.Struct(
-        f">{len(head)}sQ{len(with_parent_mid)}sQ{len(blocks)}sQ{len(tokens)}sQ{len(tail)}s"
-    )
-    root = struct.Struct(f">{len(head)}sQ{len(root_mid)}sQ{len(tokens)}sQ{len(tail)}s")
-    return with_parent, root, (head, with_parent_mid, blocks, tokens, tail, root_mid)
-
-
-def _msgpack_rows(
-    group: DumpGroup, first_row: int, end_row: int, event_id: int
-) -> tuple[list[bytes], int]:
-    hashes, parents, tokens, flags, mm, _live = group.columns
-    with_parent, root, (head, mid, blocks, toks, tail, root_mid) = _msgpack_templates(group)
-    pack_parent, pack_root = with_parent.pack, root.pack
-    parts: list[bytes] = []
-    append = parts.append
-    for row in range(first_row, end_row):
-        flag = flags[row]
-        if flag == FLAG_DEAD:
-            continue
-        if mm and row in mm:
-            append(_slow_part(Encoding.MSGPACK, group, event_id, row))  # type: ignore[arg-type]
-        elif flag == FLAG_PARENT:
-            append(pack_parent(head, event_id, mid, parents[row], blocks, hashes[row], toks, tokens[row], tail))
-        else:
-            append(pack_root(head, event_id, root_mid, hashes[row], toks, tokens[row], tail))
-        event_id += 1
-    return parts, event_id
-
-
-def _json_rows(group: DumpGroup, first_row: int, end_row: int, event_id: int) -> tuple[list[str], int]:
-    hashes, parents, tokens, flags, mm, _live = group.columns
-    # json.dumps(router_event_to_wire(...), separators=(",", ":")) with the per-block numbers left open.
-    source = "" if group.source is None else f',"state_source":{json.dumps(state_source_to_wire(group.source))}'
-    template = (
-        f'{{"worker_id":{group.worker_id},"storage_tier":{json.dumps(group.tier.value)},'
-        f'"residency_domain":{json.dumps(group.domain.value)},"event":{{"event_id":%d,"data":{{"stored":'
-        '{"parent_hash":%s,"start_position":null,"blocks":[{"block_hash":%d,"tokens_hash":%d,'
-        f'"mm_extra_info":null}}]}}}},"dp_rank":{group.dp_rank}}}{source}}}'
-    )
-    parts: list[str] = []
-    append = parts.append
-    for row in range(first_row, end_row):
-        flag = flags[row]
-        if flag == FLAG_DEAD:
-            continue
-        if mm and row in mm:
-            append(_slow_part(Encoding.JSON, group, event_id, row))  # type: ignore[arg-type]
-        else:
-            parent = str(parents[row]) if flag == FLAG_PARENT else "null"
-            append(template % (event_id, parent, hashes[row], tokens[row]))
-        event_id += 1
-    return parts, event_id
-
-
 def legacy_dump_parts(
     encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int = 4096
 ) -> Iterator[str | bytes]:
     """Each dump event encoded as in an ``events`` list (ids from 0), lazily, ``chunk_rows`` at a time."""
     event_id = 0
     for group in groups:
-        rows = len(group.columns.flags)
-        for first in range(0, rows, chunk_rows):
-            end = min(rows, first + chunk_rows)
-            if encoding is Encoding.MSGPACK:
-                parts, event_id = _msgpack_rows(group, first, end, event_id)
-                yield from parts
-            else:
-                text_parts, event_id = _json_rows(group, first, end, event_id)
-                yield from text_parts
+        columns = group.columns
+        live, has_parent = columns.masks()
+        rows = BlockRows(columns.hashes, columns.parents, columns.tokens, has_parent, live, columns.mm)
+        encoder = OneBlockRows(encoding, group.worker_id, group.tier, group.domain, group.dp_rank, group.source)
+        for first in range(0, len(live), chunk_rows):
+            parts, event_id = encoder.encode(rows, first, min(len(live), first + chunk_rows), event_id)
+            yield from parts
 
 
 # --- the compact columns dump -----------------------------------------------------------------------
@@ -496,3 +294,117 @@ def _split_rows(batch: list[_Piece], rows: int) -> tuple[list[_Piece], list[_Pie
 
 def snapshot_header(snapshot: DumpSnapshot, scope: ResetScope) -> dict[str, object]:
     return {"kind": "tree_dump", "last_event_id": snapshot.last_event_id, "reset_scope": scope.to_json()}
+
+
+# --- reading the columns dump back ------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True, eq=False)
+class DumpColumns:
+    """One piece of a ``"dump_format": "columns"`` tree dump: rows of one (owner, tier), parents first.
+
+    Row i is block ``block_hashes[i]`` with tokens hash ``tokens_hashes[i]`` and, when ``flags[i]`` is 1,
+    parent ``parent_hashes[i]`` (0: a root; 2: a padding row to skip).  A router that rebuilds its own tree
+    reads the arrays directly; :meth:`blocks` and :meth:`events` are conveniences.
+    """
+
+    worker_id: int
+    storage_tier: StorageTier
+    residency_domain: ResidencyDomain
+    dp_rank: int
+    state_source: CacheOwnerId | None
+    first_event_id: int
+    block_hashes: array[int]
+    parent_hashes: array[int]
+    tokens_hashes: array[int]
+    flags: bytes
+    mm_extra_infos: Mapping[int, MmExtraInfo]
+
+    @property
+    def live(self) -> int:
+        """Rows that are blocks (not padding)."""
+        return len(self.flags) - self.flags.count(FLAG_DEAD)
+
+    def blocks(self) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
+        """(block hash, parent hash or None, tokens hash, mm info) of each block, in dump order."""
+        mm = self.mm_extra_infos
+        rows = zip(self.block_hashes, self.parent_hashes, self.tokens_hashes, self.flags, strict=True)
+        for row, (block, parent, tokens, flag) in enumerate(rows):
+            if flag != FLAG_DEAD:
+                yield block, parent if flag == FLAG_PARENT else None, tokens, mm.get(row) if mm else None
+
+    def events(self) -> Iterator[RouterEvent]:
+        """The same blocks as the ``events`` dump format's one-block Stored events (same synthetic ids)."""
+        event_id = self.first_event_id
+        for block, parent, tokens, info in self.blocks():
+            data = Stored(parent, (block,), (tokens,), None if info is None else (info,))
+            yield RouterEvent(
+                self.worker_id,
+                self.storage_tier,
+                self.residency_domain,
+                event_id,
+                data,
+                self.dp_rank,
+                self.state_source,
+            )
+            event_id += 1
+
+
+def _blob(value: object, field: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):  # the JSON encoding carries the columns as base64
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error:
+            raise _bad(f"{field} is not base64") from None
+    raise _bad(f"{field} must be bytes or a base64 string")
+
+
+def _u64_column(value: object, field: str, rows: int) -> array[int]:
+    blob = _blob(value, field)
+    if len(blob) != 8 * rows:
+        raise _bad(f"{field} has {len(blob)} bytes for {rows} rows")
+    column = array("Q")
+    column.frombytes(blob)
+    if sys.byteorder != "little":
+        column.byteswap()
+    return column
+
+
+def _bad(message: str) -> RecoveryClientError:
+    return RecoveryClientError("bad_response", message)
+
+
+def dump_columns_from_wire(piece: object) -> DumpColumns:
+    """Validate one piece of a columns dump (C-speed: no per-row Python work)."""
+    if not isinstance(piece, dict):
+        raise _bad("a dump piece must be a map")
+    try:
+        rows = piece["rows"]
+        if type(rows) is not int or rows < 0:
+            raise _bad("dump rows must be a non-negative integer")
+        flags = _blob(piece["flags"], "flags")
+        if len(flags) != rows or flags.translate(None, _FLAG_VALUES):
+            raise _bad("dump flags must be one 0/1/2 byte per row")
+        mm: dict[int, MmExtraInfo] = {}
+        for row, raw_info in piece.get("mm_extra_infos") or ():
+            info = mm_extra_info_from_wire(raw_info)
+            if info is not None and isinstance(row, int) and 0 <= row < rows:
+                mm[row] = info
+        source = piece.get("state_source")
+        return DumpColumns(
+            int(piece["worker_id"]),
+            StorageTier(piece["storage_tier"]),
+            ResidencyDomain(piece["residency_domain"]),
+            int(piece["dp_rank"]),
+            None if source is None else state_source_from_wire(source),
+            int(piece["first_event_id"]),
+            _u64_column(piece["block_hashes"], "block_hashes", rows),
+            _u64_column(piece["parent_hashes"], "parent_hashes", rows),
+            _u64_column(piece["tokens_hashes"], "tokens_hashes", rows),
+            flags,
+            mm,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _bad(f"malformed dump columns: {exc!r}") from None

@@ -11,7 +11,6 @@ normative description.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -19,25 +18,20 @@ from typing import Any, Protocol
 import attrs
 import msgpack
 
-from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.errors import IdentityError, KvAgentError
-from kvagent.model.events import (
-    RESET_ALL,
-    U32_MAX,
-    U64_MAX,
+from kvagent.index.recovery_index import (
     EventsAnswer,
     InvalidRangeAnswer,
     RangeAnswer,
-    ResetScope,
-    ResidencyDomain,
-    RouterEvent,
+    RecoveryIndex,
     TooNewAnswer,
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
+from kvagent.model.errors import IdentityError, KvAgentError
+from kvagent.model.events import RESET_ALL, U32_MAX, U64_MAX, ResetScope, ResidencyDomain, RouterEvent
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, AttachmentStatus
-from kvagent.wire.router_event import router_event_to_wire
+from kvagent.wire.router_event import Encoding, encode_event
 
 __all__ = [
     "CONTROL_OPS",
@@ -137,11 +131,6 @@ class ServerStatistics:
     request_seconds_sum: float
 
 
-class Encoding(enum.Enum):
-    JSON = "json"
-    MSGPACK = "msgpack"
-
-
 # --- frames -----------------------------------------------------------------------------------------
 
 
@@ -230,14 +219,6 @@ def receipt(status: AgentStatus, fence: Fence, recovered_through: int) -> dict[s
         "attachment_generation": fence.generation,
         "recovered_through_cursor": recovered_through,
     }
-
-
-def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
-    """One event in the frame's encoding, ready to be spliced into an ``events`` list."""
-    wire = router_event_to_wire(event)
-    if encoding is Encoding.JSON:
-        return json.dumps(wire, separators=(",", ":"))
-    return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def _assemble(

@@ -30,19 +30,18 @@ import structlog
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from kvagent.index.recovery_index import DumpGroup, DumpSnapshot, RecoveryIndex
-from kvagent.model.errors import KvAgentError
-from kvagent.model.events import (
-    RESET_ALL,
-    U32_MAX,
+from kvagent.index.recovery_index import (
+    DumpGroup,
+    DumpSnapshot,
     EventsAnswer,
     InvalidRangeAnswer,
     RangeAnswer,
-    ResetScope,
-    RouterEvent,
+    RecoveryIndex,
     TooNewAnswer,
     TreeDumpFailedAnswer,
 )
+from kvagent.model.errors import KvAgentError
+from kvagent.model.events import RESET_ALL, U32_MAX, ResetScope, RouterEvent
 from kvagent.model.status import AgentStatus
 from kvagent.recovery.dump import (
     EncodedRing,

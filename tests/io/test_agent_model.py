@@ -20,8 +20,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.events import EventsAnswer, ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
+from kvagent.index.recovery_index import EventsAnswer, RecoveryIndex
+from kvagent.model.events import ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from tests.support.agent import (
     OWNER,

@@ -20,11 +20,10 @@ from hypothesis import strategies as st
 from trio_websocket import open_websocket_url
 
 import kvagent.index.store
-from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
+from kvagent.index.recovery_index import DumpSnapshot, EventsAnswer, RecoveryIndex
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
 from kvagent.model.events import (
     CLEARED,
-    EventsAnswer,
     MmExtraInfo,
     MmObject,
     Removed,
@@ -33,10 +32,9 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
 )
-from kvagent.recovery.client import _dump_columns, connect_slot
-from kvagent.recovery.dump import EncodedRing, columns_frames, fast_encode_event, legacy_dump_parts
-from kvagent.recovery.protocol import Encoding, encode_event
-from kvagent.wire.router_event import router_event_to_wire
+from kvagent.recovery.client import connect_slot
+from kvagent.recovery.dump import EncodedRing, columns_frames, dump_columns_from_wire, legacy_dump_parts
+from kvagent.wire.router_event import Encoding, encode_event, router_event_to_wire
 from tests.support.recovery import OTHER_OWNER, OWNER, WORKER, FakeSlot, start_server
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
@@ -165,7 +163,7 @@ def test_columns_frames_round_trip_within_the_frame_limit(encoding: Encoding) ->
     assert len(frames) > 3 and all(len(frame) <= limit for frame in frames)
     decoded = [msgpack.unpackb(f) if isinstance(f, bytes) else json.loads(f) for f in frames]
     assert [frame["more"] for frame in decoded] == [True] * (len(frames) - 1) + [False]
-    pieces = [_dump_columns(piece) for frame in decoded for piece in frame["groups"]]
+    pieces = [dump_columns_from_wire(piece) for frame in decoded for piece in frame["groups"]]
     assert [e for piece in pieces for e in piece.events()] == list(index.tree_dump().events)
 
 
@@ -219,8 +217,8 @@ def _decode(part: str | bytes) -> Any:
     ],
 )
 def test_fast_event_encoding_decodes_to_the_reference_map(event: RouterEvent) -> None:
-    assert _decode(fast_encode_event(Encoding.MSGPACK, event)) == router_event_to_wire(event)
-    assert fast_encode_event(Encoding.JSON, event) == encode_event(Encoding.JSON, event)
+    assert _decode(encode_event(Encoding.MSGPACK, event)) == router_event_to_wire(event)
+    assert encode_event(Encoding.JSON, event) == json.dumps(router_event_to_wire(event), separators=(",", ":"))
 
 
 def test_ring_tail_matches_a_slice() -> None:

@@ -15,7 +15,8 @@ from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.model.ids import derive_cache_owner_id
-from kvagent.publish.zmq_plane import PlaneSink, ZmqEventPlane, decode_event_plane_message, split_publication
+from kvagent.publish.zmq_plane import PlaneSink, ZmqEventPlane
+from kvagent.wire.event_plane import decode_event_plane_message, split_publication
 from kvagent.wire.router_event import encode_router_events
 
 GOLDEN_HEX = (

@@ -439,14 +439,15 @@ async def test_server_stats_count_connections_rejections_and_requests(
     assert snapshot.requests["status"] == 1
 
 
-# --- kvagent.recovery.subscribe.subscribe: event plane + websocket gap repair -------------------------------------
+# --- kvagent.recovery.client.subscribe: event plane + websocket gap repair -------------------------------------
 
 
 async def test_subscribe_repairs_event_plane_gaps(nursery: trio.Nursery) -> None:
     import zmq
 
     from kvagent._util.zmqtrio import TrioSocket
-    from kvagent.recovery.subscribe import EVENT_PLANE_TOPIC, SubscribeGapError, subscribe
+    from kvagent.recovery.client import SubscribeGapError, subscribe
+    from kvagent.wire.event_plane import EVENT_PLANE_TOPIC
     from kvagent.wire.router_event import encode_router_events
 
     slot = FakeSlot(ring_capacity=16)

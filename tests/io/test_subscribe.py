@@ -14,8 +14,8 @@ from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import RouterEvent
 from kvagent.publish.zmq_plane import ZmqEventPlane
+from kvagent.recovery.client import subscribe
 from kvagent.recovery.server import serve_recovery
-from kvagent.recovery.subscribe import subscribe
 from tests.support.agent import OWNER, XpubEngine, attach, batch, gpu_store
 
 PUBLISHER = 7

@@ -8,7 +8,7 @@ import pytest
 
 from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.coordinator.task import StatusCell
-from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.errors import CoordinatorError, IndexApplyError
 from kvagent.model.events import (
     CLEARED,
@@ -20,7 +20,6 @@ from kvagent.model.events import (
     RouterEvent,
     StorageTier,
     Stored,
-    TreeDumpAnswer,
     WorkerWithDpRank,
 )
 from kvagent.model.ids import (

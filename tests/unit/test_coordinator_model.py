@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.coordinator.task import StatusCell
-from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
@@ -30,7 +30,6 @@ from kvagent.model.events import (
     ResidencyOwner,
     StorageTier,
     Stored,
-    TreeDumpAnswer,
     WorkerWithDpRank,
 )
 from kvagent.model.ids import (

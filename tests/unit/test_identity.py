@@ -15,7 +15,6 @@ from kvagent.model.ids import (
     cache_semantics_material,
     derive_cache_owner_id,
     explicit_material,
-    host_record_id,
     resolve_stable_dp_slot_id,
     routing_scope_material,
     stable_dp_slot_material,
@@ -124,7 +123,6 @@ def test_derivation_is_deterministic_and_sensitive() -> None:
 def test_record_ids() -> None:
     assert attachment_record_id(41, 1) == 6630049642736882
     assert attachment_record_id(41, 2) == 4743735865508233
-    assert host_record_id(7) == 2947631501151638
     for generation in range(1, 200):
         record_id = attachment_record_id(2**53 - 1, generation)
         assert 0 < record_id < 2**53

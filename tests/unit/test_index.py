@@ -5,20 +5,23 @@ The live vLLM capture is exercised in test_index_live_vectors.py.
 
 from __future__ import annotations
 
-import logging
-
 import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
-from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.index.recovery_index import (
+    EventsAnswer,
+    InvalidRangeAnswer,
+    RecoveryIndex,
+    TooNewAnswer,
+    TreeDumpAnswer,
+)
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
     CLEARED,
     RESET_ALL,
-    EventsAnswer,
-    InvalidRangeAnswer,
     MmExtraInfo,
     MmObject,
     Removed,
@@ -27,13 +30,10 @@ from kvagent.model.events import (
     RouterEvent,
     StorageTier,
     Stored,
-    TooNewAnswer,
-    TreeDumpAnswer,
     WorkerWithDpRank,
     residency_owner,
 )
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id
-from kvagent.wire.router_event import router_event_to_wire
 
 OWNER = CacheOwnerId.parse(
     "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"
@@ -145,18 +145,20 @@ def test_ring_evicts_at_capacity_but_state_stays() -> None:
     assert index.resident_block_count == 33  # eviction drops events, never residency
 
 
-def test_non_consecutive_ids_warn_and_are_buffered(caplog: pytest.LogCaptureFixture) -> None:
+def test_non_consecutive_ids_warn_and_are_buffered() -> None:
     index = RecoveryIndex(16)
     index.apply(store(1, (1,)))
-    with caplog.at_level(logging.WARNING, logger="kvagent.index.recovery_index"):
+    with capture_logs() as logs:
         index.apply(store(5, (5,)))
-    assert [r.getMessage() for r in caplog.records] == ["Non-consecutive KV event id"]
+    assert logs == [
+        {"event": "non_consecutive_event_id", "log_level": "warning", "expected_event_id": 2, "event_id": 5}
+    ]
     assert index.current_event_id() == 5
     answer = index.events_in_range(3, None)  # a start inside the gap begins at the next buffered id
     assert isinstance(answer, EventsAnswer) and [e.event_id for e in answer.events] == [5]
-    caplog.clear()
-    index.apply(store(6, (6,)))
-    assert not caplog.records
+    with capture_logs() as logs:
+        index.apply(store(6, (6,)))
+    assert not logs
 
 
 def test_ids_that_do_not_increase_are_refused() -> None:
@@ -181,7 +183,7 @@ def test_constructor_validates() -> None:
 # --- subscribers ------------------------------------------------------------------------------------
 
 
-def test_subscribers_see_every_applied_event_in_order(caplog: pytest.LogCaptureFixture) -> None:
+def test_subscribers_see_every_applied_event_in_order() -> None:
     index = RecoveryIndex(16)
     seen: list[tuple[str, int, int]] = []
 
@@ -195,11 +197,11 @@ def test_subscribers_see_every_applied_event_in_order(caplog: pytest.LogCaptureF
     unsubscribe_first = index.subscribe(first)
     unsubscribe_broken = index.subscribe(broken)
     index.subscribe(lambda e: seen.append(("second", e.event_id, index.resident_block_count)))
-    with caplog.at_level(logging.ERROR, logger="kvagent.index.recovery_index"):
+    with capture_logs() as logs:
         index.apply(store(1, (1,)))
     assert seen == [("first", 1, 1), ("second", 1, 1)]
     assert index.current_event_id() == 1  # a failing subscriber does not fail the apply
-    assert any("subscriber" in r.getMessage() for r in caplog.records)
+    assert any("subscriber" in log["event"] and log["log_level"] == "error" for log in logs)
     unsubscribe_broken()
     with pytest.raises(IndexApplyError):
         index.apply(store(1, (2,)))  # refused: no subscriber hears about it
@@ -340,28 +342,6 @@ def test_dump_is_cached_until_the_next_apply() -> None:
     index.apply(store(2, (2,), parent=1))
     second = index.tree_dump()
     assert second is not first and second.last_event_id == 2 and len(second.events) == 2
-
-
-def test_wire_dump_matches_the_object_dump() -> None:
-    index = RecoveryIndex(16)
-    info = MmExtraInfo((MmObject(5, ((1, 2),)),))
-    index.apply(RouterEvent(7, HOST, W, 1, Stored(None, (1, 2, 3), (4, 5, 6), (None, info, None)), 0, OWNER))
-    index.apply(store(2, (10, 11), parent=3, domain=C, tier=DISK))
-    chunks = list(index.iter_tree_dump_wire(2))
-    assert [len(c) for c in chunks] == [2, 2, 1]
-    assert [m for c in chunks for m in c] == [router_event_to_wire(e) for e in index.tree_dump().events]
-    with pytest.raises(ValueError):
-        next(index.iter_tree_dump_wire(0))
-
-
-def test_wire_dump_fails_when_state_moves_under_it() -> None:
-    index = RecoveryIndex(16)
-    index.apply(store(1, (1, 2, 3)))
-    chunks = index.iter_tree_dump_wire(1)
-    next(chunks)
-    index.apply(store(2, (4,)))
-    with pytest.raises(RuntimeError, match="changed during tree dump"):
-        next(chunks)
 
 
 def test_parent_stored_after_its_child_is_dumped_first() -> None:

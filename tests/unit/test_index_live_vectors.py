@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import msgpack
 import pytest
 
-from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.events import (
     CLEARED,
     PlacementEvent,
@@ -20,7 +20,6 @@ from kvagent.model.events import (
     RouterEvent,
     StorageTier,
     Stored,
-    TreeDumpAnswer,
     WorkerWithDpRank,
 )
 from kvagent.vllm.decode import (
