@@ -50,7 +50,7 @@ from kvagent.model.ids import (
 )
 from kvagent.model.status import AgentStatus, Attachment, AttachmentSource, AttachmentStatus, StatusCell
 from kvagent.publish.sinks import EventSink, NullSink
-from kvagent.vllm.listener import ListenerOptions, ListenerStats, run_listener
+from kvagent.vllm.listener import ListenerCounters, ListenerOptions, run_listener
 
 __all__ = ["AttachmentConfig", "SlotAgent", "SlotAgentConfig", "open_slot_agent"]
 
@@ -164,7 +164,7 @@ class _ListenerTask:
     generation: int
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     finished: trio.Event = attrs.field(factory=trio.Event)
-    stats: ListenerStats = attrs.field(factory=ListenerStats)
+    stats: ListenerCounters = attrs.field(factory=ListenerCounters)
 
 
 class SlotAgent:
@@ -198,7 +198,7 @@ class SlotAgent:
         self._closing = False
         self._attachment: Attachment | None = None
         self._listener: _ListenerTask | None = None
-        self.listener_stats: ListenerStats | None = None
+        self.listener_stats: ListenerCounters | None = None
 
     # --- read side (SlotSurface) ---------------------------------------------------------------
     @property

@@ -28,6 +28,7 @@ from kvagent.vllm.decode import (
     RawBatch,
     RawBlockRemoved,
     RawBlockStored,
+    RawEagleBlockStored,
     RawEvent,
     RawIgnored,
     decode_payload,
@@ -301,7 +302,7 @@ def test_duplicate_hashes_become_an_empty_remove() -> None:
 
 def test_eagle_blocks_cover_one_extra_token_with_the_same_stride() -> None:
     tokens = tuple(range(9))
-    result = run(attach(), RawBlockStored((1, 2), None, tokens, 4, is_eagle=True))
+    result = run(attach(), RawEagleBlockStored((1, 2), None, tokens, 4))
     data = result.events[0].data
     assert isinstance(data, Stored)
     assert data.tokens_hashes == (local_block_hash(tokens[0:5]), local_block_hash(tokens[4:9]))
