@@ -55,7 +55,6 @@ __all__ = [
     "ResidencyNormalizer",
     "bounded_ingress_chunks",
     "build_ingress_chunks",
-    "preprocess_legacy",
 ]
 
 FAULT_UNKNOWN_OWNERSHIP = "unknown raw event ownership"
@@ -96,21 +95,9 @@ class NormalizedBatch:
     unpublished_blocks: int = 0
 
 
-def _ownership(event: RawEvent) -> str | None:
-    return None if isinstance(event, RawIgnored) else event.ownership
-
-
 def _medium(event: RawEvent) -> str | None:
     medium = None if isinstance(event, RawIgnored) else event.medium
     return medium or None  # Dynamo reads an empty medium as absent
-
-
-def preprocess_legacy(event: RawEvent) -> str | None:
-    """Dynamo's legacy framework-only preprocessing: the reason an event is rejected, or None."""
-    ownership = _ownership(event)
-    if ownership is None:
-        return None
-    return "unsupported_ownership" if ownership == "kvcr" else "unknown_ownership"
 
 
 def _mm_hash(entry: object) -> int | None:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import msgpack
 import pytest
 import structlog
@@ -19,7 +20,13 @@ from kvagent.model.status import AgentStatus, Attachment, StatusCell
 from kvagent.publish.sinks import RecordingSink
 from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
-from kvagent.vllm.listener import LISTENER_TERMINATED, ListenerCounters, ListenerOptions, run_listener
+from kvagent.vllm.listener import (
+    LISTENER_TERMINATED,
+    ListenerCounters,
+    ListenerOptions,
+    ListenerStatistics,
+    run_listener,
+)
 from tests.support.fakes import (
     IDENTITY,
     OWNER,
@@ -115,6 +122,29 @@ async def test_capture_is_admitted_in_order_with_the_batch_rank_checked() -> Non
         assert all(chunk.generation == 1 for chunk in h.coordinator.chunks)
         assert h.stats.messages == 68 and h.stats.batches == 68 and h.stats.gaps == 0
     assert h.coordinator.quarantines == [], "cancelled from outside: no quarantine"
+
+
+def test_statistics_are_a_frozen_copy_of_the_counters() -> None:
+    counters = ListenerCounters(messages=3, batches=2, gaps=1, filtered={"ignored_event": 4}, unpublished_blocks=5)
+    snapshot = counters.statistics()
+    assert snapshot == ListenerStatistics(
+        messages=3,
+        batches=2,
+        decode_errors=0,
+        gaps=1,
+        repaired_batches=0,
+        lost_batches=0,
+        restarts_seen=0,
+        duplicates=0,
+        reorder_overflows=0,
+        filtered={"ignored_event": 4},
+        unpublished_blocks=5,
+    )
+    counters.messages += 1
+    counters.filtered["ignored_event"] += 1
+    assert (snapshot.messages, snapshot.filtered) == (3, {"ignored_event": 4})
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        snapshot.messages = 9  # type: ignore[misc]
 
 
 async def test_a_dropped_live_range_is_repaired_from_the_replay_socket() -> None:

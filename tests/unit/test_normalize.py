@@ -38,7 +38,6 @@ from kvagent.vllm.normalize import (
     NormalizedBatch,
     bounded_ingress_chunks,
     build_ingress_chunks,
-    preprocess_legacy,
 )
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
@@ -79,10 +78,6 @@ def test_raw_ownership_maps_domains_and_quarantines_unsupported_kvcr() -> None:
     assert second.cache_owner_fault == "KVCR ownership has an unsupported storage medium"
     assert second.source_fault is None
     assert [e.domain for e in second.events] == [W]
-
-    assert preprocess_legacy(raw_store("CPU", "kvcr", 107)) == "unsupported_ownership"
-    assert preprocess_legacy(raw_store("CPU", "future_owner", 107)) == "unknown_ownership"
-    assert preprocess_legacy(raw_store("CPU", None, 107)) is None
 
     third = run(normalizer, raw_store("CPU", "future_owner", 108))
     assert third.source_fault == "unknown raw event ownership"
