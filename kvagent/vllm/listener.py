@@ -476,18 +476,18 @@ async def run_listener(
         )
         await listener.run()
     except _NotReady:
-        log.info("vllm_listener_stopping", generation=generation, reason="attachment no longer ready")
+        log.info("listener_stopping", generation=generation, reason="attachment no longer ready")
     except ListenerError as exc:
         error = str(exc)
     except Exception as exc:  # any other failure still ends in a quarantine, never a silent stop
-        log.exception("vllm_listener_crashed", generation=generation)
+        log.exception("listener_crashed", generation=generation)
         error = f"{type(exc).__name__}: {exc}"
     finally:
         sub.close()
         if replay is not None:
             replay.close()
     if error is not None:
-        log.warning("vllm_listener_failed", generation=generation, error=error)
+        log.warning("listener_failed", generation=generation, error=error)
     with trio.move_on_after(QUARANTINE_TIMEOUT, shield=True):
         try:
             await coordinator.quarantine(generation, LISTENER_TERMINATED)

@@ -394,7 +394,7 @@ async def expect_termination(h: Harness, logs: Logs, message: str) -> None:
     await h.finished.wait()
     assert h.coordinator.quarantines == [(1, LISTENER_TERMINATED)]
     assert any(
-        entry["event"] == "vllm_listener_failed" and entry["log_level"] == "warning" and message in entry["error"]
+        entry["event"] == "listener_failed" and entry["log_level"] == "warning" and message in entry["error"]
         for entry in logs
     ), logs
 
