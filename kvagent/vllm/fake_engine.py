@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import logging
 import random
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, cast
 
 import msgpack
+import structlog
 import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.events import U64_MAX
+from kvagent.vllm.decode import REPLAY_END_SEQ
 
 __all__ = [
     "NONE_HASH",
@@ -41,9 +42,7 @@ __all__ = [
     "to_legacy",
 ]
 
-log = logging.getLogger(__name__)
-
-REPLAY_END_SEQ = b"\xff" * 8
+log = structlog.get_logger(__name__)
 
 Event = dict[str, Any] | list[Any]
 
@@ -399,7 +398,7 @@ class FakeVllmEngine:
         while True:
             request = await router.recv_multipart()
             if len(request) != 3 or request[1] != b"":
-                log.warning("Invalid replay request: %d frames", len(request))
+                log.warning("fake_engine_invalid_replay_request", frames=len(request))
                 continue  # vLLM answers nothing at all
             identity = request[0]
             self.replay_requests += 1

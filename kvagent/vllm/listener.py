@@ -1,7 +1,6 @@
 """The per-attachment vLLM listener: SUB socket → decode → rank check → normalize → chunk → coordinator.
 
-Decoding and normalization take the typed fast path (:mod:`kvagent.vllm.typed`) whenever the payload
-allows it, and the general path otherwise. A burst is handled in slices of about a millisecond, so the
+Live frames and replay replies both go through :func:`kvagent.vllm.decode.decode`. A burst is handled in slices of about a millisecond, so the
 coordinator and recovery requests on the same event loop are never kept waiting longer.
 
 Admission never waits on the coordinator (``CoordinatorHandle.admit_nowait`` is a non-blocking send on an
@@ -18,16 +17,21 @@ continues (lossy, agent-semantics.md §3.5). On a cold attach the whole replay b
 blocks published before the SUB connected are not missing. A seq going backwards (an in-place engine
 restart) is passed through for the coordinator's reset barrier; if it went back to n > 0, the new
 incarnation's seqs 0..n-1 are a gap like any other.
+
+The listener owns its two sockets: the SUB, and the DEALER of its :class:`ReplayClient`, which runs one
+request at a time, collecting replies into a :class:`ReplayAttempt` so a cancelled or abandoned attempt keeps
+what it got.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import structlog
 import trio
 import zmq
 
@@ -36,14 +40,22 @@ from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES
 from kvagent.model.status import Attachment
-from kvagent.vllm.decode import RawMessage
+from kvagent.vllm.decode import RawMessage, decode
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
-from kvagent.vllm.sequence import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
-from kvagent.vllm.typed import TypedMessage, decode_live_frames, normalize_typed_batch
+from kvagent.vllm.sequence import SeqDecision, SequenceGate
 
-__all__ = ["LISTENER_TERMINATED", "ListenerError", "ListenerOptions", "ListenerStats", "run_listener"]
+__all__ = [
+    "LISTENER_TERMINATED",
+    "ListenerCounters",
+    "ListenerError",
+    "ListenerOptions",
+    "ListenerStatistics",
+    "ReplayAttempt",
+    "ReplayClient",
+    "run_listener",
+]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 LISTENER_TERMINATED = "framework listener terminated"
 QUARANTINE_TIMEOUT = 5.0
@@ -68,8 +80,41 @@ class ListenerOptions:
     max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
 
 
+@attrs.frozen(slots=True)
+class ListenerStatistics:
+    """A snapshot of one listener's counters (all since the listener started).
+
+    Attributes:
+        messages: live messages received from the SUB socket.
+        batches: batches normalized and admitted (live and replayed).
+        decode_errors: live messages that failed to decode (each ends the listener).
+        gaps: sequence gaps detected in the live stream.
+        repaired_batches: batches applied from replay replies.
+        lost_batches: batches reported to the coordinator as source loss.
+        restarts_seen: live seqs that went backwards (the engine restarted in place).
+        duplicates: batches dropped because their seq was already applied.
+        reorder_overflows: replays cut short because the reorder buffer filled up.
+        filtered: events dropped by normalization, by reason.
+        unpublished_blocks: stored blocks normalization could not publish (block size or missing tokens).
+    """
+
+    messages: int
+    batches: int
+    decode_errors: int
+    gaps: int
+    repaired_batches: int
+    lost_batches: int
+    restarts_seen: int
+    duplicates: int
+    reorder_overflows: int
+    filtered: Mapping[str, int]
+    unpublished_blocks: int
+
+
 @attrs.define
-class ListenerStats:
+class ListenerCounters:
+    """The listener's hot-path counters (plain increments); :meth:`statistics` takes a frozen snapshot."""
+
     messages: int = 0
     batches: int = 0
     decode_errors: int = 0
@@ -82,12 +127,98 @@ class ListenerStats:
     filtered: dict[str, int] = attrs.Factory(dict)
     unpublished_blocks: int = 0
 
+    def statistics(self) -> ListenerStatistics:
+        return ListenerStatistics(
+            messages=self.messages,
+            batches=self.batches,
+            decode_errors=self.decode_errors,
+            gaps=self.gaps,
+            repaired_batches=self.repaired_batches,
+            lost_batches=self.lost_batches,
+            restarts_seen=self.restarts_seen,
+            duplicates=self.duplicates,
+            reorder_overflows=self.reorder_overflows,
+            filtered=dict(self.filtered),
+            unpublished_blocks=self.unpublished_blocks,
+        )
+
+
+@attrs.define
+class ReplayAttempt:
+    """What one replay request produced; filled in as replies arrive."""
+
+    start: int
+    messages: list[RawMessage] = attrs.Factory(list)
+    complete: bool = False  # the end marker arrived
+    error: str | None = None
+
+
+class ReplayClient:
+    """One DEALER connected to the engine's replay ROUTER, owned by the listener task."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        endpoint: str,
+        *,
+        inactivity_timeout: float = 5.0,
+        max_payload_bytes: int,
+    ) -> None:
+        self.context = context
+        self.endpoint = endpoint
+        self.inactivity_timeout = inactivity_timeout
+        self.max_payload_bytes = max_payload_bytes
+        self.socket = self._connect()
+
+    def _connect(self) -> TrioSocket:
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.endpoint)
+        return TrioSocket(dealer)
+
+    def _reconnect(self) -> None:
+        # Replies to an abandoned request may still be on their way; a fresh DEALER has a new identity,
+        # so the ROUTER routes those stale replies nowhere instead of into the next attempt.
+        self.socket.close()
+        self.socket = self._connect()
+
+    def close(self) -> None:
+        self.socket.close()
+
+    async def fetch(self, attempt: ReplayAttempt) -> None:
+        """Request every buffered batch with ``seq >= attempt.start``; fills ``attempt`` oldest first.
+
+        Ends at the end marker, a malformed reply, or ``inactivity_timeout`` without a reply. A reply
+        below the requested start is ignored (it can only be a stray from an earlier request).
+        """
+        try:
+            await self.socket.send_multipart([b"", attempt.start.to_bytes(8, "big")])
+            while True:
+                with trio.move_on_after(self.inactivity_timeout) as idle:
+                    frames = await self.socket.recv_multipart()
+                if idle.cancelled_caught:
+                    attempt.error = "replay inactivity timeout"
+                    return
+                try:
+                    message = decode(frames, replay=True, max_payload_bytes=self.max_payload_bytes)
+                except WireDecodeError as exc:
+                    attempt.error = f"malformed replay reply: {exc}"
+                    return
+                if message is None:
+                    attempt.complete = True
+                    return
+                if message.seq >= attempt.start:
+                    attempt.messages.append(message)
+        finally:
+            if not attempt.complete:
+                self._reconnect()
+
 
 class _Pipeline:
     """Everything after sequencing: sans-IO apart from the coordinator handle's non-blocking admit."""
 
     def __init__(
-        self, attachment: Attachment, kv_block_size: int, coordinator: CoordinatorHandle, stats: ListenerStats
+        self, attachment: Attachment, kv_block_size: int, coordinator: CoordinatorHandle, stats: ListenerCounters
     ) -> None:
         self.generation = attachment.generation
         self.rank = attachment.worker.dp_rank
@@ -101,15 +232,11 @@ class _Pipeline:
             video_token_id=attachment.source.video_token_id,
         )
 
-    def process(self, message: RawMessage | TypedMessage) -> None:
+    def process(self, message: RawMessage) -> None:
         batch_rank = message.batch.data_parallel_rank or 0
         if batch_rank != self.rank:
             raise ListenerError(f"vLLM batch rank {batch_rank} does not match configured rank {self.rank}")
-        if type(message) is TypedMessage:
-            normalized = normalize_typed_batch(self.normalizer, message.batch)
-        else:
-            assert isinstance(message, RawMessage)
-            normalized = self.normalizer.normalize(message.batch)
+        normalized = self.normalizer.normalize(message.batch)
         stats = self.stats
         stats.batches += 1
         stats.unpublished_blocks += normalized.unpublished_blocks
@@ -136,7 +263,7 @@ class _Listener:
         coordinator: CoordinatorHandle,
         status: StatusCell,
         options: ListenerOptions,
-        stats: ListenerStats,
+        stats: ListenerCounters,
         sub: TrioSocket,
         replay: ReplayClient | None,
     ) -> None:
@@ -179,12 +306,12 @@ class _Listener:
         if not self.status.get().is_ready_generation(self.generation):
             raise _NotReady()
 
-    def _apply(self, message: RawMessage | TypedMessage) -> None:
+    def _apply(self, message: RawMessage) -> None:
         self.pipeline.process(message)
         self.gate.mark_applied(message.seq)
 
     async def _lose(self, lost: int, why: str) -> None:
-        log.warning("vLLM KV source lost %d batches of generation %d (%s)", lost, self.generation, why)
+        log.warning("vllm_source_lost_batches", generation=self.generation, batches=lost, reason=why)
         self.stats.lost_batches += lost
         try:
             await self.coordinator.report_source_loss(self.generation, lost)
@@ -195,7 +322,7 @@ class _Listener:
         self._check_ready()
         self.stats.messages += 1
         try:
-            message = decode_live_frames(frames, max_payload_bytes=self.options.max_payload_bytes)
+            message = decode(frames, max_payload_bytes=self.options.max_payload_bytes)
         except WireDecodeError as exc:
             self.stats.decode_errors += 1
             raise ListenerError(f"failed to decode framework KV event batch: {exc}") from exc
@@ -207,7 +334,7 @@ class _Listener:
         if decision is SeqDecision.RESTART:
             # The coordinator sees the cursor regress and publishes its own reset barrier.
             self.stats.restarts_seen += 1
-            log.warning("vLLM seq went back to %d: engine restarted in place", message.seq)
+            log.warning("vllm_engine_restarted_in_place", generation=self.generation, seq=message.seq)
             if message.seq > 0:
                 # The new incarnation's first batches went by before the SUB reconnected: its history
                 # starts at 0, so that is a gap like any other (repaired from its fresh replay buffer).
@@ -235,7 +362,7 @@ class _Listener:
         if attempt.messages or attempt.complete:
             self.gate.expect(0)
         else:
-            log.warning("cold-attach replay gave nothing (%s); starting from the live stream", attempt.error)
+            log.warning("vllm_cold_attach_replay_empty", generation=self.generation, error=attempt.error)
         await self._apply_replay(attempt)
 
     async def _apply_replay(self, attempt: ReplayAttempt) -> None:
@@ -253,7 +380,9 @@ class _Listener:
             self._apply(message)
             self.stats.repaired_batches += 1
         if not attempt.complete:
-            log.warning("vLLM replay from seq %d incomplete: %s", attempt.start, attempt.error)
+            log.warning(
+                "vllm_replay_incomplete", generation=self.generation, start=attempt.start, error=attempt.error
+            )
 
     async def _fetch(self, start: int) -> ReplayAttempt:
         """Run one replay request while live messages collect in the reorder buffer."""
@@ -287,29 +416,19 @@ class _Listener:
         return attempt
 
 
-async def run_listener(
-    *,
-    attachment: Attachment,
-    kv_block_size: int,
-    coordinator: CoordinatorHandle,
-    status: StatusCell,
-    options: ListenerOptions = ListenerOptions(),
-    zmq_context: zmq.Context[Any] | None = None,
-    stats: ListenerStats | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    context = zmq_context if zmq_context is not None else zmq.Context.instance()
-    stats = stats if stats is not None else ListenerStats()
-    generation = attachment.generation
+def _open_sockets(
+    context: zmq.Context[Any], attachment: Attachment, options: ListenerOptions
+) -> tuple[TrioSocket, ReplayClient | None]:
+    """The SUB connected and subscribed to the attachment's topic, and a replay client if it has an endpoint."""
     source = attachment.source
     sub_socket = context.socket(zmq.SUB)
     sub_socket.setsockopt(zmq.RCVHWM, options.rcvhwm)
     sub_socket.setsockopt(zmq.LINGER, 0)
     sub = TrioSocket(sub_socket)
-    replay: ReplayClient | None = None
     try:
         sub_socket.connect(source.endpoint)
         sub_socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        replay = None
         if source.replay_endpoint:
             replay = ReplayClient(
                 context,
@@ -320,6 +439,28 @@ async def run_listener(
     except BaseException:
         sub.close()
         raise
+    return sub, replay
+
+
+async def run_listener(
+    *,
+    attachment: Attachment,
+    kv_block_size: int,
+    coordinator: CoordinatorHandle,
+    status: StatusCell,
+    options: ListenerOptions = ListenerOptions(),
+    zmq_context: zmq.Context[Any] | None = None,
+    stats: ListenerCounters | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen to one attachment until cancelled or failed; a failure ends in a quarantine of its generation.
+
+    ``stats`` is the counters object the caller reads (a fresh one if not given).
+    """
+    context = zmq_context if zmq_context is not None else zmq.Context.instance()
+    stats = stats if stats is not None else ListenerCounters()
+    generation = attachment.generation
+    sub, replay = _open_sockets(context, attachment, options)
     task_status.started()
     error: str | None = None
     try:
@@ -335,20 +476,20 @@ async def run_listener(
         )
         await listener.run()
     except _NotReady:
-        log.info("vLLM KV listener for generation %d stopping: attachment no longer ready", generation)
+        log.info("listener_stopping", generation=generation, reason="attachment no longer ready")
     except ListenerError as exc:
         error = str(exc)
     except Exception as exc:  # any other failure still ends in a quarantine, never a silent stop
-        log.exception("vLLM KV listener crashed")
+        log.exception("listener_crashed", generation=generation)
         error = f"{type(exc).__name__}: {exc}"
     finally:
         sub.close()
         if replay is not None:
             replay.close()
     if error is not None:
-        log.warning("vLLM KV listener failed (generation %d): %s", generation, error)
+        log.warning("listener_failed", generation=generation, error=error)
     with trio.move_on_after(QUARANTINE_TIMEOUT, shield=True):
         try:
             await coordinator.quarantine(generation, LISTENER_TERMINATED)
         except KvAgentError as exc:
-            log.warning("listener could not quarantine generation %d: %s", generation, exc)
+            log.warning("listener_quarantine_failed", generation=generation, error=str(exc))

@@ -8,12 +8,10 @@ ownerships. Faults are recorded first-of-each-kind; the rest of the batch always
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Sequence
 
 import attrs
 import structlog
-import xxhash
 
 from kvagent.model.errors import ChunkingError
 from kvagent.model.events import (
@@ -33,7 +31,14 @@ from kvagent.model.events import (
     WorkerWithDpRank,
     block_count,
 )
-from kvagent.model.hashing import BASE_SEED, block_hash_seed, local_block_hash, mm_block_hash
+from kvagent.model.hashing import (
+    BASE_SEED,
+    block_hash_seed,
+    local_block_hash,
+    local_block_hashes,
+    mm_block_hash,
+    pack_tokens,
+)
 from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBatch,
@@ -50,7 +55,6 @@ __all__ = [
     "ResidencyNormalizer",
     "bounded_ingress_chunks",
     "build_ingress_chunks",
-    "preprocess_legacy",
 ]
 
 FAULT_UNKNOWN_OWNERSHIP = "unknown raw event ownership"
@@ -77,7 +81,6 @@ CACHE_SALT_PREFIX = "dynamo-cache-salt:"
 MAX_BLOCK_WARNINGS = 3
 MM_PAD_BASE = 1_000_000
 MM_PAD_MASK = (1 << 30) - 1
-xxh3 = xxhash.xxh3_64_intdigest
 log = structlog.get_logger(__name__)
 _AMBIGUOUS = object()
 _HEX16 = re.compile("[0-9a-fA-F]{16}")
@@ -92,21 +95,9 @@ class NormalizedBatch:
     unpublished_blocks: int = 0
 
 
-def _ownership(event: RawEvent) -> str | None:
-    return None if isinstance(event, RawIgnored) else event.ownership
-
-
 def _medium(event: RawEvent) -> str | None:
     medium = None if isinstance(event, RawIgnored) else event.medium
     return medium or None  # Dynamo reads an empty medium as absent
-
-
-def preprocess_legacy(event: RawEvent) -> str | None:
-    """Dynamo's legacy framework-only preprocessing: the reason an event is rejected, or None."""
-    ownership = _ownership(event)
-    if ownership is None:
-        return None
-    return "unsupported_ownership" if ownership == "kvcr" else "unknown_ownership"
 
 
 def _mm_hash(entry: object) -> int | None:
@@ -177,16 +168,9 @@ class ResidencyNormalizer:
             self._namespaces.clear()
             return None, None
         assert isinstance(event, RawBlockStored | RawBlockRemoved)
-        kind, group_idx = event.kv_cache_spec_kind, event.group_idx
-        if kind:
-            if cls is RawBlockStored and group_idx is not None:
-                self._groups[(dp_rank, group_idx)] = (kind, event.kv_cache_spec_sliding_window)
-            if kind not in MAIN_ATTENTION_KINDS:
-                return ("non_main_attention_kind" if kind in NON_MAIN_ATTENTION_KINDS else "unknown_kind"), None
-        elif group_idx is not None:
-            reason = self._group_filter(None, group_idx, dp_rank)
-            if reason is not None:
-                return reason, None
+        reason = self.attention_rejection(event, dp_rank)
+        if reason is not None:
+            return reason, None
         if isinstance(event, RawBlockRemoved):
             namespaces = self._namespaces
             if namespaces:
@@ -195,6 +179,20 @@ class ResidencyNormalizer:
                         namespaces.pop(block_hash, None)
             return None, None
         return self._propagate_namespace(event)
+
+    @property
+    def namespaced(self) -> bool:
+        """Whether any block carries a cache namespace (then every store and remove must track it)."""
+        return bool(self._namespaces)
+
+    def attention_rejection(self, event: RawBlockStored | RawBlockRemoved, dp_rank: int) -> str | None:
+        """Why the event is not main attention (its filter reason), or None; learns a store's group first."""
+        kind, group_idx = event.kv_cache_spec_kind, event.group_idx
+        if kind and group_idx is not None and isinstance(event, RawBlockStored):
+            self._groups[(dp_rank, group_idx)] = (kind, event.kv_cache_spec_sliding_window)
+        if kind in MAIN_ATTENTION_KINDS:
+            return None
+        return self._group_filter(kind, group_idx, dp_rank)
 
     def _group_filter(self, kind: str | None, group_idx: int | None, dp_rank: int) -> str | None:
         if kind:
@@ -267,31 +265,20 @@ class ResidencyNormalizer:
         count = min(len(hashes), max(len(tokens) - extra, 0) // block_size) if block_size > 0 else 0
         lora_name = event.lora_name
         seed = BASE_SEED if not lora_name and not namespace else self._seed(lora_name, namespace)
-        extra_keys = event.extra_keys
-        token_bytes = event.token_bytes
-        if len(token_bytes) != 4 * len(tokens):
-            token_bytes = struct.pack(f"<{len(tokens)}I", *tokens)
-        stride, width = 4 * block_size, 4 * (block_size + extra)
-        mm_per_block = (
-            None
-            if extra_keys is None or extra_keys.count(None) == len(extra_keys)  # live GPU stores: [nil, ...]
-            else _mm_hashes_per_block(extra_keys, count)
-        )
-        if mm_per_block is None:  # the common case: plain blocks, one C-level slice + hash each
-            tokens_hashes = tuple(
-                [xxh3(token_bytes[offset : offset + width], seed) for offset in range(0, count * stride, stride)]
-            )
+        token_bytes = pack_tokens(tokens)
+        mm_per_block = _mm_hashes_per_block(event.extra_keys, count)
+        if mm_per_block is None:  # the common case: plain blocks
+            tokens_hashes = local_block_hashes(token_bytes, block_size, count, seed, extra=extra)
             mm_infos: tuple[MmExtraInfo | None, ...] | None = None
         else:
             plain: list[int] = []
             infos: list[MmExtraInfo | None] = []
             for i, mm_hashes in enumerate(mm_per_block):
-                start = i * block_size
                 if not mm_hashes:
-                    plain.append(xxh3(token_bytes[i * stride : i * stride + width], seed))
+                    plain.extend(local_block_hashes(token_bytes, block_size, 1, seed, extra=extra, first=i))
                     infos.append(None)
                     continue
-                block = tokens[start : start + block_size + extra]
+                block = tokens[i * block_size : (i + 1) * block_size + extra]
                 plain.append(self._mm_tokens_hash(block, mm_hashes, seed))
                 infos.append(MmExtraInfo(tuple(MmObject(h, ()) for h in mm_hashes)))
             tokens_hashes, mm_infos = tuple(plain), tuple(infos)
@@ -303,7 +290,7 @@ class ResidencyNormalizer:
     def _warn_unpublished(self, blocks: int) -> None:
         if self.block_warnings < MAX_BLOCK_WARNINGS:
             self.block_warnings += 1
-            log.warning("Block not published", blocks=blocks)
+            log.warning("block_not_published", blocks=blocks)
 
     def _mm_tokens_hash(self, block: Sequence[int], mm_hashes: Sequence[int], seed: int) -> int:
         """LocalBlockHash of a block with MM objects: pad-normalized when configured, else native MM bytes.
@@ -322,7 +309,7 @@ class ResidencyNormalizer:
 
 def _mm_hashes_per_block(extra_keys: tuple[object, ...] | None, count: int) -> list[list[int]] | None:
     """Each published block's MM hashes (Dynamo's rule), or None when no block carries any."""
-    if not extra_keys or extra_keys.count(None) == len(extra_keys):
+    if not extra_keys or extra_keys.count(None) == len(extra_keys):  # live GPU stores: [nil, ...]
         return None
     if not any(isinstance(keys, list | tuple) and keys for keys in extra_keys[:count]):
         return None
@@ -386,10 +373,39 @@ class AttachmentNormalizer:
         self.kvcr = ResidencyNormalizer(kv_block_size, image_token_id, video_token_id)
 
     def normalize(self, batch: RawBatch) -> NormalizedBatch:
+        """Every event through :meth:`normalize_event`, apart from the common shapes, handled right here.
+
+        Framework-owned device stores and removes with no namespace, LoRA or multimodal data are most of
+        the traffic; they skip the general preprocessing and conversion (``tests/unit/test_fastpath.py``
+        checks that both give the same result and the same learned state).
+        """
         out = NormalizedBatch([])
         normalize_event = self.normalize_event
+        framework = self.framework
+        block_size = self.kv_block_size
+        rank = self.worker.dp_rank
+        filtered = out.filtered
+        append = out.events.append
         for event in batch.events:
-            normalize_event(event, out)
+            if type(event) is RawBlockStored:
+                if not _is_plain_store(event, block_size) or framework.namespaced:
+                    normalize_event(event, out)
+                elif (rejection := framework.attention_rejection(event, rank)) is not None:
+                    filtered[rejection] = filtered.get(rejection, 0) + 1
+                else:
+                    hashes = event.block_hashes
+                    tokens_hashes = local_block_hashes(pack_tokens(event.token_ids), block_size, len(hashes))
+                    stored = Stored(event.parent_block_hash, hashes, tokens_hashes, None)
+                    append(PlacementEvent(stored, _DEVICE, _WORKER, rank, event.session_id))
+            elif type(event) is RawBlockRemoved:
+                if not _is_plain_device_event(event) or framework.namespaced:
+                    normalize_event(event, out)
+                elif (rejection := framework.attention_rejection(event, rank)) is not None:
+                    filtered[rejection] = filtered.get(rejection, 0) + 1
+                else:
+                    append(PlacementEvent(Removed(event.block_hashes), _DEVICE, _WORKER, rank, None))
+            else:
+                normalize_event(event, out)
         return out
 
     def normalize_event(self, event: RawEvent, out: NormalizedBatch) -> None:
@@ -416,7 +432,7 @@ class AttachmentNormalizer:
         if reason is not None:
             out.filtered[reason] = out.filtered.get(reason, 0) + 1
             if kvcr:
-                log.warning(FAULT_KVCR_ENRICHMENT, reason=reason)
+                log.warning("kvcr_enrichment_failed", reason=reason)
                 out.cache_owner_fault = out.cache_owner_fault or FAULT_KVCR_ENRICHMENT
             return
         converted = normalizer.convert(event, namespace, rank)
@@ -434,8 +450,41 @@ class AttachmentNormalizer:
             domain = ResidencyDomain.CACHE_OWNER
         else:
             domain = ResidencyDomain.WORKER
-        session = event.session_id if type(event) is RawBlockStored else None
+        session = event.session_id if isinstance(event, RawBlockStored) else None
         out.events.append(PlacementEvent(data, tier, domain, rank, session))
+
+
+_DEVICE_MEDIA = frozenset({"", "GPU", "DEVICE"})
+_DEVICE = StorageTier.DEVICE
+_WORKER = ResidencyDomain.WORKER
+
+
+def _is_plain_device_event(event: RawBlockStored | RawBlockRemoved) -> bool:
+    medium, locality = event.medium, event.locality
+    return (
+        event.ownership is None
+        and (medium is None or medium in _DEVICE_MEDIA)
+        and (locality is None or locality == "LOCAL")
+    )
+
+
+def _is_plain_store(event: RawBlockStored, block_size: int) -> bool:
+    """A framework device store of whole blocks with no LoRA, salt, multimodal data or duplicate hash."""
+    hashes = event.block_hashes
+    count = len(hashes)
+    parent = event.parent_block_hash
+    extra_keys = event.extra_keys
+    return (
+        _is_plain_device_event(event)
+        and not event.cache_salt
+        and not event.lora_name
+        and event.block_size == block_size
+        and count > 0
+        and len(event.token_ids) >= count * block_size
+        and (extra_keys is None or extra_keys.count(None) == len(extra_keys))
+        and (parent is None or parent not in hashes)
+        and len(set(hashes)) == count
+    )
 
 
 def bounded_ingress_chunks(events: Sequence[PlacementEvent]) -> list[tuple[PlacementEvent, ...]]:

@@ -102,7 +102,7 @@ async def test_json_log_lines_of_a_slot_carry_its_name_and_generation(tmp_path: 
             ) as agent:
                 await engine.wait_subscribed()
                 await engine.send_payload(b"\xc1 is never valid msgpack")
-                line = await agent.log.wait_for(lambda text: "listener failed" in text)
+                line = await agent.log.wait_for(lambda text: "listener_failed" in text)
                 record = json.loads(line)
                 assert (record["slot"], record["generation"], record["level"]) == ("s0", 1, "warning")
                 # The coordinator's own lines (another task) carry the slot as well.

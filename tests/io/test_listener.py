@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from contextlib import asynccontextmanager
+from typing import Any
 
+import attrs
 import msgpack
 import pytest
+import structlog
 import trio
 
 from kvagent.coordinator.machine import SlotCoordinator
@@ -18,7 +20,13 @@ from kvagent.model.status import AgentStatus, Attachment
 from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
-from kvagent.vllm.listener import LISTENER_TERMINATED, ListenerOptions, ListenerStats, run_listener
+from kvagent.vllm.listener import (
+    LISTENER_TERMINATED,
+    ListenerCounters,
+    ListenerOptions,
+    ListenerStatistics,
+    run_listener,
+)
 from tests.support.fakes import (
     IDENTITY,
     OWNER,
@@ -42,7 +50,7 @@ class Harness:
         self.nursery = nursery
         self.engine = engine
         self.coordinator = coordinator
-        self.stats = ListenerStats()
+        self.stats = ListenerCounters()
         self.finished = trio.Event()
         self.status: StatusCell | None = None
         self.attachment: Attachment | None = None
@@ -114,6 +122,29 @@ async def test_capture_is_admitted_in_order_with_the_batch_rank_checked() -> Non
         assert all(chunk.generation == 1 for chunk in h.coordinator.chunks)
         assert h.stats.messages == 68 and h.stats.batches == 68 and h.stats.gaps == 0
     assert h.coordinator.quarantines == [], "cancelled from outside: no quarantine"
+
+
+def test_statistics_are_a_frozen_copy_of_the_counters() -> None:
+    counters = ListenerCounters(messages=3, batches=2, gaps=1, filtered={"ignored_event": 4}, unpublished_blocks=5)
+    snapshot = counters.statistics()
+    assert snapshot == ListenerStatistics(
+        messages=3,
+        batches=2,
+        decode_errors=0,
+        gaps=1,
+        repaired_batches=0,
+        lost_batches=0,
+        restarts_seen=0,
+        duplicates=0,
+        reorder_overflows=0,
+        filtered={"ignored_event": 4},
+        unpublished_blocks=5,
+    )
+    counters.messages += 1
+    counters.filtered["ignored_event"] += 1
+    assert (snapshot.messages, snapshot.filtered) == (3, {"ignored_event": 4})
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        snapshot.messages = 9  # type: ignore[misc]
 
 
 async def test_a_dropped_live_range_is_repaired_from_the_replay_socket() -> None:
@@ -350,58 +381,62 @@ async def test_a_repeated_seq_is_dropped() -> None:
 # -- self-termination -----------------------------------------------------------------------------------
 
 
-async def expect_termination(h: Harness, caplog: pytest.LogCaptureFixture, message: str) -> None:
+Logs = list[MutableMapping[str, Any]]
+
+
+@pytest.fixture
+def logs() -> Iterator[Logs]:
+    with structlog.testing.capture_logs() as captured:
+        yield captured
+
+
+async def expect_termination(h: Harness, logs: Logs, message: str) -> None:
     await h.finished.wait()
     assert h.coordinator.quarantines == [(1, LISTENER_TERMINATED)]
     assert any(
-        "vLLM KV listener failed" in record.getMessage() and message in record.getMessage()
-        for record in caplog.records
-    ), [record.getMessage() for record in caplog.records]
+        entry["event"] == "listener_failed" and entry["log_level"] == "warning" and message in entry["error"]
+        for entry in logs
+    ), logs
 
 
-async def test_a_batch_from_another_rank_ends_the_listener(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING)
+async def test_a_batch_from_another_rank_ends_the_listener(logs: Logs) -> None:
     async with harness() as h:
         await h.start_listener(dp_rank=2)
         await h.publish_live([0])
-        await expect_termination(h, caplog, "vLLM batch rank 0 does not match configured rank 2")
+        await expect_termination(h, logs, "vLLM batch rank 0 does not match configured rank 2")
         assert h.coordinator.chunks == []
 
 
-async def test_an_undecodable_batch_ends_the_listener(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING)
+async def test_an_undecodable_batch_ends_the_listener(logs: Logs) -> None:
     async with harness() as h:
         await h.start_listener()
         await h.engine.publish_frames([TOPIC.encode(), (0).to_bytes(8, "big"), b"\xc1"])
-        await expect_termination(h, caplog, "failed to decode framework KV event batch")
+        await expect_termination(h, logs, "failed to decode framework KV event batch")
         assert h.stats.decode_errors == 1
 
 
-async def test_an_oversized_payload_ends_the_listener(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING)
+async def test_an_oversized_payload_ends_the_listener(logs: Logs) -> None:
     async with harness() as h:
         await h.start_listener(options=ListenerOptions(cold_bootstrap=False, max_payload_bytes=64))
         await h.publish_live([0])
-        await expect_termination(h, caplog, "ZMQ payload exceeds 64 bytes")
+        await expect_termination(h, logs, "ZMQ payload exceeds 64 bytes")
 
 
-async def test_an_event_over_the_block_bound_ends_the_listener(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING)
+async def test_an_event_over_the_block_bound_ends_the_listener(logs: Logs) -> None:
     async with harness(block_size=1) as h:
         await h.start_listener()
         count = 8193
         event = block_stored(list(range(1, count + 1)), None, [1] * (count * 32), 32)
         await h.engine.publish_batch([event])
-        await expect_termination(h, caplog, "one ingress event exceeds the block bound")
+        await expect_termination(h, logs, "one ingress event exceeds the block bound")
 
 
-async def test_a_closed_coordinator_ends_the_listener(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING)
+async def test_a_closed_coordinator_ends_the_listener(logs: Logs) -> None:
     async with harness() as h:
         h.coordinator.closed = True
         await h.start_listener()
         await h.publish_live([0])
-        await expect_termination(h, caplog, "state-agent ingress coordinator is closed")
+        await expect_termination(h, logs, "state-agent ingress coordinator is closed")
 
 
 async def test_losing_readiness_stops_the_listener_and_quarantines() -> None:
@@ -450,7 +485,7 @@ async def test_the_capture_reaches_the_real_coordinator_and_index() -> None:
             engine = FakeVllmEngine(topic=TOPIC)
             await nursery.start(engine.run)
             attachment = await handle.attach(ready_attachment(engine.endpoint, generation=0))
-            stats = ListenerStats()
+            stats = ListenerCounters()
             await nursery.start(
                 lambda task_status: run_listener(
                     attachment=attachment,

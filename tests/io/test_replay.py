@@ -8,7 +8,8 @@ import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
-from kvagent.vllm.sequence import ReplayAttempt, ReplayClient, SeqDecision, SequenceGate
+from kvagent.vllm.listener import ReplayAttempt, ReplayClient
+from kvagent.vllm.sequence import SeqDecision, SequenceGate
 from tests.support.fakes import ReplayRouter
 from tests.support.vectors import load_live
 

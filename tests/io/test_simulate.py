@@ -14,7 +14,7 @@ from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBlockRemoved,
     RawBlockStored,
-    decode_frames,
+    decode,
     decode_payload,
 )
 from kvagent.vllm.fake_engine import (
@@ -151,7 +151,7 @@ async def test_the_engine_publishes_a_workload_a_sub_can_decode() -> None:
                 await engine.wait_for_subscriber()
                 workload = SimulatedWorkload(seed=1, block_size=4)
                 nursery.start_soon(partial(run_simulated_engine, engine, workload, steps_per_second=1000.0))
-                messages = [decode_frames(await sock.recv_multipart()) for _ in range(5)]
+                messages = [decode(await sock.recv_multipart()) for _ in range(5)]
             assert [m.seq for m in messages] == list(range(5))
             assert {m.batch.data_parallel_rank for m in messages} == {2}
             assert {m.topic for m in messages} == {b"kv-events"}
@@ -176,7 +176,7 @@ async def test_fault_injection_shapes_the_live_stream_and_the_replay_buffer() ->
                 assert await engine.publish_batch(event, unbuffered=True) == 2
                 assert await engine.publish_batch(event, skip_seq=True) == 4
                 assert await engine.publish_batch(event) == 5
-                live = [decode_frames(await sock.recv_multipart()).seq for _ in range(3)]
+                live = [decode(await sock.recv_multipart()).seq for _ in range(3)]
             assert live == [0, 4, 5]
             assert [seq for seq, _ in engine.buffer] == [0, 1, 4, 5]
             replies = engine.replay_replies(1)

@@ -2,8 +2,9 @@
 
 Inputs are mutated vector payloads (byte flips, truncation, splices) and generated msgpack batches.
 Only the typed errors may escape; anything else is reported and makes the run fail. Every input also goes
-through the listener's fast path (kvagent.vllm.typed) next to the general path, each with its own
-normalizer: any difference in the decoded batch or the normalized result counts as a failure too.
+through decode (the typed decoder first) next to the checked decoder, and through the normalizer's inlined
+shapes next to per-event normalization, each with its own normalizer: any difference in the decoded batch
+or the normalized result counts as a failure too.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import msgpack
 
 from kvagent.model.errors import ChunkingError, WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
-from kvagent.vllm.decode import RawMessage, decode_frames
+from kvagent.vllm.decode import REPLAY_END_SEQ, RawBatch, _decode_checked, _decode_typed, decode
 from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch, build_ingress_chunks
-from kvagent.vllm.typed import TypedMessage, decode_live_frames, normalize_typed_batch, to_raw_batch
 from tests.support.vectors import load_live, load_structs
 
 TAGS = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "TierBlocksCleared", "Bogus"]
@@ -100,36 +100,51 @@ class _Divergence(Exception):
     """The fast path and the general path disagree on an input."""
 
 
-def _fast_path(frames: list[bytes]) -> RawMessage | TypedMessage | str:
+def normalize_each(normalizer: AttachmentNormalizer, batch: RawBatch) -> NormalizedBatch:
+    """The general path: every event through ``normalize_event``, none inlined by ``normalize``."""
+    out = NormalizedBatch([])
+    for event in batch.events:
+        normalizer.normalize_event(event, out)
+    return out
+
+
+def _check_refusal(frames: list[bytes], error: str) -> None:
+    """decode refused the frames: when they are well formed, the checked decoder refuses the payload alike."""
+    if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == REPLAY_END_SEQ:
+        return  # a frame-level error, before any payload decoder runs
     try:
-        return decode_live_frames(frames)
+        _decode_checked(frames[2], True)
+    except WireDecodeError as checked:
+        if str(checked) != error:
+            raise _Divergence(f"different errors: {error!r} vs {str(checked)!r}") from None
+    else:
+        if "exceeds" not in error:
+            raise _Divergence(f"decode refused what the checked decoder accepts: {error}")
+
+
+def _check(frames: list[bytes], normalizer: AttachmentNormalizer, reference: AttachmentNormalizer) -> None:
+    """decode + normalize (fast paths included) against the checked decoder + per-event normalization."""
+    try:
+        message = decode(frames)
     except WireDecodeError as error:
-        return str(error)
-
-
-def _check_fast_path(
-    fast: RawMessage | TypedMessage | str,
-    general: RawMessage | str,
-    normalizer: AttachmentNormalizer,
-    expected: NormalizedBatch | None,
-) -> None:
-    if isinstance(fast, TypedMessage):
-        if isinstance(general, str):
-            # Deliberate: msgspec never decodes the values of keys it does not know (fastpath docstring).
-            if "can't decode" not in general:
-                raise _Divergence(f"fast path accepted what the general decoder refuses: {general}")
-            return
-        if (fast.seq, fast.topic, to_raw_batch(fast.batch)) != (general.seq, general.topic, general.batch):
-            raise _Divergence("fast and general decoders disagree")
-        if normalize_typed_batch(normalizer, fast.batch) != expected:
-            raise _Divergence("fast and general normalization disagree")
-    elif isinstance(fast, RawMessage):
-        if fast != general:
-            raise _Divergence("fallback decode differs from the general decoder")
-        if normalizer.normalize(fast.batch) != expected:
-            raise _Divergence("normalizers out of step")
-    elif fast != general:
-        raise _Divergence(f"different errors: {fast!r} vs {general!r}")
+        _check_refusal(frames, str(error))
+        return
+    typed = _decode_typed(frames[2])
+    try:
+        checked = _decode_checked(frames[2], True)
+    except WireDecodeError as error:
+        # Deliberate: msgspec never decodes the values of keys it does not know (decode's docstring).
+        if typed is None or "can't decode" not in str(error):
+            raise _Divergence(f"decode accepted what the checked decoder refuses: {error}") from None
+        return
+    if typed is not None and typed != checked:
+        raise _Divergence("typed and checked decoders disagree")
+    if message.batch != checked:
+        raise _Divergence("decode differs from the checked decoder")
+    expected = normalize_each(reference, checked)
+    if normalizer.normalize(message.batch) != expected:
+        raise _Divergence("fast and general normalization disagree")
+    build_ingress_chunks(1, message.seq, expected)
 
 
 def run(count: int, seed: int = 1) -> int:
@@ -140,18 +155,8 @@ def run(count: int, seed: int = 1) -> int:
     fast_normalizer = AttachmentNormalizer(kv_block_size=16, worker=WorkerWithDpRank(1, 0))
     for _ in range(count):
         frames = generate(rng, seeds)
-        general: RawMessage | str
-        expected: NormalizedBatch | None = None
         try:
-            try:
-                general = decode_frames(frames)
-            except WireDecodeError as error:
-                general = str(error)
-            else:
-                expected = normalizer.normalize(general.batch)
-            _check_fast_path(_fast_path(frames), general, fast_normalizer, expected)
-            if expected is not None and not isinstance(general, str):
-                build_ingress_chunks(1, general.seq, expected)
+            _check(frames, fast_normalizer, normalizer)
         except ChunkingError:
             continue
         except Exception:

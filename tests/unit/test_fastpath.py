@@ -1,8 +1,10 @@
 """The ingest fast path agrees with the general decoder + normalizer (which define behaviour) on every input.
 
-Each check runs two attachment normalizers in lockstep over the same stream, one through
-``decode_typed_payload`` + ``normalize_typed_batch`` and one through ``decode_payload`` + ``normalize``, so
-learned state (attention groups, cache namespaces) is compared too, not only single events.
+Decoding: the private typed decoder (msgspec) against the private checked decoder, which defines behaviour.
+Normalizing: each check runs two attachment normalizers in lockstep over the same stream, one through
+``AttachmentNormalizer.normalize`` (the common shapes inline) and one through ``normalize_event`` for every
+event (the general path), so learned state (attention groups, cache namespaces) is compared too, not only
+single events.
 """
 
 from __future__ import annotations
@@ -17,15 +19,9 @@ from hypothesis import strategies as st
 
 from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
-from kvagent.vllm.decode import RawMessage, decode_payload
+from kvagent.vllm.decode import _decode_checked, _decode_typed, decode, decode_payload
 from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch
-from kvagent.vllm.typed import (
-    TypedMessage,
-    decode_live_frames,
-    decode_typed_payload,
-    normalize_typed_batch,
-    to_raw_batch,
-)
+from tests.support.fuzz_decoder import normalize_each
 from tests.support.vectors import load_live, load_structs
 
 BLOCK_SIZE = 4
@@ -46,22 +42,23 @@ class Lockstep:
 
     def feed(self, payload: bytes) -> NormalizedBatch | None:
         try:
-            expected_raw = decode_payload(payload)
+            expected_raw = _decode_checked(payload, True)
         except WireDecodeError as error:
-            if decode_typed_payload(payload) is not None:
+            if _decode_typed(payload) is not None:
                 # The one deliberate difference: msgspec skips keys it does not know, and their values,
                 # without decoding them, so invalid UTF-8 there cannot fail the batch.
                 assert "can't decode" in str(error), f"fast path accepted a payload the decoder refuses: {error}"
             return None
-        expected = self.general.normalize(expected_raw)
-        batch = decode_typed_payload(payload)
+        expected = normalize_each(self.general, expected_raw)
+        batch = _decode_typed(payload)
         if batch is None:
-            # Declined: the listener hands the same payload to the general path, so state stays in step.
-            self.fast.normalize(expected_raw)
-            return expected
-        self.fast_hits += 1
-        assert to_raw_batch(batch) == expected_raw
-        assert normalize_typed_batch(self.fast, batch) == expected
+            # Declined: decode hands the same payload to the checked decoder.
+            assert decode_payload(payload) == expected_raw
+            batch = expected_raw
+        else:
+            self.fast_hits += 1
+            assert batch == expected_raw
+        assert self.fast.normalize(batch) == expected
         assert self.fast.framework._groups == self.general.framework._groups
         assert self.fast.framework._namespaces == self.general.framework._namespaces
         return expected
@@ -86,21 +83,24 @@ def test_live_frames_use_the_fast_decoder_and_fall_back_for_other_forms() -> Non
     store = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
              "token_ids": [1, 2, 3, 4], "block_size": 4}
     seq = (5).to_bytes(8, "big")
-    fast = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store], 0])])
-    assert isinstance(fast, TypedMessage) and fast.seq == 5 and fast.topic == b"kv"
+    fast_payload = msgpack.packb([1.0, [store], 0])
+    fast = decode([b"kv", seq, fast_payload])
+    assert _decode_typed(fast_payload) == fast.batch and fast.seq == 5 and fast.topic == b"kv"
     positional = ["BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU"]
-    typed = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [positional], 0])])
-    assert isinstance(typed, TypedMessage)
-    # One batch mixing both forms is legal (vllm-wire.md 0.4) but not typed: the general decoder takes it.
-    general = decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store, positional], 0])])
-    assert isinstance(general, RawMessage) and general.seq == 5
-    assert to_raw_batch(typed.batch).events[0] == general.batch.events[1]
+    typed_payload = msgpack.packb([1.0, [positional], 0])
+    typed = decode([b"kv", seq, typed_payload])
+    assert _decode_typed(typed_payload) == typed.batch
+    # One batch mixing both forms is legal (vllm-wire.md 0.4) but not typed: the checked decoder takes it.
+    mixed = msgpack.packb([1.0, [store, positional], 0])
+    general = decode([b"kv", seq, mixed])
+    assert _decode_typed(mixed) is None and general.seq == 5
+    assert typed.batch.events[0] == general.batch.events[1]
     with pytest.raises(WireDecodeError, match="token_ids"):
-        decode_live_frames([b"kv", seq, msgpack.packb([1.0, [{**store, "token_ids": [True]}], 0])])
+        decode([b"kv", seq, msgpack.packb([1.0, [{**store, "token_ids": [True]}], 0])])
     with pytest.raises(WireDecodeError, match="sequence frame"):
-        decode_live_frames([b"kv", b"\x00", msgpack.packb([1.0, [store], 0])])
+        decode([b"kv", b"\x00", msgpack.packb([1.0, [store], 0])])
     with pytest.raises(WireDecodeError, match="exceeds"):
-        decode_live_frames([b"kv", seq, msgpack.packb([1.0, [store], 0])], max_payload_bytes=8)
+        decode([b"kv", seq, msgpack.packb([1.0, [store], 0])], max_payload_bytes=8)
 
 
 # --- generated streams ---------------------------------------------------------------------------------

@@ -26,8 +26,7 @@ from kvagent.vllm.decode import (
     RawBlockRemoved,
     RawBlockStored,
     RawMessage,
-    decode_frames,
-    decode_replay_reply,
+    decode,
 )
 from kvagent.vllm.normalize import AttachmentNormalizer
 from tests.support.vectors import load_live
@@ -39,8 +38,8 @@ BLOCK_SIZE = 32  # the capture's engine setting
 @pytest.fixture(scope="module")
 def capture() -> tuple[list[RawMessage], list[RawMessage], list[bytes]]:
     sub, replay = load_live()
-    live = [decode_frames(frames) for frames in sub]
-    replayed = [m for m in (decode_replay_reply(frames) for frames in replay) if m is not None]
+    live = [decode(frames) for frames in sub]
+    replayed = [m for m in (decode(frames, replay=True) for frames in replay) if m is not None]
     return live, replayed, [frames[2] for frames in sub]
 
 

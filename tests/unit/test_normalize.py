@@ -28,6 +28,7 @@ from kvagent.vllm.decode import (
     RawBatch,
     RawBlockRemoved,
     RawBlockStored,
+    RawEagleBlockStored,
     RawEvent,
     RawIgnored,
     decode_payload,
@@ -37,7 +38,6 @@ from kvagent.vllm.normalize import (
     NormalizedBatch,
     bounded_ingress_chunks,
     build_ingress_chunks,
-    preprocess_legacy,
 )
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
@@ -78,10 +78,6 @@ def test_raw_ownership_maps_domains_and_quarantines_unsupported_kvcr() -> None:
     assert second.cache_owner_fault == "KVCR ownership has an unsupported storage medium"
     assert second.source_fault is None
     assert [e.domain for e in second.events] == [W]
-
-    assert preprocess_legacy(raw_store("CPU", "kvcr", 107)) == "unsupported_ownership"
-    assert preprocess_legacy(raw_store("CPU", "future_owner", 107)) == "unknown_ownership"
-    assert preprocess_legacy(raw_store("CPU", None, 107)) is None
 
     third = run(normalizer, raw_store("CPU", "future_owner", 108))
     assert third.source_fault == "unknown raw event ownership"
@@ -301,7 +297,7 @@ def test_duplicate_hashes_become_an_empty_remove() -> None:
 
 def test_eagle_blocks_cover_one_extra_token_with_the_same_stride() -> None:
     tokens = tuple(range(9))
-    result = run(attach(), RawBlockStored((1, 2), None, tokens, 4, is_eagle=True))
+    result = run(attach(), RawEagleBlockStored((1, 2), None, tokens, 4))
     data = result.events[0].data
     assert isinstance(data, Stored)
     assert data.tokens_hashes == (local_block_hash(tokens[0:5]), local_block_hash(tokens[4:9]))

@@ -1,4 +1,8 @@
-"""Every vLLM 0.32.0 vector (../shared/vectors), decoded and normalized, with its outcome asserted per case."""
+"""Every vLLM 0.32.0 vector (../shared/vectors), decoded and normalized, with its outcome asserted per case.
+
+The byte-level examples of the wire reference are in test_decode.py; the pinned LocalBlockHash vector and the
+empty chunking case in test_normalize.py.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,7 @@ from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBlockRemoved,
     RawBlockStored,
-    decode_frames,
-    decode_replay_reply,
-    is_replay_end_marker,
+    decode,
 )
 from kvagent.vllm.normalize import AttachmentNormalizer, bounded_ingress_chunks
 from tests.support.vectors import load_live, load_structs
@@ -72,10 +74,10 @@ def test_struct_case(case: str) -> None:
     expected = EXPECTED[case]
     if expected[0] == "error":
         with pytest.raises(WireDecodeError, match=expected[1]):
-            decode_frames(frames)
+            decode(frames)
         return
     placements, source_fault, owner_fault, filtered = expected
-    result = normalizer().normalize(decode_frames(frames).batch)
+    result = normalizer().normalize(decode(frames).batch)
     assert [(e.domain, e.tier, kind(e.data)) for e in result.events] == placements
     assert (result.source_fault, result.cache_owner_fault, result.filtered) == (
         source_fault,
@@ -86,7 +88,7 @@ def test_struct_case(case: str) -> None:
 
 
 def test_block_size_mismatch_truncates_and_counts_unpublished_blocks() -> None:
-    message = decode_frames(STRUCTS["block_size_mismatch"][1])
+    message = decode(STRUCTS["block_size_mismatch"][1])
     raw = message.batch.events[0]
     assert isinstance(raw, RawBlockStored) and raw.block_size == 32
     result = normalizer().normalize(message.batch)
@@ -97,18 +99,18 @@ def test_block_size_mismatch_truncates_and_counts_unpublished_blocks() -> None:
 
 
 def test_rank_1_batch_decodes_rank_1() -> None:
-    batch = decode_frames(STRUCTS["rank_1_batch"][1]).batch
+    batch = decode(STRUCTS["rank_1_batch"][1]).batch
     assert batch.data_parallel_rank == 1
-    assert decode_frames(STRUCTS["gpu_chain_remove_clear"][1]).batch.data_parallel_rank == 0
+    assert decode(STRUCTS["gpu_chain_remove_clear"][1]).batch.data_parallel_rank == 0
 
 
 def test_many_events_split_into_128_and_72() -> None:
-    many = normalizer().normalize(decode_frames(STRUCTS["many_events"][1]).batch)
+    many = normalizer().normalize(decode(STRUCTS["many_events"][1]).batch)
     assert [len(c) for c in bounded_ingress_chunks(many.events)] == [128, 72]
 
 
 def test_huge_event_normalizes_but_cannot_be_chunked() -> None:
-    huge = normalizer().normalize(decode_frames(STRUCTS["huge_event"][1]).batch)
+    huge = normalizer().normalize(decode(STRUCTS["huge_event"][1]).batch)
     stored = huge.events[0].data
     assert isinstance(stored, Stored) and len(stored.block_hashes) == 9000
     with pytest.raises(ChunkingError, match="^one ingress event exceeds the block bound$"):
@@ -116,7 +118,7 @@ def test_huge_event_normalizes_but_cannot_be_chunked() -> None:
 
 
 def test_lora_store_seeds_the_local_hash_with_the_adapter_name() -> None:
-    message = decode_frames(STRUCTS["lora_store"][1])
+    message = decode(STRUCTS["lora_store"][1])
     raw = message.batch.events[0]
     assert isinstance(raw, RawBlockStored) and raw.lora_name == "sql-adapter"
     stored = normalizer().normalize(message.batch).events[0].data
@@ -129,11 +131,11 @@ def test_lora_store_seeds_the_local_hash_with_the_adapter_name() -> None:
 
 
 def test_hash_forms_fold_to_u64() -> None:
-    raw = decode_frames(STRUCTS["bytes_hashes"][1]).batch.events[0]
+    raw = decode(STRUCTS["bytes_hashes"][1]).batch.events[0]
     wire_hashes = msgpack.unpackb(STRUCTS["bytes_hashes"][1][2], raw=False)[1][0]["block_hashes"]
     assert isinstance(raw, RawBlockStored)
     assert raw.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in wire_hashes)
-    negative = decode_frames(STRUCTS["negative_hash"][1]).batch
+    negative = decode(STRUCTS["negative_hash"][1]).batch
     wire = msgpack.unpackb(STRUCTS["negative_hash"][1][2], raw=False)[1]
     signed = [h for event in wire for h in event["block_hashes"]]
     assert any(h < 0 for h in signed)
@@ -151,7 +153,7 @@ def test_live_capture_decodes_completely_and_replay_matches() -> None:
     counts = {"stored": 0, "removed": 0, "cleared": 0}
     payload_by_seq: dict[int, bytes] = {}
     for frames in sub:
-        message = decode_frames(frames)
+        message = decode(frames)
         assert message.topic == b"kv-events" and message.batch.data_parallel_rank == 0
         payload_by_seq[message.seq] = frames[2]
         for event in message.batch.events:
@@ -165,11 +167,10 @@ def test_live_capture_decodes_completely_and_replay_matches() -> None:
                 counts["cleared"] += 1
     assert counts == {"stored": 65, "removed": 17, "cleared": 1}
     assert list(payload_by_seq) == list(range(68))  # in order, no gap, no repeat
-    assert is_replay_end_marker(replay[-1]) and decode_replay_reply(replay[-1]) is None
+    assert decode(replay[-1], replay=True) is None  # the end marker
     replayed_seqs = []
     for frames in replay[:-1]:
-        assert not is_replay_end_marker(frames)
-        replayed = decode_replay_reply(frames)
+        replayed = decode(frames, replay=True)
         assert replayed is not None and replayed.topic == b"kv-events"
         assert frames[3] == payload_by_seq[replayed.seq]
         replayed_seqs.append(replayed.seq)
@@ -181,7 +182,7 @@ def test_live_capture_normalizes_without_faults() -> None:
     attached = AttachmentNormalizer(kv_block_size=32, worker=WorkerWithDpRank(9, 0))
     stored_blocks = 0
     for frames in sub:
-        result = attached.normalize(decode_frames(frames).batch)
+        result = attached.normalize(decode(frames).batch)
         assert (result.source_fault, result.cache_owner_fault, result.unpublished_blocks) == (None, None, 0)
         assert result.filtered == {}
         stored_blocks += sum(len(e.data.block_hashes) for e in result.events if isinstance(e.data, Stored))

@@ -1,4 +1,4 @@
-"""The vLLM wire decoder: documented byte examples, every event layout, hash forms, replay frames, fuzzing."""
+"""The vLLM wire decoder (kvagent.vllm.decode): documented byte examples, every event layout, hash forms, replay frames, fuzzing."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from hypothesis import strategies as st
 
 from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
+from kvagent.model.hashing import pack_tokens
 from kvagent.vllm.decode import (
     RawAllBlocksCleared,
     RawBlockRemoved,
     RawBlockStored,
+    RawEagleBlockStored,
     RawIgnored,
-    decode_frames,
+    decode,
     decode_payload,
-    decode_replay_reply,
     decode_seq,
-    is_replay_end_marker,
 )
 from kvagent.vllm.normalize import AttachmentNormalizer
 from tests.support.vectors import load_live, load_structs
@@ -120,20 +120,20 @@ def test_payload_bound_is_checked_before_unpacking() -> None:
     with pytest.raises(WireDecodeError, match="^ZMQ payload exceeds 10 bytes$"):
         decode_payload(payload(), max_payload_bytes=10)
     with pytest.raises(WireDecodeError, match="^ZMQ payload exceeds 8388608 bytes$"):
-        decode_frames([b"t", SEQ1, too_big])
+        decode([b"t", SEQ1, too_big])
 
 
 def test_frames_and_sequence() -> None:
-    message = decode_frames([b"kv-events", (2**40 + 3).to_bytes(8, "big"), payload()])
+    message = decode([b"kv-events", (2**40 + 3).to_bytes(8, "big"), payload()])
     assert (message.topic, message.seq, message.batch.events) == (b"kv-events", 2**40 + 3, ())
     assert decode_seq(b"\x00" * 7 + b"\x09") == 9
     for bad in (b"", b"\x00" * 7, b"\x00" * 9):
         with pytest.raises(WireDecodeError, match="exactly 8 bytes"):
             decode_seq(bad)
     with pytest.raises(WireDecodeError, match="got 4"):
-        decode_frames([b"t", SEQ1, payload(), b""])
+        decode([b"t", SEQ1, payload(), b""])
     with pytest.raises(WireDecodeError, match="reserved for the replay end marker"):
-        decode_frames([b"t", END, payload()])
+        decode([b"t", END, payload()])
 
 
 def test_invalid_msgpack_is_a_typed_error() -> None:
@@ -255,9 +255,9 @@ def test_malformed_fields_are_named(event: object, message: str) -> None:
 def test_sglang_bigram_tokens_flatten_and_mark_eagle() -> None:
     event = one({"type": "BlockStored", "block_hashes": [1], "token_ids": [[1, 2], [2, 3], [3, 4]],
                  "block_size": 2})  # fmt: skip
-    assert isinstance(event, RawBlockStored)
+    assert isinstance(event, RawEagleBlockStored)
     assert (event.token_ids, event.is_eagle) == ((1, 2, 3, 4), True)
-    assert event.token_bytes == b"".join(t.to_bytes(4, "little") for t in (1, 2, 3, 4))
+    assert pack_tokens(event.token_ids) == b"".join(t.to_bytes(4, "little") for t in (1, 2, 3, 4))
 
 
 # --- hashes (vllm-wire.md 7.1) --------------------------------------------------------------------------
@@ -303,16 +303,17 @@ def test_out_of_range_hashes_are_rejected() -> None:
 
 def test_replay_reply_forms() -> None:
     data = payload({"type": "BlockRemoved", "block_hashes": [1]})
-    old = decode_replay_reply([b"", SEQ1, data])
-    new = decode_replay_reply([b"", b"kv", SEQ1, data])
+    old = decode([b"", SEQ1, data], replay=True)
+    new = decode([b"", b"kv", SEQ1, data], replay=True)
     assert old is not None and new is not None
     assert (old.topic, old.seq, new.topic, new.seq) == (b"", 1, b"kv", 1)
     assert old.batch == new.batch
     for marker in ([b"", END, b""], [b"", b"", END, b""], [b"", b"kv", END, b""]):
-        assert is_replay_end_marker(marker)
-        assert decode_replay_reply(marker) is None
-    assert not is_replay_end_marker([b"", b"", SEQ1, b""])
-    assert not is_replay_end_marker([b"kv", END, b""])
+        assert decode(marker, replay=True) is None
+    # Not end markers: a seq with an empty payload, and a live-shaped message carrying the marker seq.
+    for not_marker in ([b"", b"", SEQ1, b""], [b"kv", END, b""]):
+        with pytest.raises(WireDecodeError):
+            decode(not_marker, replay=True)
 
 
 @pytest.mark.parametrize(
@@ -329,7 +330,7 @@ def test_replay_reply_forms() -> None:
 )
 def test_malformed_replay_replies(frames: list[bytes], message: str) -> None:
     with pytest.raises(WireDecodeError, match=message):
-        decode_replay_reply(frames)
+        decode(frames, replay=True)
 
 
 # --- fuzzing: only the typed error escapes; normalize accepts whatever decode accepted --------------------
@@ -404,7 +405,7 @@ def test_mutated_vectors_only_raise_the_typed_error(
     if cut and data:
         data = data[: cut % (len(data) + 1)]
     try:
-        message = decode_frames([frames[0], frames[1], bytes(data)])
+        message = decode([frames[0], frames[1], bytes(data)])
     except WireDecodeError:
         return
     fresh_normalizer().normalize(message.batch)
