@@ -16,10 +16,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvagent.agent.slot import SlotAgent
+from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
+from kvagent.model.status import AgentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
+from kvagent.vllm.listener import ListenerStatistics
 
 __all__ = ["MetricSources", "SlotMetricsCollector", "render_metrics", "serve_metrics"]
 
@@ -36,8 +38,140 @@ class MetricSources:
     etcd: Callable[[], EtcdStatistics] | None = None
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
+@attrs.frozen
+class _SlotView:
+    """One slot at one scrape: its status, its statistics snapshot and its index size."""
+
+    name: str
+    status: AgentStatus
+    statistics: SlotStatistics
+    resident_blocks: int
+
+    @classmethod
+    def of(cls, agent: SlotAgent) -> _SlotView:
+        return cls(agent.name, agent.status(), agent.statistics(), agent.index.resident_block_count)
+
+
+_Reading = Callable[[_SlotView], float | None]
+
+
+def _listener(read: Callable[[ListenerStatistics], int]) -> _Reading:
+    # The listener counts exist once a slot has attached; before that the family has no sample for it.
+    return lambda view: None if view.statistics.listener is None else read(view.statistics.listener)
+
+
+def _ready(view: _SlotView) -> float:
+    attachment = view.status.attachment
+    return 1.0 if attachment is not None and attachment.ready else 0.0
+
+
+def _generation(view: _SlotView) -> float:
+    return 0.0 if view.status.attachment is None else view.status.attachment.generation
+
+
+# Per-slot families (label ``slot``): name (after ``kvagent_``), help, and how to read it from one view.
+_SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
+    ("events_in", "Placement events received from the listener", lambda v: v.statistics.coordinator.events_in),
+    (
+        "events_published",
+        "Outbound events handed to the sinks",
+        lambda v: v.statistics.coordinator.events_published,
+    ),
+    (
+        "dropped_events",
+        "Raw events lost to source-cursor gaps or incomplete batches",
+        lambda v: v.statistics.coordinator.dropped_events,
+    ),
+    ("attachments", "Successful attachments", lambda v: v.statistics.coordinator.attachments),
+    (
+        "restarts",
+        "Engine restarts detected in place (sequence regression)",
+        lambda v: v.statistics.coordinator.restarts,
+    ),
+    ("publications", "Sink publications (one per chunk)", lambda v: v.statistics.coordinator.publications),
+    (
+        "publication_failures",
+        "Failed sink publications",
+        lambda v: v.statistics.coordinator.publication_failures,
+    ),
+    (
+        "source_losses",
+        "Unrepairable raw batches reported by the listener",
+        lambda v: v.statistics.coordinator.source_losses,
+    ),
+    ("ingress_chunks", "Ingress chunks handled", lambda v: v.statistics.coordinator.ingress_chunks),
+    ("messages", "Raw ZMQ messages received", _listener(lambda listener: listener.messages)),
+    ("decode_errors", "Raw messages that failed to decode", _listener(lambda listener: listener.decode_errors)),
+    ("gaps", "Raw sequence gaps seen", _listener(lambda listener: listener.gaps)),
+    (
+        "repaired_batches",
+        "Raw batches recovered from the engine's replay buffer",
+        _listener(lambda listener: listener.repaired_batches),
+    ),
+    (
+        "lost_batches",
+        "Raw batches that could not be repaired",
+        _listener(lambda listener: listener.lost_batches),
+    ),
+    (
+        "withdrawals",
+        "Attachment advertisements withdrawn by the supervisor",
+        lambda v: v.statistics.withdrawal.withdrawals,
+    ),
+    (
+        "withdrawal_retries",
+        "Failed withdrawal attempts that were retried",
+        lambda v: v.statistics.withdrawal.retries,
+    ),
+    (
+        "stale_withdrawals",
+        "Withdrawal requests fenced off (another generation's advertisement)",
+        lambda v: v.statistics.withdrawal.stale_noops,
+    ),
+    (
+        "required_withdrawals",
+        "Withdrawals a detach or quarantine awaited",
+        lambda v: v.statistics.withdrawal.required_withdrawals,
+    ),
+)
+_SLOT_GAUGES: tuple[tuple[str, str, _Reading], ...] = (
+    ("outbound_cursor", "Last assigned outbound event id", lambda v: v.status.outbound_cursor),
+    ("attachment_ready", "1 when the attachment is ready", _ready),
+    ("attachment_generation", "Current attachment generation", _generation),
+    (
+        "cache_owner_ready",
+        "1 when CacheOwner residency is trusted",
+        lambda v: 1.0 if v.status.cache_owner_ready else 0.0,
+    ),
+    ("resident_blocks", "Resident blocks in the recovery index", lambda v: v.resident_blocks),
+    (
+        "ingress_queue_depth",
+        "Ingress chunks waiting for the coordinator",
+        lambda v: v.statistics.coordinator.ingress_queue_depth,
+    ),
+)
+# Per-slot families with a second label: (name, help, label, the counts by that label).
+_SLOT_LABELLED: tuple[tuple[str, str, str, Callable[[_SlotView], Mapping[str, int]]], ...] = (
+    ("events_filtered", "Events filtered, by reason", "reason", lambda v: v.statistics.coordinator.filtered),
+    ("quarantines", "Quarantines, by reason", "reason", lambda v: v.statistics.coordinator.quarantines),
+)
+
+
+def _slot_families(views: list[_SlotView]) -> Iterator[Metric]:
+    for kind, table in ((CounterMetricFamily, _SLOT_COUNTERS), (GaugeMetricFamily, _SLOT_GAUGES)):
+        for name, doc, read in table:
+            family = kind(f"kvagent_{name}", doc, labels=["slot"])
+            for view in views:
+                value = read(view)
+                if value is not None:
+                    family.add_metric([view.name], value)
+            yield family
+    for name, doc, label, counts in _SLOT_LABELLED:
+        labelled = CounterMetricFamily(f"kvagent_{name}", doc, labels=["slot", label])
+        for view in views:
+            for key, count in counts(view).items():
+                labelled.add_metric([view.name, key], count)
+        yield labelled
 
 
 def _labelled(name: str, doc: str, label: str, counts: Mapping[str, int] | Mapping[int, int]) -> CounterMetricFamily:
@@ -47,132 +181,25 @@ def _labelled(name: str, doc: str, label: str, counts: Mapping[str, int] | Mappi
     return family
 
 
-class _SlotFamilies:
-    """The per-slot families (label ``slot``), filled from one snapshot per slot."""
-
-    def __init__(self) -> None:
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ("slot",)) -> CounterMetricFamily:
-            return CounterMetricFamily(f"kvagent_{name}", doc, labels=list(labels))
-
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"kvagent_{name}", doc, labels=["slot"])
-
-        self.events_in = counter("events_in", "Placement events received from the listener")
-        self.events_published = counter("events_published", "Outbound events handed to the sinks")
-        self.dropped_events = counter(
-            "dropped_events", "Raw events lost to source-cursor gaps or incomplete batches"
-        )
-        self.attachments = counter("attachments", "Successful attachments")
-        self.restarts = counter("restarts", "Engine restarts detected in place (sequence regression)")
-        self.publications = counter("publications", "Sink publications (one per chunk)")
-        self.publication_failures = counter("publication_failures", "Failed sink publications")
-        self.source_losses = counter("source_losses", "Unrepairable raw batches reported by the listener")
-        self.ingress_chunks = counter("ingress_chunks", "Ingress chunks handled")
-        self.messages = counter("messages", "Raw ZMQ messages received")
-        self.decode_errors = counter("decode_errors", "Raw messages that failed to decode")
-        self.gaps = counter("gaps", "Raw sequence gaps seen")
-        self.repaired_batches = counter(
-            "repaired_batches", "Raw batches recovered from the engine's replay buffer"
-        )
-        self.lost_batches = counter("lost_batches", "Raw batches that could not be repaired")
-        self.filtered = counter("events_filtered", "Events filtered, by reason", ("slot", "reason"))
-        self.quarantines = counter("quarantines", "Quarantines, by reason", ("slot", "reason"))
-        self.cursor = gauge("outbound_cursor", "Last assigned outbound event id")
-        self.ready = gauge("attachment_ready", "1 when the attachment is ready")
-        self.generation = gauge("attachment_generation", "Current attachment generation")
-        self.owner_ready = gauge("cache_owner_ready", "1 when CacheOwner residency is trusted")
-        self.blocks = gauge("resident_blocks", "Resident blocks in the recovery index")
-        self.depth = gauge("ingress_queue_depth", "Ingress chunks waiting for the coordinator")
-        self.withdrawals = counter("withdrawals", "Attachment advertisements withdrawn by the supervisor")
-        self.withdrawal_retries = counter(
-            "withdrawal_retries", "Failed withdrawal attempts that were retried"
-        )
-        self.stale_withdrawals = counter(
-            "stale_withdrawals", "Withdrawal requests fenced off (another generation's advertisement)"
-        )
-        self.required_withdrawals = counter(
-            "required_withdrawals", "Withdrawals a detach or quarantine awaited"
-        )
-
-    def add(self, agent: SlotAgent) -> None:
-        slot = [agent.name]
-        status = agent.status()
-        attachment = status.attachment
-        self.cursor.add_metric(slot, status.outbound_cursor)
-        self.ready.add_metric(slot, 1.0 if attachment is not None and attachment.ready else 0.0)
-        self.generation.add_metric(slot, 0.0 if attachment is None else attachment.generation)
-        self.owner_ready.add_metric(slot, 1.0 if status.cache_owner_ready else 0.0)
-        self.blocks.add_metric(slot, agent.index.resident_block_count)
-        statistics = agent.statistics()
-        coordinator = statistics.coordinator
-        for family, value in (
-            (self.events_in, coordinator.events_in),
-            (self.events_published, coordinator.events_published),
-            (self.dropped_events, coordinator.dropped_events),
-            (self.attachments, coordinator.attachments),
-            (self.restarts, coordinator.restarts),
-            (self.publications, coordinator.publications),
-            (self.publication_failures, coordinator.publication_failures),
-            (self.source_losses, coordinator.source_losses),
-            (self.ingress_chunks, coordinator.ingress_chunks),
-            (self.withdrawals, statistics.withdrawal.withdrawals),
-            (self.withdrawal_retries, statistics.withdrawal.retries),
-            (self.stale_withdrawals, statistics.withdrawal.stale_noops),
-            (self.required_withdrawals, statistics.withdrawal.required_withdrawals),
-        ):
-            family.add_metric(slot, value)
-        for reason, count in coordinator.filtered.items():
-            self.filtered.add_metric([agent.name, reason], count)
-        for reason, count in coordinator.quarantines.items():
-            self.quarantines.add_metric([agent.name, reason], count)
-        self.depth.add_metric(slot, coordinator.ingress_queue_depth)
-        listener = statistics.listener
-        if listener is not None:
-            self.messages.add_metric(slot, listener.messages)
-            self.decode_errors.add_metric(slot, listener.decode_errors)
-            self.gaps.add_metric(slot, listener.gaps)
-            self.repaired_batches.add_metric(slot, listener.repaired_batches)
-            self.lost_batches.add_metric(slot, listener.lost_batches)
-
-    def families(self) -> Iterator[Metric]:
-        yield from (
-            self.events_in,
-            self.events_published,
-            self.dropped_events,
-            self.attachments,
-            self.restarts,
-            self.publications,
-            self.publication_failures,
-            self.source_losses,
-            self.ingress_chunks,
-            self.messages,
-            self.decode_errors,
-            self.gaps,
-            self.repaired_batches,
-            self.lost_batches,
-            self.filtered,
-            self.quarantines,
-            self.cursor,
-            self.ready,
-            self.generation,
-            self.owner_ready,
-            self.blocks,
-            self.depth,
-            self.withdrawals,
-            self.withdrawal_retries,
-            self.stale_withdrawals,
-            self.required_withdrawals,
-        )
+def _counters(prefix: str, table: Iterable[tuple[str, str, float]]) -> Iterator[Metric]:
+    for name, doc, value in table:
+        yield CounterMetricFamily(f"kvagent_{prefix}_{name}", doc, value=value)
 
 
 def _server_families(server: ServerStatistics) -> Iterator[Metric]:
     yield GaugeMetricFamily(
-        "kvagent_recovery_connections_open",
-        "Open recovery websocket connections",
-        value=server.connections_open,
+        "kvagent_recovery_connections_open", "Open recovery websocket connections", value=server.connections_open
     )
-    yield _counter(
-        "kvagent_recovery_connections", "Accepted recovery websocket connections", server.connections_total
+    yield from _counters(
+        "recovery",
+        (
+            ("connections", "Accepted recovery websocket connections", server.connections_total),
+            (
+                "request_seconds",
+                "Seconds spent answering recovery requests (follow excluded)",
+                server.request_seconds_sum,
+            ),
+        ),
     )
     yield _labelled(
         "kvagent_recovery_rejected", "Refused recovery handshakes, by HTTP status", "status", server.rejected
@@ -181,35 +208,32 @@ def _server_families(server: ServerStatistics) -> Iterator[Metric]:
     yield _labelled(
         "kvagent_recovery_request_errors", "Recovery error responses, by code", "code", server.request_errors
     )
-    yield _counter(
-        "kvagent_recovery_request_seconds",
-        "Seconds spent answering recovery requests (follow excluded)",
-        server.request_seconds_sum,
-    )
 
 
 def _event_plane_families(plane: EventPlaneStatistics) -> Iterator[Metric]:
-    yield _counter("kvagent_event_plane_messages_sent", "Event-plane messages sent", plane.messages_sent)
-    yield _counter("kvagent_event_plane_events_sent", "Events sent on the event plane", plane.events_sent)
-    yield _counter(
-        "kvagent_event_plane_dropped_messages",
-        "Event-plane messages dropped at the HWM",
-        plane.dropped_messages,
-    )
-    yield _counter(
-        "kvagent_event_plane_dropped_events", "Events dropped at the event-plane HWM", plane.dropped_events
+    yield from _counters(
+        "event_plane",
+        (
+            ("messages_sent", "Event-plane messages sent", plane.messages_sent),
+            ("events_sent", "Events sent on the event plane", plane.events_sent),
+            ("dropped_messages", "Event-plane messages dropped at the HWM", plane.dropped_messages),
+            ("dropped_events", "Events dropped at the event-plane HWM", plane.dropped_events),
+        ),
     )
 
 
 def _etcd_families(etcd: EtcdStatistics) -> Iterator[Metric]:
-    yield _counter("kvagent_etcd_keepalives", "Successful etcd lease keepalives", etcd.keepalives)
-    yield _counter("kvagent_etcd_keepalive_failures", "Failed etcd lease keepalives", etcd.keepalive_failures)
-    yield _counter("kvagent_etcd_lease_losses", "etcd leases given up as lost", etcd.lease_losses)
-    yield _counter("kvagent_etcd_regrants", "etcd leases granted again after a loss", etcd.regrants)
-    yield _counter(
-        "kvagent_etcd_reregistrations", "Records put again under a re-granted lease", etcd.reregistrations
+    yield from _counters(
+        "etcd",
+        (
+            ("keepalives", "Successful etcd lease keepalives", etcd.keepalives),
+            ("keepalive_failures", "Failed etcd lease keepalives", etcd.keepalive_failures),
+            ("lease_losses", "etcd leases given up as lost", etcd.lease_losses),
+            ("regrants", "etcd leases granted again after a loss", etcd.regrants),
+            ("reregistrations", "Records put again under a re-granted lease", etcd.reregistrations),
+            ("recoveries", "Re-grants whose re-registration completed", etcd.recoveries),
+        ),
     )
-    yield _counter("kvagent_etcd_recoveries", "Re-grants whose re-registration completed", etcd.recoveries)
 
 
 class SlotMetricsCollector(Collector):
@@ -217,10 +241,8 @@ class SlotMetricsCollector(Collector):
         self._sources = sources
 
     def collect(self) -> Iterator[Metric]:
-        slots = _SlotFamilies()
-        for agent in sorted(self._sources.slots(), key=lambda agent: agent.name):
-            slots.add(agent)
-        yield from slots.families()
+        views = [_SlotView.of(agent) for agent in sorted(self._sources.slots(), key=lambda agent: agent.name)]
+        yield from _slot_families(views)
         if self._sources.server is not None:
             yield from _server_families(self._sources.server())
         if self._sources.event_plane is not None:
