@@ -510,14 +510,10 @@ class SlotCoordinator:
             if event is None:
                 swallowed += 1
                 continue
-            event_id = self._next_outbound_id
-            if event_id >= U64_MAX:
-                self._fail_source(generation, "state-agent outbound cursor exhausted")
-                raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
-            self._next_outbound_id = event_id + 1
             domain = event.domain
             router_event = RouterEvent(
-                worker_id, event.tier, domain, event_id, event.data, event.dp_rank, owner, event.session_id
+                worker_id, event.tier, domain, self._take_outbound_id(generation), event.data, event.dp_rank,
+                owner, event.session_id,
             )
             is_barrier = type(event.data) is Cleared
             try:
@@ -528,19 +524,23 @@ class SlotCoordinator:
                     failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
                     failed_barrier.__cause__ = error
                     break
-                log.warning(
-                    "local_apply_failed",
-                    worker_id=worker_id,
-                    dp_rank=event.dp_rank,
-                    domain=domain.value,
-                    error=str(error),
-                )
+                log.warning("local_apply_failed", worker_id=worker_id, dp_rank=event.dp_rank,
+                            domain=domain.value, error=str(error))
             if is_barrier:
                 cleared_domains.append(domain)
             output.append(router_event)
         if swallowed:
             self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         return failed_barrier
+
+    def _take_outbound_id(self, generation: int) -> int:
+        """The next outbound cursor: strictly increasing, never reused, never U64_MAX."""
+        event_id = self._next_outbound_id
+        if event_id >= U64_MAX:
+            self._fail_source(generation, "state-agent outbound cursor exhausted")
+            raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
+        self._next_outbound_id = event_id + 1
+        return event_id
 
     def _publish(
         self, output: list[RouterEvent], cleared_domains: list[ResidencyDomain], generation: int

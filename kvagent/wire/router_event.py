@@ -38,7 +38,6 @@ from kvagent.model.ids import CacheOwnerId
 
 __all__ = [
     "BlockRows",
-    "CodecError",
     "Encoding",
     "OneBlockRows",
     "checked_router_event_from_wire",
@@ -308,12 +307,9 @@ class OneBlockRows:
         tail = _BLOCK_TAIL + _route_tail(dp_rank, source, None)
         mid, root_mid = _STORED_HEAD + _FIXED_U64, _STORED_HEAD + _NIL + blocks
         self._bytes = (head, mid, blocks, _BLOCK_MID, tail, root_mid)
-        self._pack_with_parent = struct.Struct(
-            f">{len(head)}sQ{len(mid)}sQ{len(blocks)}sQ{len(_BLOCK_MID)}sQ{len(tail)}s"
-        ).pack
-        self._pack_root = struct.Struct(
-            f">{len(head)}sQ{len(root_mid)}sQ{len(_BLOCK_MID)}sQ{len(tail)}s"
-        ).pack
+        key = len(_BLOCK_MID)
+        self._pack_with_parent = struct.Struct(f">{len(head)}sQ{len(mid)}sQ{len(blocks)}sQ{key}sQ{len(tail)}s").pack
+        self._pack_root = struct.Struct(f">{len(head)}sQ{len(root_mid)}sQ{key}sQ{len(tail)}s").pack
         # JSON: json.dumps(router_event_to_wire(...), separators=(",", ":")) with the row's numbers left open.
         source_text = "" if source is None else f',"state_source":{json.dumps(state_source_to_wire(source))}'
         self._json = (
