@@ -128,19 +128,8 @@ class ListenerCounters:
     unpublished_blocks: int = 0
 
     def statistics(self) -> ListenerStatistics:
-        return ListenerStatistics(
-            messages=self.messages,
-            batches=self.batches,
-            decode_errors=self.decode_errors,
-            gaps=self.gaps,
-            repaired_batches=self.repaired_batches,
-            lost_batches=self.lost_batches,
-            restarts_seen=self.restarts_seen,
-            duplicates=self.duplicates,
-            reorder_overflows=self.reorder_overflows,
-            filtered=dict(self.filtered),
-            unpublished_blocks=self.unpublished_blocks,
-        )
+        # asdict copies ``filtered``, so the snapshot never changes afterwards.
+        return ListenerStatistics(**attrs.asdict(self))
 
 
 @attrs.define
