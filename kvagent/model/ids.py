@@ -1,7 +1,7 @@
 """Slot and cache-owner identity: BLAKE3 digests over framed canonical material, and their text forms.
 
 The exact bytes are documented in ``docs/identity.md``; the test vectors there are pinned by
-``tests/test_identity.py``.  Framing follows Dynamo's rules: ``framed(x)`` is a little-endian u32 length
+``tests/unit/test_identity.py``.  Framing follows Dynamo's rules: ``framed(x)`` is a little-endian u32 length
 followed by ``x``, explicit maps are written in bytewise-sorted key order, and every material starts with a
 versioned domain tag naming both the id kind and its source.
 """
