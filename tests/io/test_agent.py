@@ -21,7 +21,6 @@ from kvagent.model.events import (
     WorkerWithDpRank,
 )
 from tests.support.agent import (
-    OWNER,
     TIMEOUT,
     XpubEngine,
     attach,
@@ -34,6 +33,7 @@ from tests.support.agent import (
     running_agent,
     wait_for_event,
 )
+from tests.support.ids import OWNER
 from tests.support.vectors import load_live
 
 

@@ -27,14 +27,8 @@ from kvagent.vllm.listener import (
     ListenerStatistics,
     run_listener,
 )
-from tests.support.fakes import (
-    IDENTITY,
-    OWNER,
-    RecordingCoordinator,
-    ReplayRouter,
-    ready_attachment,
-    status_for,
-)
+from tests.support.fakes import RecordingCoordinator, ReplayRouter
+from tests.support.ids import IDENTITY, OWNER, ready_attachment, status_for
 from tests.support.vectors import load_live
 
 LIVE, REPLAY = load_live()

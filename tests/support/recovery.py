@@ -21,36 +21,22 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import ResidencyDomain, RouterEvent, StorageTier, Stored, WorkerWithDpRank
 from kvagent.model.ids import (
     CacheOwnerId,
-    CacheSemanticsId,
-    DcId,
-    IndexerDomainId,
-    KvStateAgentIdentity,
-    PoolId,
-    RoutingScopeId,
     StableDpSlotId,
 )
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.server import RecoveryServerInfo, serve_recovery
+from tests.support.ids import IDENTITY, OWNER, WORKER
 
 __all__ = [
-    "IDENTITY",
     "OTHER_OWNER",
-    "OWNER",
     "TOKEN",
-    "WORKER",
     "FakeSlot",
     "raw_request",
     "start_server",
     "structlog_via_stdlib",
 ]
 
-OWNER = CacheOwnerId(
-    PoolId(IndexerDomainId(CacheSemanticsId(bytes([1] * 16)), RoutingScopeId(bytes([2] * 16))), DcId(3)),
-    StableDpSlotId(bytes([4] * 16)),
-)
 OTHER_OWNER = CacheOwnerId(OWNER.pool, StableDpSlotId(bytes([9] * 16)))
-IDENTITY = KvStateAgentIdentity(OWNER, 41)
-WORKER = WorkerWithDpRank(17, 0)
 TOKEN = "s3cret-token-value-never-logged"
 
 

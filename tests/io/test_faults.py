@@ -12,7 +12,6 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from tests.support.agent import (
-    OWNER,
     XpubEngine,
     attach,
     attachment_ads,
@@ -23,6 +22,7 @@ from tests.support.agent import (
     running_agent,
     wait_for_event,
 )
+from tests.support.ids import OWNER
 
 TIMEOUT = 20
 
