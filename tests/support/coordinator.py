@@ -1,6 +1,6 @@
 """The SlotCoordinator under test: one core with the seed fixtures, and the chunk/event builders.
 
-Shared by the machine tests (tests/unit/test_coordinator.py) and its Trio shell (tests/io/test_coordinator_task.py).
+Shared by tests/unit/test_coordinator.py (the machine) and tests/io/test_coordinator_task.py (its Trio shell).
 """
 
 from __future__ import annotations
@@ -143,4 +143,3 @@ class Slot:
 
 def cleared_count(events: Sequence[RouterEvent]) -> int:
     return sum(isinstance(event.data, Cleared) for event in events)
-
