@@ -19,15 +19,8 @@ async def test_thousand_connections_against_a_limit_of_256_while_ingesting(
     tmp_path: Path, fake_engine: XpubEngine
 ) -> None:
     with trio.fail_after(120):
-        async with serve(
-            tmp_path,
-            "--slot",
-            f"s0={fake_engine.endpoint}",
-            "--block-size",
-            "32",
-            "--max-connections",
-            str(LIMIT),
-        ) as agent:
+        slot = f"s0={fake_engine.endpoint}"
+        async with serve(tmp_path, "--slot", slot, "--block-size", "32", "--max-connections", str(LIMIT)) as agent:
             await fake_engine.wait_subscribed()
             admitted = 0
             rejected = 0

@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from tests.support.agent import XpubEngine, batch, gpu_store
-from tests.support.serve import client, follow_until, live_model, serve, stored_hashes
-from tests.support.vectors import load_live
+from tests.support.serve import client, follow_until, serve, stored_hashes
+from tests.support.vectors import live_model, load_live
 
 TIMEOUT = 60
 

@@ -74,28 +74,22 @@ class FakeSlot:
         self.set_status(outbound_cursor=event.event_id)
 
     def store_worker(self, block_hash: int, parent: int | None = None) -> RouterEvent:
-        event = RouterEvent(
-            WORKER.worker_id,
-            StorageTier.DEVICE,
-            ResidencyDomain.WORKER,
-            self.next_id,
-            Stored(parent, (block_hash,), (block_hash + 1,)),
-            WORKER.dp_rank,
-            OWNER,
-        )
-        self.apply(event)
-        return event
+        return self._store(ResidencyDomain.WORKER, StorageTier.DEVICE, block_hash, parent, OWNER)
 
     def store_cache_owner(self, block_hash: int, owner: CacheOwnerId = OWNER) -> RouterEvent:
-        event = RouterEvent(
-            WORKER.worker_id,
-            StorageTier.HOST_PINNED,
-            ResidencyDomain.CACHE_OWNER,
-            self.next_id,
-            Stored(None, (block_hash,), (block_hash + 1,)),
-            WORKER.dp_rank,
-            owner,
-        )
+        return self._store(ResidencyDomain.CACHE_OWNER, StorageTier.HOST_PINNED, block_hash, None, owner)
+
+    def _store(
+        self,
+        domain: ResidencyDomain,
+        tier: StorageTier,
+        block_hash: int,
+        parent: int | None,
+        source: CacheOwnerId,
+    ) -> RouterEvent:
+        """One block stored by WORKER as the next event (local hash = block hash + 1)."""
+        data = Stored(parent, (block_hash,), (block_hash + 1,))
+        event = RouterEvent(WORKER.worker_id, tier, domain, self.next_id, data, WORKER.dp_rank, source)
         self.apply(event)
         return event
 
