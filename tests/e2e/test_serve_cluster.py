@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import socket
 from pathlib import Path
-from typing import Any
 
 import httpx
 import trio
-import zmq
 
 from kvagent.discovery import open_discovery
 from kvagent.model.events import KV_STATE_SOURCES_TOPIC
@@ -60,45 +58,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def test_metrics_endpoint_counters_move(tmp_path: Path) -> None:
-    context: zmq.Context[Any] = zmq.Context()
-    engine = XpubEngine(context)
+async def test_metrics_endpoint_counters_move(tmp_path: Path, fake_engine: XpubEngine) -> None:
     port = free_port()
-    try:
-        with trio.fail_after(60):
-            async with serve(
-                tmp_path,
-                "--slot",
-                f"s0={engine.endpoint}",
-                "--block-size",
-                "32",
-                "--metrics",
-                f"127.0.0.1:{port}",
-            ) as agent:
-                await engine.wait_subscribed()
+    with trio.fail_after(60):
+        async with serve(
+            tmp_path,
+            "--slot",
+            f"s0={fake_engine.endpoint}",
+            "--block-size",
+            "32",
+            "--metrics",
+            f"127.0.0.1:{port}",
+        ) as agent:
+            await fake_engine.wait_subscribed()
 
-                async def scrape() -> dict[str, float]:
-                    async with httpx.AsyncClient() as http:
-                        response = await http.get(f"http://127.0.0.1:{port}/metrics")
-                    assert response.status_code == 200
-                    values: dict[str, float] = {}
-                    for line in response.text.splitlines():
-                        if line.startswith("kvagent_") and 'slot="s0"' in line:
-                            name = line.split("{", 1)[0]
-                            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-                    return values
+            async def scrape() -> dict[str, float]:
+                async with httpx.AsyncClient() as http:
+                    response = await http.get(f"http://127.0.0.1:{port}/metrics")
+                assert response.status_code == 200
+                values: dict[str, float] = {}
+                for line in response.text.splitlines():
+                    if line.startswith("kvagent_") and 'slot="s0"' in line:
+                        name = line.split("{", 1)[0]
+                        values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                return values
 
-                before = await scrape()
-                for i in range(50):
-                    await engine.send_payload(batch([gpu_store([100 + i])]))
-                async with client(agent.url) as c:
-                    await engine.send_payload(batch([gpu_store([0xFEED])]))
-                    await follow_until(c, 0xFEED, 1)
-                after = await scrape()
-                assert after["kvagent_outbound_cursor"] >= before["kvagent_outbound_cursor"] + 51
-                assert after["kvagent_events_in_total"] > before.get("kvagent_events_in_total", 0)
-                assert after["kvagent_resident_blocks"] == 51
-                assert after["kvagent_attachment_ready"] == 1
-    finally:
-        engine.close()
-        context.destroy(linger=0)
+            before = await scrape()
+            for i in range(50):
+                await fake_engine.send_payload(batch([gpu_store([100 + i])]))
+            async with client(agent.url) as c:
+                await fake_engine.send_payload(batch([gpu_store([0xFEED])]))
+                await follow_until(c, 0xFEED, 1)
+            after = await scrape()
+            assert after["kvagent_outbound_cursor"] >= before["kvagent_outbound_cursor"] + 51
+            assert after["kvagent_events_in_total"] > before.get("kvagent_events_in_total", 0)
+            assert after["kvagent_resident_blocks"] == 51
+            assert after["kvagent_attachment_ready"] == 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 import pytest
 import trio
 
@@ -21,7 +20,6 @@ from kvagent.model.events import (
     WorkerWithDpRank,
 )
 from tests.support.agent import (
-    OWNER,
     TIMEOUT,
     XpubEngine,
     attach,
@@ -34,7 +32,8 @@ from tests.support.agent import (
     running_agent,
     wait_for_event,
 )
-from tests.support.vectors import load_live
+from tests.support.ids import OWNER
+from tests.support.vectors import live_model, load_live
 
 
 async def test_live_capture_end_to_end_detach_and_reattach() -> None:
@@ -55,17 +54,7 @@ async def test_live_capture_end_to_end_detach_and_reattach() -> None:
             await wait_for_event(agent, is_store_of(0xFEED))
 
             # Expected resident set: replay the capture through an independent model.
-            model: set[int] = set()
-            for frames in sub_messages:
-                _, events, _rank = msgpack.unpackb(frames[2], strict_map_key=False)
-                for event in events:
-                    if event["type"] == "BlockStored":
-                        model.update(event["block_hashes"])
-                    elif event["type"] == "BlockRemoved":
-                        model.difference_update(event["block_hashes"])
-                    else:
-                        model.clear()
-            model.add(0xFEED)
+            model = live_model(sub_messages) | {0xFEED}
             worker = WorkerWithDpRank(17, 0)
             resident = {h for (owner, tier, h) in agent.index.resident_blocks() if owner == worker}
             assert resident == model

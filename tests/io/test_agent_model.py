@@ -24,7 +24,6 @@ from kvagent.index.recovery_index import EventsAnswer, RecoveryIndex
 from kvagent.model.events import ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from tests.support.agent import (
-    OWNER,
     XpubEngine,
     attach,
     batch,
@@ -34,6 +33,7 @@ from tests.support.agent import (
     running_agent,
     wait_for_event,
 )
+from tests.support.ids import OWNER
 
 POOL = 12
 

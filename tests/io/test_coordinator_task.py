@@ -9,17 +9,8 @@ import trio.testing
 from kvagent.coordinator.task import CoordinatorHandle, admit_ingress, open_coordinator, open_ingress_channel
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import residency_owner
-from tests.unit.test_coordinator import (
-    FIRST,
-    OWNER,
-    REPLACEMENT,
-    C,
-    Slot,
-    W,
-    attachment_for,
-    chunk,
-    store,
-)
+from tests.support.coordinator import FIRST, REPLACEMENT, Slot, chunk, store
+from tests.support.ids import OWNER, C, W, attachment_for
 
 # -- 9.3 ------------------------------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ from kvagent.model.events import (
 from kvagent.recovery.client import connect_slot
 from kvagent.recovery.dump import EncodedRing, columns_frames, dump_columns_from_wire, legacy_dump_parts
 from kvagent.wire.router_event import Encoding, encode_event, router_event_to_wire
-from tests.support.recovery import OTHER_OWNER, OWNER, WORKER, FakeSlot, start_server
+from tests.support.ids import OWNER, WORKER
+from tests.support.recovery import OTHER_OWNER, FakeSlot, start_server
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
 DEVICE, HOST = StorageTier.DEVICE, StorageTier.HOST_PINNED

@@ -16,6 +16,7 @@ from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.coordinator.task import StatusCell, open_coordinator
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import IngressChunk, RouterEvent
+from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, Attachment
 from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import REPLAY_END_SEQ
@@ -27,14 +28,8 @@ from kvagent.vllm.listener import (
     ListenerStatistics,
     run_listener,
 )
-from tests.support.fakes import (
-    IDENTITY,
-    OWNER,
-    RecordingCoordinator,
-    ReplayRouter,
-    ready_attachment,
-    status_for,
-)
+from tests.support.fakes import RecordingCoordinator, ReplayRouter
+from tests.support.ids import IDENTITY, OWNER, ready_attachment, status_for
 from tests.support.vectors import load_live
 
 LIVE, REPLAY = load_live()
@@ -465,12 +460,13 @@ async def test_external_cancellation_does_not_quarantine() -> None:
 # -- with the real coordinator ----------------------------------------------------------------------------
 
 
-async def test_the_capture_reaches_the_real_coordinator_and_index() -> None:
+async def test_the_capture_reaches_the_real_coordinator_and_index(
+    identity: KvStateAgentIdentity, recording_sink: RecordingSink, status_cell: StatusCell
+) -> None:
     index = RecoveryIndex(32)
-    sink = RecordingSink()
-    status = StatusCell(AgentStatus(IDENTITY))
+    sink, status = recording_sink, status_cell
     core = SlotCoordinator(
-        identity=IDENTITY,
+        identity=identity,
         slot_rank=0,
         index=index,
         sink=sink,

@@ -33,12 +33,10 @@ from kvagent.recovery.client import connect_slot
 from kvagent.recovery.protocol import CACHE_OWNER_INCREMENTAL_UNSUPPORTED, MAX_FRAME_BYTES, ServerStatistics
 from kvagent.recovery.server import ServerStats
 from kvagent.wire.router_event import router_event_to_json
+from tests.support.ids import IDENTITY, OWNER, WORKER
 from tests.support.recovery import (
-    IDENTITY,
     OTHER_OWNER,
-    OWNER,
     TOKEN,
-    WORKER,
     FakeSlot,
     raw_request,
     start_server,

@@ -16,7 +16,8 @@ from kvagent.model.events import RouterEvent
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.client import subscribe
 from kvagent.recovery.server import serve_recovery
-from tests.support.agent import OWNER, XpubEngine, attach, batch, gpu_store
+from tests.support.agent import XpubEngine, attach, batch, gpu_store
+from tests.support.ids import OWNER
 
 PUBLISHER = 7
 

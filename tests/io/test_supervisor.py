@@ -29,6 +29,16 @@ from kvagent.model.ids import attachment_record_id
 PUBLISHER = 41
 
 
+@pytest.fixture
+def discovery() -> MemoryDiscovery:
+    return MemoryDiscovery()
+
+
+@pytest.fixture
+def holder() -> AttachmentRecordHolder:
+    return AttachmentRecordHolder()
+
+
 def ad(generation: int, topic: str = KV_STATE_ATTACHMENTS_TOPIC) -> DiscoveryRecord:
     return DiscoveryRecord(
         topic, attachment_record_id(PUBLISHER, generation), "ep", {"attachment_generation": generation}
@@ -68,8 +78,7 @@ async def supervisor(
 # -- holder ------------------------------------------------------------------------------------------
 
 
-def test_holder_forgets_only_the_same_record() -> None:
-    holder = AttachmentRecordHolder()
+def test_holder_forgets_only_the_same_record(holder: AttachmentRecordHolder) -> None:
     holder.set(ad(2))
     assert not holder.forget_if(ad(1))
     assert holder.record == ad(2)
@@ -81,8 +90,9 @@ def test_holder_forgets_only_the_same_record() -> None:
 # -- supervisor --------------------------------------------------------------------------------------
 
 
-async def test_withdrawal_of_the_current_generation_removes_its_record() -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_withdrawal_of_the_current_generation_removes_its_record(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder
+) -> None:
     await held(discovery, holder, ad(1))
     await discovery.register(DiscoveryRecord(KV_STATE_SOURCES_TOPIC, PUBLISHER, "ep", {"source": True}))
     with trio.fail_after(5):
@@ -91,11 +101,16 @@ async def test_withdrawal_of_the_current_generation_removes_its_record() -> None
             await discovery.wait_for(lambda records: ad(1).key not in records)
     assert holder.record is None
     assert set(discovery.records) == {(KV_STATE_SOURCES_TOPIC, PUBLISHER)}  # the source ad is untouched
-    assert (holder.statistics().withdrawals, holder.statistics().stale_noops, holder.statistics().retries) == (1, 0, 0)
+    assert (
+        holder.statistics().withdrawals,
+        holder.statistics().stale_noops,
+        holder.statistics().retries,
+    ) == (1, 0, 0)
 
 
-async def test_a_stale_generation_never_removes_a_newer_record() -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_a_stale_generation_never_removes_a_newer_record(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder
+) -> None:
     await held(discovery, holder, ad(2))
     with trio.fail_after(5):
         async with supervisor(discovery, holder) as requests:
@@ -107,8 +122,9 @@ async def test_a_stale_generation_never_removes_a_newer_record() -> None:
     assert holder.statistics().withdrawals == 0
 
 
-async def test_the_fence_also_checks_the_topic_and_an_empty_holder() -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_the_fence_also_checks_the_topic_and_an_empty_holder(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder
+) -> None:
     # Same record id as generation 1's attachment ad, but on another topic: not an attachment ad.
     impostor = ad(1, topic=KV_STATE_SOURCES_TOPIC)
     await held(discovery, holder, impostor)
@@ -121,8 +137,9 @@ async def test_the_fence_also_checks_the_topic_and_an_empty_holder() -> None:
     assert holder.statistics().stale_noops == 2
 
 
-async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends() -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder
+) -> None:
     await held(discovery, holder, ad(3))
     with trio.fail_after(5):
         async with supervisor(discovery, holder) as requests:
@@ -133,9 +150,8 @@ async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends()
 
 
 async def test_failed_withdrawals_are_retried_with_backoff(
-    autojump_clock: trio.testing.MockClock,
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
 ) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
     await held(discovery, holder, ad(1))
     discovery.fail_next(3, on=("unregister",))
     with structlog.testing.capture_logs() as logs:
@@ -147,11 +163,14 @@ async def test_failed_withdrawals_are_retried_with_backoff(
     assert gaps([a.at for a in attempts]) == [0.1, 0.2, 0.4]
     assert holder.record is None
     assert (holder.statistics().retries, holder.statistics().withdrawals) == (3, 1)
-    assert [(e["event"], e["log_level"], e["generation"]) for e in logs] == [("withdrawal_retry", "warning", 1)] * 3
+    assert [(e["event"], e["log_level"], e["generation"]) for e in logs] == [
+        ("withdrawal_retry", "warning", 1)
+    ] * 3
 
 
-async def test_backoff_is_capped_at_five_seconds(autojump_clock: trio.testing.MockClock) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_backoff_is_capped_at_five_seconds(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
+) -> None:
     await held(discovery, holder, ad(1))
     discovery.fail_next(8, on=("unregister",))
     async with supervisor(discovery, holder) as requests:
@@ -160,8 +179,9 @@ async def test_backoff_is_capped_at_five_seconds(autojump_clock: trio.testing.Mo
     assert discovery.records == {}
 
 
-async def test_backoff_restarts_for_each_generation(autojump_clock: trio.testing.MockClock) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_backoff_restarts_for_each_generation(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
+) -> None:
     await held(discovery, holder, ad(1))
     discovery.fail_next(2, on=("unregister",))
     async with supervisor(discovery, holder) as requests:
@@ -176,8 +196,9 @@ async def test_backoff_restarts_for_each_generation(autojump_clock: trio.testing
     assert gaps(times[3:]) == [0.1]
 
 
-async def test_cancellation_stops_the_retries(autojump_clock: trio.testing.MockClock) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_cancellation_stops_the_retries(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
+) -> None:
     await held(discovery, holder, ad(1))
     discovery.set_failing(True, on=("unregister",))
     send, receive = trio.open_memory_channel[int](math.inf)
@@ -203,9 +224,8 @@ async def test_cancellation_stops_the_retries(autojump_clock: trio.testing.MockC
 
 
 async def test_unregister_required_retries_until_withdrawn(
-    autojump_clock: trio.testing.MockClock,
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
 ) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
     await held(discovery, holder, ad(1))
     discovery.fail_next(3, on=("unregister",))
     with structlog.testing.capture_logs() as logs:
@@ -219,9 +239,8 @@ async def test_unregister_required_retries_until_withdrawn(
 
 
 async def test_unregister_required_keeps_a_record_replaced_meanwhile(
-    autojump_clock: trio.testing.MockClock,
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
 ) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
     await held(discovery, holder, ad(1))
     discovery.fail_next(1, on=("unregister",))
     async with trio.open_nursery() as nursery:
@@ -232,8 +251,9 @@ async def test_unregister_required_keeps_a_record_replaced_meanwhile(
     assert ad(1).key not in discovery.records
 
 
-async def test_unregister_required_is_cancellable(autojump_clock: trio.testing.MockClock) -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_unregister_required_is_cancellable(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder, autojump_clock: trio.testing.MockClock
+) -> None:
     await held(discovery, holder, ad(1))
     discovery.set_failing(True, on=("unregister",))
     with trio.move_on_after(1.0) as scope:
@@ -245,7 +265,8 @@ async def test_unregister_required_is_cancellable(autojump_clock: trio.testing.M
     assert ad(1).key in discovery.records
 
 
-async def test_unregister_required_with_nothing_to_withdraw() -> None:
-    discovery, holder = MemoryDiscovery(), AttachmentRecordHolder()
+async def test_unregister_required_with_nothing_to_withdraw(
+    discovery: MemoryDiscovery, holder: AttachmentRecordHolder
+) -> None:
     await unregister_required(discovery, holder, None)
     assert discovery.attempts == []

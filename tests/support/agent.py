@@ -10,15 +10,13 @@ import msgpack
 import trio
 import zmq
 
-from kvagent import AttachmentConfig, CacheOwnerId, SlotAgent, SlotAgentConfig, open_slot_agent
+from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, RouterEvent, Stored
 from kvagent.testing import RecordingSink
+from tests.support.ids import OWNER
 
-OWNER = CacheOwnerId.parse(
-    "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"
-)
 TIMEOUT = 20
 
 

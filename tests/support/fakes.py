@@ -1,4 +1,4 @@
-"""Test doubles for the vLLM listener: a recording coordinator, a ready status, and a replay ROUTER."""
+"""Test doubles for the vLLM listener: a recording coordinator and a replay ROUTER."""
 
 from __future__ import annotations
 
@@ -9,50 +9,10 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.coordinator.task import CoordinatorHandle, StatusCell
+from kvagent.coordinator.task import CoordinatorHandle
 from kvagent.model.errors import KvAgentError
-from kvagent.model.events import IngressChunk, WorkerWithDpRank
-from kvagent.model.ids import (
-    CacheOwnerId,
-    CacheSemanticsId,
-    DcId,
-    IndexerDomainId,
-    KvStateAgentIdentity,
-    PoolId,
-    RoutingScopeId,
-    StableDpSlotId,
-)
-from kvagent.model.status import AgentStatus, Attachment, AttachmentSource
+from kvagent.model.events import IngressChunk
 from kvagent.vllm.decode import REPLAY_END_SEQ
-
-OWNER = CacheOwnerId(
-    PoolId(IndexerDomainId(CacheSemanticsId(bytes([1] * 16)), RoutingScopeId(bytes([2] * 16))), DcId(3)),
-    StableDpSlotId(bytes([4] * 16)),
-)
-IDENTITY = KvStateAgentIdentity(OWNER, 41)
-
-
-def ready_attachment(
-    endpoint: str,
-    *,
-    replay_endpoint: str | None = None,
-    topic: str = "kv-events",
-    dp_rank: int = 0,
-    generation: int = 1,
-    worker_id: int = 17,
-) -> Attachment:
-    return Attachment(
-        worker=WorkerWithDpRank(worker_id, dp_rank),
-        source=AttachmentSource(endpoint=endpoint, topic=topic, replay_endpoint=replay_endpoint),
-        producer_instance=f"test/producer/raw-kv/{worker_id}",
-        intent_incarnation=worker_id,
-        generation=generation,
-        ready=True,
-    )
-
-
-def status_for(attachment: Attachment) -> StatusCell:
-    return StatusCell(AgentStatus(IDENTITY, attachment.status()))
 
 
 class RecordingCoordinator:

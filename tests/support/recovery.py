@@ -21,36 +21,22 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import ResidencyDomain, RouterEvent, StorageTier, Stored, WorkerWithDpRank
 from kvagent.model.ids import (
     CacheOwnerId,
-    CacheSemanticsId,
-    DcId,
-    IndexerDomainId,
-    KvStateAgentIdentity,
-    PoolId,
-    RoutingScopeId,
     StableDpSlotId,
 )
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.server import RecoveryServerInfo, serve_recovery
+from tests.support.ids import IDENTITY, OWNER, WORKER
 
 __all__ = [
-    "IDENTITY",
     "OTHER_OWNER",
-    "OWNER",
     "TOKEN",
-    "WORKER",
     "FakeSlot",
     "raw_request",
     "start_server",
     "structlog_via_stdlib",
 ]
 
-OWNER = CacheOwnerId(
-    PoolId(IndexerDomainId(CacheSemanticsId(bytes([1] * 16)), RoutingScopeId(bytes([2] * 16))), DcId(3)),
-    StableDpSlotId(bytes([4] * 16)),
-)
 OTHER_OWNER = CacheOwnerId(OWNER.pool, StableDpSlotId(bytes([9] * 16)))
-IDENTITY = KvStateAgentIdentity(OWNER, 41)
-WORKER = WorkerWithDpRank(17, 0)
 TOKEN = "s3cret-token-value-never-logged"
 
 
@@ -88,28 +74,22 @@ class FakeSlot:
         self.set_status(outbound_cursor=event.event_id)
 
     def store_worker(self, block_hash: int, parent: int | None = None) -> RouterEvent:
-        event = RouterEvent(
-            WORKER.worker_id,
-            StorageTier.DEVICE,
-            ResidencyDomain.WORKER,
-            self.next_id,
-            Stored(parent, (block_hash,), (block_hash + 1,)),
-            WORKER.dp_rank,
-            OWNER,
-        )
-        self.apply(event)
-        return event
+        return self._store(ResidencyDomain.WORKER, StorageTier.DEVICE, block_hash, parent, OWNER)
 
     def store_cache_owner(self, block_hash: int, owner: CacheOwnerId = OWNER) -> RouterEvent:
-        event = RouterEvent(
-            WORKER.worker_id,
-            StorageTier.HOST_PINNED,
-            ResidencyDomain.CACHE_OWNER,
-            self.next_id,
-            Stored(None, (block_hash,), (block_hash + 1,)),
-            WORKER.dp_rank,
-            owner,
-        )
+        return self._store(ResidencyDomain.CACHE_OWNER, StorageTier.HOST_PINNED, block_hash, None, owner)
+
+    def _store(
+        self,
+        domain: ResidencyDomain,
+        tier: StorageTier,
+        block_hash: int,
+        parent: int | None,
+        source: CacheOwnerId,
+    ) -> RouterEvent:
+        """One block stored by WORKER as the next event (local hash = block hash + 1)."""
+        data = Stored(parent, (block_hash,), (block_hash + 1,))
+        event = RouterEvent(WORKER.worker_id, tier, domain, self.next_id, data, WORKER.dp_rank, source)
         self.apply(event)
         return event
 

@@ -155,20 +155,6 @@ def stored_hashes(events: list[dict[str, Any]]) -> set[int]:
     return resident
 
 
-def live_model(messages: list[list[bytes]]) -> set[int]:
-    model: set[int] = set()
-    for frames in messages:
-        _, events, _ = msgpack.unpackb(frames[2], strict_map_key=False)
-        for event in events:
-            if event["type"] == "BlockStored":
-                model.update(event["block_hashes"])
-            elif event["type"] == "BlockRemoved":
-                model.difference_update(event["block_hashes"])
-            else:
-                model.clear()
-    return model
-
-
 async def follow_until(c: Client, sentinel: int, from_: int | None) -> list[dict[str, Any]]:
     """Follow and collect every event until the sentinel block's store arrives."""
     request_id = await c.send("follow", **{"from": from_})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgpack
+
 VECTORS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "vectors"
 
 
@@ -26,3 +28,18 @@ def load_live() -> tuple[list[list[bytes]], list[list[bytes]]]:
             frames = [bytes.fromhex(f) for f in message["frames"]]
             (sub if message["socket"] == "sub" else replay).append(frames)
     return sub, replay
+
+
+def live_model(messages: list[list[bytes]]) -> set[int]:
+    """The block hashes resident after ``messages``, by plain set arithmetic on the raw msgpack payloads."""
+    model: set[int] = set()
+    for frames in messages:
+        _, events, _ = msgpack.unpackb(frames[2], strict_map_key=False)
+        for event in events:
+            if event["type"] == "BlockStored":
+                model.update(event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                model.difference_update(event["block_hashes"])
+            else:
+                model.clear()
+    return model

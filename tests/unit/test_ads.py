@@ -10,13 +10,11 @@ import pytest
 
 from kvagent.discovery.ads import attachment_advertisement, recovery_control_target, source_advertisement
 from kvagent.model.events import IngressProtocol, WorkerWithDpRank
-from kvagent.model.ids import CacheOwnerId, KvStateAgentIdentity
 from kvagent.model.status import Attachment, AttachmentSource
+from tests.support.ids import IDENTITY, OWNER_TEXT
 
-# The seed's fixture owner (agent-semantics 1.3).
-OWNER_TEXT = "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"
+# The indexer-domain half of the seed's fixture owner (agent-semantics 1.3).
 DOMAIN_TEXT = "01010101010101010101010101010101:02020202020202020202020202020202"
-IDENTITY = KvStateAgentIdentity(CacheOwnerId.parse(OWNER_TEXT), 41)
 ENDPOINT = "tcp://127.0.0.1:7000"
 
 

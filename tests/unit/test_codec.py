@@ -21,7 +21,6 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
 )
-from kvagent.model.ids import CacheOwnerId
 from kvagent.wire.router_event import (
     checked_router_event_from_wire,
     decode_router_events,
@@ -31,6 +30,7 @@ from kvagent.wire.router_event import (
     router_event_to_json,
     router_event_to_wire,
 )
+from tests.support.ids import OWNER, OWNER_TEXT
 
 GOLDEN_HEX = (
     "9384a9776f726b65725f696407ac73746f726167655f74696572a6646576696365b07265736964656e63795f646f6d61696e"
@@ -47,11 +47,6 @@ GOLDEN_HEX = (
 GOLDEN = bytes.fromhex(GOLDEN_HEX)
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
-OWNER_TEXT = (
-    "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/"
-    "04040404040404040404040404040404"
-)
-OWNER = CacheOwnerId.parse(OWNER_TEXT)
 
 GOLDEN_EVENTS = [
     RouterEvent(7, StorageTier.DEVICE, W, 1, Stored(256, (0x0123456789ABCDEF, 12), (17, 22), None, 16), 0),

@@ -19,8 +19,7 @@ from kvagent.cli.config import (
 )
 from kvagent.model.errors import ConfigError
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id
-
-OWNER_TEXT = "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"
+from tests.support.ids import OWNER_TEXT
 
 GOOD_TOML = f"""
 listen = "127.0.0.1:0"

@@ -32,27 +32,11 @@ from kvagent.model.events import (
     Stored,
     WorkerWithDpRank,
 )
-from kvagent.model.ids import (
-    CacheOwnerId,
-    CacheSemanticsId,
-    DcId,
-    IndexerDomainId,
-    KvStateAgentIdentity,
-    PoolId,
-    RoutingScopeId,
-    StableDpSlotId,
-)
 from kvagent.model.status import AgentStatus, Attachment, AttachmentSource
 from kvagent.testing import RecordingSink
+from tests.support.ids import DEVICE, DISK, HP, IDENTITY, OWNER, C, W
 
-W = ResidencyDomain.WORKER
-C = ResidencyDomain.CACHE_OWNER
-DEVICE, HP, DISK = StorageTier.DEVICE, StorageTier.HOST_PINNED, StorageTier.DISK
 RANK = 3
-OWNER = CacheOwnerId(
-    PoolId(IndexerDomainId(CacheSemanticsId(bytes([1] * 16)), RoutingScopeId(bytes([2] * 16))), DcId(3)),
-    StableDpSlotId(bytes([4] * 16)),
-)
 WORKER = WorkerWithDpRank(17, RANK)
 ATTACHMENT = Attachment(worker=WORKER, source=AttachmentSource(endpoint="tcp://framework"))
 
@@ -141,10 +125,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.index = RecoveryIndex(4, ring_capacity=64)
         self.sink = RecordingSink()
-        self.status = StatusCell(AgentStatus(KvStateAgentIdentity(OWNER, 41)))
+        self.status = StatusCell(AgentStatus(IDENTITY))
         self.withdrawals: list[int] = []
         self.core = SlotCoordinator(
-            identity=KvStateAgentIdentity(OWNER, 41),
+            identity=IDENTITY,
             slot_rank=RANK,
             index=self.index,
             sink=self.sink,

@@ -19,8 +19,7 @@ from kvagent.model.ids import (
     routing_scope_material,
     stable_dp_slot_material,
 )
-
-SEED_OWNER = "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"
+from tests.support.ids import OWNER, OWNER_TEXT
 
 
 @pytest.mark.parametrize(
@@ -57,11 +56,12 @@ def test_slot_names_are_validated() -> None:
 
 
 def test_seed_fixture_owner_round_trips() -> None:
-    owner = CacheOwnerId.parse(SEED_OWNER)
-    assert str(owner) == SEED_OWNER
+    owner = CacheOwnerId.parse(OWNER_TEXT)
+    assert str(owner) == OWNER_TEXT
+    assert owner == OWNER  # the text form and the bytes form of the shared fixture owner agree
     assert owner.pool.dc_id.value == 3
     assert owner.slot.digest == b"\x04" * 16
-    assert str(owner.pool.indexer_domain) == SEED_OWNER.split("/")[0]
+    assert str(owner.pool.indexer_domain) == OWNER_TEXT.split("/")[0]
 
 
 @given(
@@ -80,14 +80,14 @@ def test_cache_owner_text_round_trip(semantics: bytes, scope: bytes, dc: int, sl
 @pytest.mark.parametrize(
     "text",
     [
-        SEED_OWNER.replace("01", "AB"),
-        SEED_OWNER[:-1],
-        SEED_OWNER + "0",
-        SEED_OWNER.replace(":", "/"),
-        SEED_OWNER.replace("/", ":", 1),
-        SEED_OWNER.replace(":", "").replace("/", ""),
-        SEED_OWNER.replace("/0000000000000003/", "/000000000000003/"),
-        " " + SEED_OWNER,
+        OWNER_TEXT.replace("01", "AB"),
+        OWNER_TEXT[:-1],
+        OWNER_TEXT + "0",
+        OWNER_TEXT.replace(":", "/"),
+        OWNER_TEXT.replace("/", ":", 1),
+        OWNER_TEXT.replace(":", "").replace("/", ""),
+        OWNER_TEXT.replace("/0000000000000003/", "/000000000000003/"),
+        " " + OWNER_TEXT,
         "",
         "owner",
     ],

@@ -34,10 +34,8 @@ from kvagent.model.events import (
     residency_owner,
 )
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id
+from tests.support.ids import OWNER
 
-OWNER = CacheOwnerId.parse(
-    "01010101010101010101010101010101:02020202020202020202020202020202/0000000000000003/04040404040404040404040404040404"
-)
 OTHER_OWNER = derive_cache_owner_id("other-slot", kv_block_size=16)
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
 DEVICE, HOST, DISK = StorageTier.DEVICE, StorageTier.HOST_PINNED, StorageTier.DISK

@@ -10,7 +10,7 @@ from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import WorkerWithDpRank
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.client import RecoveryClientError, agent_status_from_json
-from tests.unit.test_coordinator import IDENTITY
+from tests.support.ids import IDENTITY
 
 ATTACHED = AgentStatus(
     IDENTITY,

@@ -12,7 +12,6 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from tests.support.agent import (
-    OWNER,
     XpubEngine,
     attach,
     attachment_ads,
@@ -23,6 +22,7 @@ from tests.support.agent import (
     running_agent,
     wait_for_event,
 )
+from tests.support.ids import OWNER
 
 TIMEOUT = 20
 
@@ -63,9 +63,9 @@ async def test_engine_restarted_on_the_same_endpoint_resets_worker_state_once() 
             restarted.close()
 
 
-async def test_ordinary_publication_failures_are_lossy_and_keep_the_index() -> None:
+async def test_ordinary_publication_failures_are_lossy_and_keep_the_index(recording_sink: RecordingSink) -> None:
+    sink = recording_sink
     with trio.fail_after(TIMEOUT):
-        sink = RecordingSink()
         async with running_agent(sink=sink) as (agent, _discovery, _sink, context):
             engine = XpubEngine(context)
             await attach(agent, engine)
@@ -83,9 +83,9 @@ async def test_ordinary_publication_failures_are_lossy_and_keep_the_index() -> N
             engine.close()
 
 
-async def test_barrier_publication_failure_retires_the_worker_domain() -> None:
+async def test_barrier_publication_failure_retires_the_worker_domain(recording_sink: RecordingSink) -> None:
+    sink = recording_sink
     with trio.fail_after(TIMEOUT):
-        sink = RecordingSink()
         async with running_agent(sink=sink) as (agent, discovery, _sink, context):
             engine = XpubEngine(context)
             generation = await attach(agent, engine)
