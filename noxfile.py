@@ -47,4 +47,4 @@ def soak(session: nox.Session) -> None:
     """Bounded soak: steady ingest with churn and periodic reattach; RSS must stay flat."""
     session.install("-e", ".[test]")
     session.env["KVAGENT_SOAK_SECONDS"] = session.posargs[0] if session.posargs else "600"
-    session.run("pytest", "-m", "slow", "tests/e2e/test_soak.py", "-s")
+    session.run("pytest", "-m", "slow", "tests/io/test_soak.py", "-s")

@@ -14,7 +14,7 @@ from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
-from tests.support.fakes import IDENTITY
+from tests.support.ids import IDENTITY
 
 COORDINATOR = CoordinatorStatistics(
     events_in=10,
