@@ -11,7 +11,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import blake3
 import structlog
 import trio
 import zmq
@@ -25,13 +24,14 @@ from kvagent.cli.logs import configure_logging
 from kvagent.discovery import Discovery, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.events import IngressProtocol
+from kvagent.model.ids import derive_worker_id
 from kvagent.publish.sinks import EventSink
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import ServerStats, serve_recovery
 from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
-__all__ = ["derive_worker_id", "load_or_create_token", "run_serve"]
+__all__ = ["load_or_create_token", "run_serve"]
 
 log = structlog.get_logger(__name__)
 
@@ -52,12 +52,6 @@ def load_or_create_token(token_file: str | None) -> tuple[str, bool]:
             handle.write(token + "\n")
         return token, True
     return secrets.token_urlsafe(32), True
-
-
-def derive_worker_id(slot: str, endpoint: str) -> int:
-    """A stable default worker id for an engine attached from the command line (JSON-safe)."""
-    digest = blake3.blake3(f"kvagent/worker/{slot}@{endpoint}".encode()).digest()
-    return int.from_bytes(digest[:6], "big") or 1
 
 
 def _split_host_port(text: str) -> tuple[str, int]:

@@ -21,6 +21,7 @@ import blake3
 from kvagent.model.errors import IdentityError
 
 __all__ = [
+    "derive_worker_id",
     "CacheOwnerId",
     "CacheSemanticsId",
     "DcId",
@@ -300,6 +301,12 @@ def derive_cache_owner_id(
     scope = RoutingScopeId(digest16(routing_scope_material(routing_scope)), _source(bool(routing_scope)))
     pool = PoolId(IndexerDomainId(semantics, scope), DcId(dc_id))
     return CacheOwnerId(pool, resolve_stable_dp_slot_id(slot_name))
+
+
+def derive_worker_id(slot: str, endpoint: str) -> int:
+    """A stable default worker id for an engine attached from the command line (JSON-safe, never 0)."""
+    digest = blake3.blake3(f"kvagent/worker/{slot}@{endpoint}".encode()).digest()
+    return int.from_bytes(digest[:6], "big") or 1
 
 
 def _record_id(tag: bytes, *values: int) -> int:
