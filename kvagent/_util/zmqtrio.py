@@ -76,8 +76,11 @@ class TrioSocket:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
 
-    def send_multipart_nowait(self, frames: list[bytes]) -> bool:
-        """Send without waiting; False when the socket would block (for PUB: the HWM dropped it)."""
+    def try_send_multipart(self, frames: list[bytes]) -> bool:
+        """Send without waiting; False when the socket would block (for PUB: the HWM dropped it).
+
+        Not ``*_nowait``: in trio that name raises ``WouldBlock``; here a refused send is a reported drop.
+        """
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:

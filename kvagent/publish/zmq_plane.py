@@ -112,7 +112,7 @@ class ZmqEventPlane:
         for batch in split_publication(events):
             frames = encode_event_plane_message(publisher_id, batch)
             try:
-                sent = self._socket.send_multipart_nowait(frames)
+                sent = self._socket.try_send_multipart(frames)
             except zmq.ZMQError as exc:
                 raise SinkError(f"event plane send failed: {exc}") from exc
             if sent:

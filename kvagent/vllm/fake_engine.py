@@ -313,7 +313,7 @@ class FakeVllmEngine:
         pub = self._pub
         if pub is None:
             raise RuntimeError("the fake engine is not running")
-        pub.send_multipart_nowait(frames)  # a PUB drops at its HWM; so does this
+        pub.try_send_multipart(frames)  # a PUB drops at its HWM; so does this
         self._drain_subscriptions()
 
     async def publish_batch(
@@ -404,7 +404,7 @@ class FakeVllmEngine:
             self.replay_requests += 1
             # Served in one go like vLLM's publisher thread; ROUTER drops beyond its HWM instead of blocking.
             for reply in self.replay_replies(int.from_bytes(request[2], "big")):
-                router.send_multipart_nowait([identity, *reply])
+                router.try_send_multipart([identity, *reply])
             self.replay_served.set()
             self.replay_served = trio.Event()
 

@@ -58,7 +58,7 @@ async def test_cancelled_wait_loses_nothing(context: zmq.Context[Any]) -> None:
 async def test_a_cancelled_batch_receive_takes_nothing(context: zmq.Context[Any]) -> None:
     sender, receiver = pair(context, "inproc")
     for i in range(300):
-        assert sender.send_multipart_nowait([i.to_bytes(4, "big")])
+        assert sender.try_send_multipart([i.to_bytes(4, "big")])
     received: list[int] = []
     with trio.fail_after(10):
         while len(received) < 300:
@@ -115,7 +115,7 @@ def test_nowait_send_reports_backpressure(context: zmq.Context[Any]) -> None:
     push.setsockopt(zmq.SNDHWM, 1)
     push.bind("tcp://127.0.0.1:0")  # no peer: nothing can be sent
     sock = TrioSocket(push)
-    assert sock.send_multipart_nowait([b"x"]) is False
+    assert sock.try_send_multipart([b"x"]) is False
     sock.close()
 
 
