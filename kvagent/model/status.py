@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from kvagent.model.errors import CodecError
-from kvagent.model.events import IngressProtocol, WorkerWithDpRank
+from kvagent.model.events import U64_MAX, IngressProtocol, WorkerWithDpRank
 from kvagent.model.ids import KvStateAgentIdentity
 
 __all__ = ["AgentStatus", "Attachment", "AttachmentSource", "AttachmentStatus"]
@@ -122,8 +122,8 @@ def _member(obj: dict[str, Any], key: str, field: str) -> object:
 
 
 def _uint(value: object, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CodecError(f"{field} must be a non-negative integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= U64_MAX:
+        raise CodecError(f"{field} must be a u64, got {value!r}")
     return value
 
 

@@ -39,6 +39,7 @@ def _malformed() -> list[object]:
         [],
         {key: value for key, value in good.items() if key != "outbound_cursor"},
         {**good, "outbound_cursor": -1},
+        {**good, "outbound_cursor": 1 << 64},
         {**good, "outbound_cursor": "40"},
         {**good, "cache_owner_ready": 1},
         {**good, "attachment": []},
