@@ -34,6 +34,15 @@ from tests.support.vectors import load_live
 LIVE, REPLAY = load_live()
 
 
+def subscriber(endpoint: str, topic: bytes = b"") -> TrioSocket:
+    """A SUB socket connected to the fake engine, subscribed to ``topic``; close it with ``with``."""
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    return TrioSocket(sub)
+
+
 def test_cbor_matches_known_encodings() -> None:
     assert cbor_encode(None) == b"\xf6"
     assert cbor_encode(23) == b"\x17"
@@ -143,11 +152,7 @@ async def test_the_engine_publishes_a_workload_a_sub_can_decode() -> None:
         async with trio.open_nursery() as nursery:
             engine = FakeVllmEngine(dp_rank=2, block_size=4)
             await nursery.start(engine.run)
-            sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(engine.endpoint)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            with TrioSocket(sub) as sock:
+            with subscriber(engine.endpoint) as sock:
                 await engine.wait_for_subscriber()
                 workload = SimulatedWorkload(seed=1, block_size=4)
                 nursery.start_soon(partial(run_simulated_engine, engine, workload, steps_per_second=1000.0))
@@ -164,11 +169,7 @@ async def test_fault_injection_shapes_the_live_stream_and_the_replay_buffer() ->
         async with trio.open_nursery() as nursery:
             engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", buffer_steps=4)
             await nursery.start(engine.run)
-            sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(engine.endpoint)
-            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-            with TrioSocket(sub) as sock:
+            with subscriber(engine.endpoint, b"kv-events") as sock:
                 await engine.wait_for_subscriber()
                 event = [block_stored([1], None, [0] * 16, 16)]
                 assert await engine.publish_batch(event) == 0
@@ -197,11 +198,7 @@ async def test_capture_frames_and_a_loaded_replay_buffer_are_served_verbatim() -
             await nursery.start(engine.run)
             engine.load_replay_buffer(pairs)
             assert engine.replay_replies(65) == [*REPLAY[65:68], REPLAY[-1]], "byte-identical to the capture"
-            sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(engine.endpoint)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            with TrioSocket(sub) as sock:
+            with subscriber(engine.endpoint) as sock:
                 await engine.wait_for_subscriber()
                 await engine.publish_frames_sequence(LIVE[:3])
                 assert await engine.send_payload(LIVE[3][2]) == 68, "the next seq follows the loaded buffer"
