@@ -32,6 +32,8 @@ __all__ = [
     "ResetScope",
     "ResidencyDomain",
     "RouterEvent",
+    "SourceSignal",
+    "SourceState",
     "StorageTier",
     "Stored",
     "WorkerWithDpRank",
@@ -196,6 +198,32 @@ class IngressChunk:
     events: tuple[PlacementEvent, ...]
     source_fault: str | None = None
     cache_owner_fault: str | None = None
+    raw_bytes: int = 0  # raw payload bytes charged to this chunk (the listener's ingress byte budget)
+
+
+class SourceState(enum.Enum):
+    """How far the attachment's Worker state can be trusted (only READY is ``ready``)."""
+
+    READY = "ready"
+    DEGRADED = "degraded"  # history was lost: a reset was published and the state is a subset of the truth
+    DISCONNECTED = "disconnected"  # the engine's connection dropped; identity is checked on reconnect
+
+
+@attrs.frozen(slots=True)
+class SourceSignal:
+    """A listener verdict about its source, sent in order with the chunks on the ingress channel.
+
+    Handled after every chunk admitted before it: ``reset`` first publishes a Worker reset barrier,
+    ``lost_batches`` counts raw batches that can never be applied, ``state`` is the attachment's new source
+    state (None: unchanged), and ``quarantine`` ends the attachment after everything before it was applied.
+    """
+
+    generation: int
+    state: SourceState | None = None
+    reset: bool = False
+    lost_batches: int = 0
+    reason: str = ""
+    quarantine: bool = False
 
 
 @attrs.frozen(slots=True)
