@@ -3,17 +3,18 @@
 :class:`FakeVllmEngine` follows vllm-wire.md §13: live batches ``[topic, seq8, payload]`` on a PUB-like
 socket (an XPUB, so :meth:`FakeVllmEngine.wait_for_subscriber` knows when a SUB has really subscribed —
 the slow-joiner fix for tests), a ``deque(maxlen=buffer_steps)`` replay buffer served over a ROUTER, and
-fault injection (skipped seqs, live drops kept for replay, used-up seqs, restarts, raw frames).
+fault injection (skipped seqs, live drops kept for replay, used-up seqs, adjacent swaps, duplicates,
+restarts, a killed and revived process, raw frames). Its ``truth`` is what it really holds.
 
 :class:`SimulatedWorkload` produces realistic GPU prefix-cache events: requests sharing system prompts,
 chained block hashes derived as vLLM's ``sha256_cbor`` does (§7.2), LRU evictions at capacity with one
-remove per block (§8), rare prefix-cache resets, and some CPU offload stores/removes.
+remove per block (§8), rare prefix-cache resets, and some CPU offload stores/removes. The hash and event
+builders live in :mod:`kvagent.vllm.fake_events` (re-exported here).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -25,12 +26,25 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.model.events import U64_MAX
 from kvagent.vllm.decode import REPLAY_END_SEQ
+from kvagent.vllm.fake_events import (
+    NONE_HASH,
+    Event,
+    ResidentTruth,
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+    cbor_encode,
+    chain_block_hash,
+    fold_hash,
+    to_legacy,
+)
 
 __all__ = [
     "NONE_HASH",
+    "VLLM_REPLAY_HWM",
     "FakeVllmEngine",
+    "ResidentTruth",
     "SimulatedWorkload",
     "all_blocks_cleared",
     "block_removed",
@@ -44,148 +58,23 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-Event = dict[str, Any] | list[Any]
-
-
-# --- hashes (vllm-wire.md §7.1, §7.2) -------------------------------------------------------------------
-
-
-def _cbor_head(major: int, value: int) -> bytes:
-    if value < 24:
-        return bytes([major << 5 | value])
-    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if value < 1 << (8 * size):
-            return bytes([major << 5 | info]) + value.to_bytes(size, "big")
-    raise ValueError("CBOR integer out of range")
-
-
-def cbor_encode(value: object) -> bytes:
-    """Canonical CBOR for the few types vLLM hashes: ints, bytes, str, None, tuples and lists."""
-    if value is None:
-        return b"\xf6"
-    if isinstance(value, bool):
-        return b"\xf5" if value else b"\xf4"
-    if isinstance(value, int):
-        return _cbor_head(0, value) if value >= 0 else _cbor_head(1, -1 - value)
-    if isinstance(value, bytes):
-        return _cbor_head(2, len(value)) + value
-    if isinstance(value, str):
-        encoded = value.encode()
-        return _cbor_head(3, len(encoded)) + encoded
-    if isinstance(value, tuple | list):
-        return _cbor_head(4, len(value)) + b"".join(cbor_encode(item) for item in value)
-    raise TypeError(f"cannot CBOR-encode {type(value).__name__}")
-
-
-def sha256_cbor(value: object) -> bytes:
-    return hashlib.sha256(cbor_encode(value)).digest()
-
-
-NONE_HASH = sha256_cbor("vllm-none-hash")
-
-
-def chain_block_hash(parent_digest: bytes | None, tokens: Sequence[int], extra: object = None) -> bytes:
-    """The full 32-byte digest of one block; the chain always uses full parent digests."""
-    return sha256_cbor((parent_digest if parent_digest is not None else NONE_HASH, tuple(tokens), extra))
-
-
-def fold_hash(digest: bytes) -> int:
-    """What events carry by default: the low 64 bits of the digest."""
-    return int.from_bytes(digest, "big") & U64_MAX
-
-
-# --- event builders (vLLM 0.32.0 map form, key order of vllm-wire.md §1 / §6.3) -------------------------
-
-
-def block_stored(
-    hashes: Sequence[int | bytes],
-    parent: int | bytes | None,
-    tokens: Sequence[int],
-    block_size: int,
-    medium: str | None = "GPU",
-    *,
-    lora_id: int | None = None,
-    lora_name: str | None = None,
-    extra_keys: Sequence[object] | None = None,
-    group_idx: int | None = 0,
-    kv_cache_spec_kind: str | None = "full_attention",
-    kv_cache_spec_sliding_window: int | None = None,
-    locality: str | None = None,
-    ownership: str | None = None,
-    session_id: str | None = None,
-) -> dict[str, Any]:
-    event: dict[str, Any] = {
-        "type": "BlockStored",
-        "block_hashes": list(hashes),
-        "parent_block_hash": parent,
-        "token_ids": list(tokens),
-        "block_size": block_size,
-        "lora_id": lora_id,
-        "medium": medium,
-        "lora_name": lora_name,
-        # A list of None is not the default None, so live GPU stores always carry it.
-        "extra_keys": list(extra_keys) if extra_keys is not None else [None] * len(hashes),
-    }
-    optional = {
-        "group_idx": group_idx,
-        "kv_cache_spec_kind": kv_cache_spec_kind,
-        "kv_cache_spec_sliding_window": kv_cache_spec_sliding_window,
-        "locality": locality,
-        "ownership": ownership,
-        "session_id": session_id,
-    }
-    event.update((key, value) for key, value in optional.items() if value is not None)
-    return event
-
-
-def block_removed(
-    hashes: Sequence[int | bytes],
-    medium: str | None = "GPU",
-    *,
-    group_idx: int | None = 0,
-    locality: str | None = None,
-    ownership: str | None = None,
-) -> dict[str, Any]:
-    event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
-    optional = {"group_idx": group_idx, "locality": locality, "ownership": ownership}
-    event.update((key, value) for key, value in optional.items() if value is not None)
-    return event
-
-
-def all_blocks_cleared() -> dict[str, Any]:
-    return {"type": "AllBlocksCleared"}
-
-
-_LEGACY_STORED = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-)
-_LEGACY_REMOVED = ("block_hashes", "medium", "group_idx")
-
-
-def to_legacy(event: Event) -> list[Any]:
-    """The positional (array_like, pre-PR #42892) form: tag first, every declared field, full length."""
-    if isinstance(event, list):
-        return event
-    tag = event["type"]
-    fields = {"BlockStored": _LEGACY_STORED, "BlockRemoved": _LEGACY_REMOVED}.get(tag, ())
-    return [tag, *(event.get(name) for name in fields)]
-
 
 # --- the engine ------------------------------------------------------------------------------------------
 
+# vLLM's replay ROUTER runs at libzmq's default send HWM and drops silently beyond it (vllm-wire.md §9.1).
+VLLM_REPLAY_HWM = 1000
+_REBIND_TIMEOUT = 10.0
+
 
 class FakeVllmEngine:
-    """One DP rank's vLLM KV event publisher: XPUB for live batches, optional ROUTER for replay."""
+    """One DP rank's vLLM KV event publisher: XPUB for live batches, optional ROUTER for replay.
+
+    ``kill()`` closes both sockets (connected SUBs see the TCP connection drop, as after a SIGKILL) and
+    ``revive(restart=...)`` binds the same ports again: the same engine coming back, or with ``restart`` a
+    new one (seq 0, empty replay buffer and cache). ``swap_rate`` and ``duplicate_rate`` make the live path
+    send a batch after its successor, or twice (drawn from ``fault_seed``); ``truth`` is the engine's real
+    residency, whatever reached the subscribers.
+    """
 
     def __init__(
         self,
@@ -200,6 +89,9 @@ class FakeVllmEngine:
         context: zmq.Context[Any] | None = None,
         *,
         replay_hwm: int | None = None,
+        swap_rate: float = 0.0,
+        duplicate_rate: float = 0.0,
+        fault_seed: int = 0,
     ) -> None:
         self.configured_endpoint = endpoint
         self.configured_replay_endpoint = replay_endpoint
@@ -209,15 +101,28 @@ class FakeVllmEngine:
         self.mode = mode
         self.replay_layout = replay_layout
         self.context = context if context is not None else zmq.Context.instance()
-        # vLLM's ROUTER runs at the libzmq default (1000) and drops silently beyond it; by default the
-        # fake lets one whole buffer through so simulated cold attaches are complete.
+        # vLLM's ROUTER runs at the libzmq default (VLLM_REPLAY_HWM) and drops silently beyond it; by default
+        # the fake lets one whole buffer through so simulated cold attaches are complete.
         self.replay_hwm = replay_hwm if replay_hwm is not None else buffer_steps + 2
+        self.swap_rate = swap_rate
+        self.duplicate_rate = duplicate_rate
+        self._faults = random.Random(fault_seed)
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self.truth = ResidentTruth()
         self.next_seq = 0
         self.published = 0
         self.replay_requests = 0
+        self.replay_starts: list[int] = []
         self.subscriptions = 0
+        self.swapped = 0
+        self.duplicated = 0
+        self.incarnation = 0  # bumped by every restart: a new engine
+        self._held_back: list[bytes] | None = None  # a live message that goes out after its successor
+        self._last_stamp = 0.0
         self._pub: TrioSocket | None = None
+        self._sockets: list[TrioSocket] = []
+        self._scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
         self._subscribed = trio.Event()
@@ -238,35 +143,88 @@ class FakeVllmEngine:
             raise RuntimeError("the fake engine is not running yet")
         return self._replay_endpoint
 
+    @property
+    def alive(self) -> bool:
+        return self._pub is not None
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        xpub = self.context.socket(zmq.XPUB)
-        router: zmq.Socket[Any] | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._bind()
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self.kill()
+
+    def _bind(self) -> None:
+        """Bind both sockets (the ports of the first bind ever after) and start serving them."""
         sockets: list[TrioSocket] = []
         try:
+            xpub = self.context.socket(zmq.XPUB)
+            sockets.append(TrioSocket(xpub))
             xpub.setsockopt(zmq.LINGER, 0)
             xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first per topic
-            xpub.bind(self.configured_endpoint)
-            self._endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._pub = TrioSocket(xpub)
-            sockets.append(self._pub)
+            xpub.bind(self._endpoint or self.configured_endpoint)
+            router: TrioSocket | None = None
             if self.configured_replay_endpoint is not None:
-                router = self.context.socket(zmq.ROUTER)
-                router.setsockopt(zmq.LINGER, 0)
-                router.setsockopt(zmq.SNDHWM, self.replay_hwm)
-                router.bind(self.configured_replay_endpoint)
-                self._replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-                sockets.append(TrioSocket(router))
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_subscriptions)
-                if len(sockets) > 1:
-                    nursery.start_soon(self._serve_replay, sockets[1])
-                task_status.started()
-        finally:
-            self._pub = None
-            if not sockets:
-                xpub.close(linger=0)
+                raw_router = self.context.socket(zmq.ROUTER)
+                router = TrioSocket(raw_router)
+                sockets.append(router)
+                raw_router.setsockopt(zmq.LINGER, 0)
+                raw_router.setsockopt(zmq.SNDHWM, self.replay_hwm)
+                raw_router.bind(self._replay_endpoint or self.configured_replay_endpoint)
+                self._replay_endpoint = raw_router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
             for sock in sockets:
                 sock.close()
+            raise
+        self._endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sockets = sockets
+        self._pub = sockets[0]
+        self.subscriptions = 0
+        self._subscribed = trio.Event()
+        assert self._nursery is not None
+        self._scope = trio.CancelScope()
+        self._nursery.start_soon(self._serve, self._scope, sockets[0], router)
+
+    async def _serve(self, scope: trio.CancelScope, pub: TrioSocket, router: TrioSocket | None) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_subscriptions, pub)
+                if router is not None:
+                    nursery.start_soon(self._serve_replay, router)
+
+    def kill(self) -> None:
+        """Die like a SIGKILLed process: both sockets close now, anything held back is never sent."""
+        if self._scope is not None:
+            self._scope.cancel()  # first, so no task is still waiting on a socket being closed
+            self._scope = None
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+        self._pub = None
+        self._held_back = None
+
+    async def revive(self, *, restart: bool) -> None:
+        """Bind the same ports again: the same engine (``restart=False``) or a new one."""
+        if self.alive:
+            raise RuntimeError("the fake engine is still running")
+        if self._nursery is None:
+            raise RuntimeError("the fake engine's run() has ended")
+        if restart:
+            self.restart()
+        with trio.fail_after(_REBIND_TIMEOUT):
+            while True:
+                try:
+                    self._bind()
+                    return
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE:
+                        raise
+                # libzmq releases a closed socket's port in its I/O thread, a moment after close().
+                await trio.sleep(0.01)
 
     # -- subscriptions ----------------------------------------------------------------------------------
 
@@ -285,11 +243,9 @@ class FakeVllmEngine:
                 self._subscription_changed.set()
                 self._subscription_changed = trio.Event()
 
-    async def _watch_subscriptions(self) -> None:
+    async def _watch_subscriptions(self, pub: TrioSocket) -> None:
         # The only task that waits on the XPUB's FD. Sends (in publish_batch) never wait, and they drain
         # subscriptions themselves because a send can consume the FD's edge (landscape.md §3).
-        pub = self._pub
-        assert pub is not None
         fd = cast(int, pub.socket.getsockopt(zmq.FD))
         while True:
             self._drain_subscriptions()
@@ -297,7 +253,7 @@ class FakeVllmEngine:
                 await trio.lowlevel.wait_readable(fd)
 
     async def wait_for_subscriber(self, count: int = 1) -> None:
-        """Return once ``count`` subscriptions have reached the publisher (live sends then reach them)."""
+        """Return once ``count`` subscriptions have reached this incarnation of the publisher socket."""
         self._drain_subscriptions()
         while self.subscriptions < count:
             await self._subscription_changed.wait()
@@ -306,8 +262,11 @@ class FakeVllmEngine:
 
     def encode_batch(self, events: Sequence[Event], *, ts: float | None = None) -> bytes:
         encoded = [to_legacy(e) for e in events] if self.mode == "legacy" else list(events)
-        stamp = float(time.time() if ts is None else ts)  # always msgpack float64
-        return bytes(msgpack.packb([stamp, encoded, self.dp_rank], use_bin_type=True))
+        if ts is None:
+            # Strictly increasing, as an engine's clock is between steps: no two batches ever share bytes.
+            ts = max(time.time(), self._last_stamp + 1e-6)
+            self._last_stamp = ts
+        return bytes(msgpack.packb([float(ts), encoded, self.dp_rank], use_bin_type=True))
 
     def _send(self, frames: list[bytes]) -> None:
         pub = self._pub
@@ -316,6 +275,28 @@ class FakeVllmEngine:
         pub.try_send_multipart(frames)  # a PUB drops at its HWM; so does this
         self._drain_subscriptions()
 
+    def _send_live(self, frames: list[bytes] | None, *, swap: bool = False, duplicate: bool = False) -> None:
+        """Send one live message (None: nothing to send), after which any held-back one goes out."""
+        held, self._held_back = self._held_back, None
+        if frames is not None:
+            if held is None and (swap or self._draw(self.swap_rate)):
+                self.swapped += 1
+                self._held_back = frames
+                return
+            self._send(frames)
+            if duplicate or self._draw(self.duplicate_rate):
+                self.duplicated += 1
+                self._send(frames)
+        if held is not None:
+            self._send(held)
+
+    def _draw(self, rate: float) -> bool:
+        return rate > 0.0 and self._faults.random() < rate
+
+    def flush_live(self) -> None:
+        """Send a live message held back for a swap now (its successor never came)."""
+        self._send_live(None)
+
     async def publish_batch(
         self,
         events: Sequence[Event],
@@ -323,23 +304,28 @@ class FakeVllmEngine:
         skip_seq: bool = False,
         drop_live: bool = False,
         unbuffered: bool = False,
+        swap_with_next: bool = False,
+        duplicate: bool = False,
     ) -> int:
         """Publish one engine step; returns the seq it used.
 
         ``skip_seq``: a seq number is used up before this batch (a gap replay cannot fill).
         ``drop_live``: not sent live but kept in the replay buffer (a recoverable HWM/slow-joiner drop).
         ``unbuffered``: the seq is used up and nothing is sent or buffered (an encode/send failure).
+        ``swap_with_next``: sent live right after the next batch; ``duplicate``: sent live twice.
+        The events are part of the engine's ``truth`` whatever happens to the batch.
         """
         await trio.lowlevel.checkpoint()
         if skip_seq:
             self.next_seq += 1
         seq = self.next_seq
         self.next_seq += 1
+        self.truth.apply(events)
         if unbuffered:
             return seq
         payload = self.encode_batch(events)
-        if not drop_live:
-            self._send([self.topic, seq.to_bytes(8, "big"), payload])
+        frames = None if drop_live else [self.topic, seq.to_bytes(8, "big"), payload]
+        self._send_live(frames, swap=swap_with_next, duplicate=duplicate)
         self.buffer.append((seq, payload))
         self.published += 1
         return seq
@@ -375,9 +361,12 @@ class FakeVllmEngine:
             self.next_seq = max(self.next_seq, self.buffer[-1][0] + 1)
 
     def restart(self) -> None:
-        """An in-place engine restart: seq back to 0, the replay buffer gone, no AllBlocksCleared."""
+        """A new engine on the same sockets: seq back to 0, replay buffer and cache gone, no AllBlocksCleared."""
         self.next_seq = 0
         self.buffer.clear()
+        self.truth.clear()
+        self.incarnation += 1
+        self._held_back = None
 
     # -- replay -----------------------------------------------------------------------------------------
 
@@ -401,9 +390,11 @@ class FakeVllmEngine:
                 log.warning("fake_engine_invalid_replay_request", frames=len(request))
                 continue  # vLLM answers nothing at all
             identity = request[0]
+            start = int.from_bytes(request[2], "big")
             self.replay_requests += 1
+            self.replay_starts.append(start)
             # Served in one go like vLLM's publisher thread; ROUTER drops beyond its HWM instead of blocking.
-            for reply in self.replay_replies(int.from_bytes(request[2], "big")):
+            for reply in self.replay_replies(start):
                 router.try_send_multipart([identity, *reply])
             self.replay_served.set()
             self.replay_served = trio.Event()
