@@ -1,31 +1,32 @@
-"""The per-attachment vLLM listener: SUB socket → decode → rank check → normalize → chunk → coordinator.
+"""The per-attachment vLLM listener: SUB → inbox → SourceSync → decode → normalize → chunk → coordinator.
 
-Live frames and replay replies both go through :func:`kvagent.vllm.decode.decode`. A burst is handled in slices of about a millisecond, so the
-coordinator and recovery requests on the same event loop are never kept waiting longer.
+Three tasks per attachment generation, each owning its socket:
 
-Admission never waits on the coordinator (``CoordinatorHandle.admit_nowait`` is a non-blocking send on an
-unbounded channel; memory stays bounded because the coordinator drains much faster than one engine
-publishes, and the SUB's RCVHWM bounds what the engine can queue). If the listener ends on its own — an
-error, or the attachment no longer being ready — it quarantines its generation with
-``"framework listener terminated"``; cancelled from outside, it just stops.
+- the **reader** (:class:`~kvagent.vllm.reader.LiveReader`) drains the SUB into the byte-counted inbox,
+  watches the SUB's monitor for the engine's connection dropping and coming back, and sheds (drops what
+  is queued and re-opens the SUB) rather than hold more than half the ingress byte budget;
+- the **replay client** (:class:`~kvagent.vllm.replay.ReplayClient`, with a replay endpoint) streams the
+  replies of one request at a time into the inbox;
+- the **processor** (here) takes the inbox in order and feeds :class:`~kvagent.vllm.sequence.SourceSync`,
+  the sans-IO judge of the engine's history, whose actions it executes: ``Apply`` decodes, checks the
+  rank, normalizes and admits the chunks (each batch's payload bytes charged to them); ``Signal`` admits a
+  :class:`~kvagent.model.events.SourceSignal` in order with the chunks (ready / degraded / disconnected,
+  Worker reset, counted loss); ``RequestReplay`` / ``CancelReplay`` go to the replay client. Before every
+  batch it waits while the coordinator's queue holds more than the other half of the budget.
 
-Sequence gaps (issue #6). With a replay endpoint, a gap is repaired before the live batch that exposed it
-is applied; live batches that arrive meanwhile wait in a bounded reorder buffer (``reorder_capacity``) so
-a late replayed ``Stored(A)`` can never resurrect a block a newer live ``Removed(A)`` deleted
-(vllm-wire.md §9.2). What cannot be repaired is reported to the coordinator as source loss and the stream
-continues (lossy, agent-semantics.md §3.5). On a cold attach the whole replay buffer is applied first, so
-blocks published before the SUB connected are not missing. A seq going backwards (an in-place engine
-restart) is passed through for the coordinator's reset barrier; if it went back to n > 0, the new
-incarnation's seqs 0..n-1 are a gap like any other.
+A payload is decoded only when SourceSync lets it apply, so what the listener holds is raw bytes, counted
+exactly. Batches are handled in slices of about a millisecond, so the coordinator and recovery requests on
+the same event loop are never kept waiting longer.
 
-The listener owns its two sockets: the SUB, and the DEALER of its :class:`ReplayClient`, which runs one
-request at a time, collecting replies into a :class:`ReplayAttempt` so a cancelled or abandoned attempt keeps
-what it got.
+The listener runs while its attachment generation is open (also while degraded or disconnected). If it
+ends on its own — a malformed frame, a rank mismatch, a closed coordinator, the attachment no longer
+open — it admits a terminal ``SourceSignal(quarantine=True)`` after everything it applied, so every valid
+batch before a malformed one is kept; cancelled from outside, it just stops.
 """
 
 from __future__ import annotations
 
-import collections
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,15 +35,17 @@ import attrs
 import structlog
 import trio
 import zmq
+from xxhash import xxh3_64_intdigest
 
-from kvagent._util.zmqtrio import TrioSocket
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
-from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES
+from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, SourceSignal
 from kvagent.model.status import Attachment
-from kvagent.vllm.decode import RawMessage, decode
+from kvagent.vllm.decode import REPLAY_END_SEQ, decode_payload, decode_seq
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
-from kvagent.vllm.sequence import SeqDecision, SequenceGate
+from kvagent.vllm.reader import SLICE_SECONDS, Inbox, LinkItem, LiveItem, LiveReader, ReplayEndItem, ReplyItem
+from kvagent.vllm.replay import ReplayClient, ReplayTimeouts
+from kvagent.vllm.sequence import Apply, CancelReplay, RequestReplay, Signal, SourceSync, SyncStatistics
 
 __all__ = [
     "LISTENER_TERMINATED",
@@ -50,7 +53,6 @@ __all__ = [
     "ListenerError",
     "ListenerOptions",
     "ListenerStatistics",
-    "ReplayAttempt",
     "ReplayClient",
     "run_listener",
 ]
@@ -58,26 +60,48 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 LISTENER_TERMINATED = "framework listener terminated"
-QUARANTINE_TIMEOUT = 5.0
-SLICE_SECONDS = 0.001
+DECODE_FAILED = "failed to decode framework KV event batch"
+MiB = 1 << 20
 
-
-class _NotReady(Exception):
-    """The attachment is no longer ready: stop quietly (and still quarantine)."""
-
+# What SourceSync carries for the shell between on_live/on_replay_reply and Apply: (topic, raw payload).
+_Batch = tuple[bytes, bytes]
 
 _positive = attrs.validators.gt(0)
+_positive_seconds = attrs.validators.gt(0.0)
 
 
 @attrs.frozen(slots=True)
 class ListenerOptions:
-    rcvhwm: int = attrs.field(default=1_000_000, validator=attrs.validators.ge(0))  # 0: libzmq's "no limit"
-    batch_messages: int = attrs.field(default=256, validator=_positive)
-    # Inactivity timeout of one replay attempt, in seconds.
-    replay_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0.0))
-    reorder_capacity: int = attrs.field(default=4096, validator=_positive)  # live batches held during replay
+    """How one listener reads its engine.
+
+    ``ingress_bytes`` bounds the raw payload bytes between the SUB and the coordinator: half for what the
+    listener holds (its inbox, the batches SourceSync holds back), half for the coordinator's queue.
+    ``rcvhwm`` bounds libzmq's own queue in messages; the reader keeps it short anyway, and at ~10 KB per
+    typical vLLM batch 1000 messages are well under the budget (0 is libzmq's "no limit").
+    """
+
+    rcvhwm: int = attrs.field(default=1000, validator=attrs.validators.ge(0))
+    batch_messages: int = attrs.field(default=256, validator=_positive)  # unused since the inbox; kept for configs
+    # A replay attempt: the wait for its first reply, the wait between replies, and its whole duration.
+    replay_timeout: float = attrs.field(default=5.0, validator=_positive_seconds)
+    replay_idle_timeout: float = attrs.field(default=0.5, validator=_positive_seconds)
+    replay_total_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
+    reorder_window: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    reorder_wait: float = attrs.field(default=0.05, validator=attrs.validators.ge(0.0))
     cold_bootstrap: bool = True
     max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
+    ingress_bytes: int = attrs.field(default=64 * MiB, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.ingress_bytes < 4 * self.max_payload_bytes:
+            # Each half must hold a couple of the largest batches, or every such batch would shed.
+            raise ValueError(
+                f"ingress_bytes ({self.ingress_bytes}) must be at least 4 x max_payload_bytes ({self.max_payload_bytes})"
+            )
+
+    @property
+    def replay_timeouts(self) -> ReplayTimeouts:
+        return ReplayTimeouts(self.replay_timeout, self.replay_idle_timeout, self.replay_total_timeout)
 
 
 @attrs.frozen(slots=True)
@@ -87,15 +111,22 @@ class ListenerStatistics:
     Attributes:
         messages: live messages received from the SUB socket.
         batches: batches normalized and admitted (live and replayed).
-        decode_errors: live messages that failed to decode (each ends the listener).
+        decode_errors: messages that failed to decode (each ends the listener).
         gaps: sequence gaps detected in the live stream.
         repaired_batches: batches applied from replay replies.
-        lost_batches: batches reported to the coordinator as source loss.
-        restarts_seen: live seqs that went backwards (the engine restarted in place).
-        duplicates: batches dropped because their seq was already applied.
-        reorder_overflows: replays cut short because the reorder buffer filled up.
+        lost_batches: batches that can never be applied (reported to the coordinator as source loss).
+        restarts_seen: confirmed new engine incarnations (in place, or found on reconnect).
+        duplicates: live batches dropped because the same bytes were already applied.
+        reorder_overflows: repairs started because more than ``reorder_window`` batches were held.
         filtered: events dropped by normalization, by reason.
         unpublished_blocks: stored blocks normalization could not publish (block size or missing tokens).
+        late: batches that arrived out of order and still applied in order (within the reorder window).
+        resets: Worker resets signalled (history lost, or a new engine).
+        degradations: times the source went degraded.
+        disconnects / reconnects: the engine's connection dropping and coming back (SUB monitor).
+        replay_requests / replay_replies: replay requests sent and replies received.
+        sheds / shed_bytes: times the listener dropped its queued batches to stay under its byte bound.
+        held_bytes: payload bytes the listener holds now (inbox and SourceSync), a gauge.
     """
 
     messages: int
@@ -109,141 +140,77 @@ class ListenerStatistics:
     reorder_overflows: int
     filtered: Mapping[str, int]
     unpublished_blocks: int
+    late: int = 0
+    resets: int = 0
+    degradations: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+    replay_requests: int = 0
+    replay_replies: int = 0
+    sheds: int = 0
+    shed_bytes: int = 0
+    held_bytes: int = 0
 
 
 @attrs.define
 class ListenerCounters:
-    """The listener's hot-path counters (plain increments); :meth:`statistics` takes a frozen snapshot."""
+    """The listener's own hot-path counters; :meth:`statistics` adds SourceSync's, the reader's and the
+    replay client's once the listener runs, and takes a frozen snapshot."""
 
     messages: int = 0
     batches: int = 0
     decode_errors: int = 0
-    gaps: int = 0
-    repaired_batches: int = 0
-    lost_batches: int = 0
-    restarts_seen: int = 0
-    duplicates: int = 0
-    reorder_overflows: int = 0
     filtered: dict[str, int] = attrs.Factory(dict)
     unpublished_blocks: int = 0
+    sync: SourceSync[_Batch] | None = None
+    reader: LiveReader | None = None
+    replay: ReplayClient | None = None
 
     def statistics(self) -> ListenerStatistics:
-        # asdict copies ``filtered``, so the snapshot never changes afterwards.
-        return ListenerStatistics(**attrs.asdict(self))
-
-
-@attrs.define
-class ReplayAttempt:
-    """What one replay request produced; filled in as replies arrive."""
-
-    start: int
-    messages: list[RawMessage] = attrs.Factory(list)
-    complete: bool = False  # the end marker arrived
-    error: str | None = None
-
-
-class ReplayClient:
-    """One DEALER connected to the engine's replay ROUTER, owned by the listener task."""
-
-    def __init__(
-        self,
-        context: zmq.Context[Any],
-        endpoint: str,
-        *,
-        inactivity_timeout: float = 5.0,
-        max_payload_bytes: int,
-    ) -> None:
-        self.context = context
-        self.endpoint = endpoint
-        self.inactivity_timeout = inactivity_timeout
-        self.max_payload_bytes = max_payload_bytes
-        self.socket = self._connect()
-
-    def _connect(self) -> TrioSocket:
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.endpoint)
-        return TrioSocket(dealer)
-
-    def _reconnect(self) -> None:
-        # Replies to an abandoned request may still be on their way; a fresh DEALER has a new identity,
-        # so the ROUTER routes those stale replies nowhere instead of into the next attempt.
-        self.socket.close()
-        self.socket = self._connect()
-
-    def close(self) -> None:
-        self.socket.close()
-
-    async def fetch(self, attempt: ReplayAttempt) -> None:
-        """Request every buffered batch with ``seq >= attempt.start``; fills ``attempt`` oldest first.
-
-        Ends at the end marker, a malformed reply, or ``inactivity_timeout`` without a reply. A reply
-        below the requested start is ignored (it can only be a stray from an earlier request).
-        """
-        try:
-            await self.socket.send_multipart([b"", attempt.start.to_bytes(8, "big")])
-            while True:
-                with trio.move_on_after(self.inactivity_timeout) as idle:
-                    frames = await self.socket.recv_multipart()
-                if idle.cancelled_caught:
-                    attempt.error = "replay inactivity timeout"
-                    return
-                try:
-                    message = decode(frames, replay=True, max_payload_bytes=self.max_payload_bytes)
-                except WireDecodeError as exc:
-                    attempt.error = f"malformed replay reply: {exc}"
-                    return
-                if message is None:
-                    attempt.complete = True
-                    return
-                if message.seq >= attempt.start:
-                    attempt.messages.append(message)
-        finally:
-            if not attempt.complete:
-                self._reconnect()
-
-
-class _Pipeline:
-    """Everything after sequencing: sans-IO apart from the coordinator handle's non-blocking admit."""
-
-    def __init__(
-        self, attachment: Attachment, kv_block_size: int, coordinator: CoordinatorHandle, stats: ListenerCounters
-    ) -> None:
-        self.generation = attachment.generation
-        self.rank = attachment.worker.dp_rank
-        self.coordinator = coordinator
-        self.stats = stats
-        self.normalizer = AttachmentNormalizer(
-            kv_block_size=kv_block_size,
-            worker=attachment.worker,
-            ingress_protocol=attachment.source.ingress_protocol,
-            image_token_id=attachment.source.image_token_id,
-            video_token_id=attachment.source.video_token_id,
+        sync = _sync_counts(self.sync.statistics()) if self.sync is not None else {}
+        reader, replay = self.reader, self.replay
+        held = (self.sync.held_bytes if self.sync is not None else 0) + (
+            reader.inbox.nbytes if reader is not None else 0
+        )
+        return ListenerStatistics(
+            messages=self.messages,
+            batches=self.batches,
+            decode_errors=self.decode_errors,
+            filtered=dict(self.filtered),  # a copy: the snapshot never changes afterwards
+            unpublished_blocks=self.unpublished_blocks,
+            disconnects=reader.disconnects if reader is not None else 0,
+            reconnects=reader.reconnects if reader is not None else 0,
+            sheds=reader.sheds if reader is not None else 0,
+            shed_bytes=reader.shed_bytes if reader is not None else 0,
+            replay_replies=replay.replies if replay is not None else 0,
+            held_bytes=held,
+            **sync,
         )
 
-    def process(self, message: RawMessage) -> None:
-        batch_rank = message.batch.data_parallel_rank or 0
-        if batch_rank != self.rank:
-            raise ListenerError(f"vLLM batch rank {batch_rank} does not match configured rank {self.rank}")
-        normalized = self.normalizer.normalize(message.batch)
-        stats = self.stats
-        stats.batches += 1
-        stats.unpublished_blocks += normalized.unpublished_blocks
-        for reason, count in normalized.filtered.items():
-            stats.filtered[reason] = stats.filtered.get(reason, 0) + count
-        try:
-            chunks = build_ingress_chunks(self.generation, message.seq, normalized)
-        except ChunkingError as exc:
-            raise ListenerError(str(exc)) from exc
-        admit = self.coordinator.admit_nowait
-        try:
-            for chunk in chunks:
-                admit(chunk)
-        except KvAgentError as exc:
-            raise ListenerError(exc.message) from exc
+
+def _sync_counts(stats: SyncStatistics) -> dict[str, int]:
+    """SourceSync's counters under the listener's statistic names."""
+    return {
+        "gaps": stats.gaps,
+        "repaired_batches": stats.repaired,
+        "lost_batches": stats.lost,
+        "restarts_seen": stats.restarts,
+        "duplicates": stats.duplicates,
+        "reorder_overflows": stats.reorder_overflows,
+        "late": stats.late,
+        "resets": stats.resets,
+        "degradations": stats.degradations,
+        "replay_requests": stats.replay_requests,
+    }
 
 
-class _Listener:
+class _Stop(Exception):
+    """The attachment generation is no longer open: stop (and still quarantine, a no-op by then)."""
+
+
+class _Processor:
+    """Takes the inbox in order, feeds SourceSync and executes its actions (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -252,183 +219,249 @@ class _Listener:
         coordinator: CoordinatorHandle,
         status: StatusCell,
         options: ListenerOptions,
-        stats: ListenerCounters,
-        sub: TrioSocket,
+        counters: ListenerCounters,
+        inbox: Inbox,
+        sync: SourceSync[_Batch],
         replay: ReplayClient | None,
     ) -> None:
         self.generation = attachment.generation
+        self.rank = attachment.worker.dp_rank
         self.coordinator = coordinator
         self.status = status
         self.options = options
-        self.stats = stats
-        self.sub = sub
+        self.counters = counters
+        self.inbox = inbox
+        self.sync = sync
         self.replay = replay
-        self.pipeline = _Pipeline(attachment, kv_block_size, coordinator, stats)
-        self.gate = SequenceGate()
-        # Live frames received but not yet processed: the reorder buffer while a replay runs. Arrival order
-        # is seq order within one publisher process (and keeps an in-place restart recognisable).
-        self.pending: collections.deque[list[bytes]] = collections.deque()
+        self.coordinator_bound = options.ingress_bytes // 2
+        self.pending_bytes = 0  # payload bytes of Apply actions taken from SourceSync, not yet admitted
+        self.normalizer = AttachmentNormalizer(
+            kv_block_size=kv_block_size,
+            worker=attachment.worker,
+            ingress_protocol=attachment.source.ingress_protocol,
+            image_token_id=attachment.source.image_token_id,
+            video_token_id=attachment.source.video_token_id,
+        )
+        self._slice_end = 0.0
 
     async def run(self) -> None:
-        if self.replay is not None and self.options.cold_bootstrap:
-            await self._bootstrap()
-        clock = time.perf_counter
+        sync = self.sync
+        sync.start(trio.current_time())
+        self._slice_end = time.perf_counter() + SLICE_SECONDS
         while True:
-            if not self.pending:
-                self.pending.extend(await self._receive(self.options.batch_messages))
-            slice_end = clock() + SLICE_SECONDS
-            while self.pending:
-                await self._on_live(self.pending.popleft())
-                if self.pending and clock() >= slice_end:
-                    # A burst is handled in slices, so the coordinator and recovery requests on the same
-                    # event loop get their turn every millisecond or so.
-                    await trio.lowlevel.checkpoint()
-                    slice_end = clock() + SLICE_SECONDS
+            await self._execute()
+            if not self.status.get().is_open_generation(self.generation):
+                raise _Stop()
+            item = self.inbox.pop()
+            if item is None:
+                await self._idle()
+                continue
+            now = trio.current_time()
+            self._feed(item, now)
+            deadline = sync.deadline
+            if deadline is not None and now >= deadline:
+                sync.on_timer(now)
+            await self._yield_if_slice_over()
 
-    async def _receive(self, max_messages: int) -> list[list[bytes]]:
+    async def _idle(self) -> None:
+        """Wait for the inbox, or until SourceSync's deadline (then tell it the time)."""
+        deadline = self.sync.deadline
+        with trio.move_on_at(math.inf if deadline is None else deadline):
+            await self.inbox.wait()
+        now = trio.current_time()
+        deadline = self.sync.deadline
+        if deadline is not None and now >= deadline:
+            self.sync.on_timer(now)
+        self._slice_end = time.perf_counter() + SLICE_SECONDS
+
+    async def _yield_if_slice_over(self) -> None:
+        if time.perf_counter() >= self._slice_end:
+            # A burst is handled in slices, so the coordinator and recovery requests on the same event
+            # loop get their turn every millisecond or so.
+            await trio.lowlevel.checkpoint()
+            self._slice_end = time.perf_counter() + SLICE_SECONDS
+
+    # -- input ----------------------------------------------------------------------------------------
+
+    def _feed(self, item: object, now: float) -> None:
+        sync = self.sync
+        kind = type(item)
+        if kind is LiveItem:
+            assert isinstance(item, LiveItem)
+            self._on_live(item.frames, now)
+        elif kind is ReplyItem:
+            assert isinstance(item, ReplyItem)
+            if self.replay is not None and item.request == self.replay.current_request:
+                reply = item.reply
+                digest = xxh3_64_intdigest(reply.payload)
+                sync.on_replay_reply(reply.seq, digest, len(reply.payload), (reply.topic, reply.payload), now)
+        elif kind is ReplayEndItem:
+            assert isinstance(item, ReplayEndItem)
+            if self.replay is not None and item.request == self.replay.current_request:
+                if not item.complete:
+                    log.info("vllm_replay_incomplete", generation=self.generation, reason=item.reason)
+                sync.on_replay_end(item.complete, now)
+        elif kind is LinkItem:
+            assert isinstance(item, LinkItem)
+            if item.connected:
+                sync.on_connected(now)
+            else:
+                sync.on_disconnected(now)
+
+    def _on_live(self, frames: list[bytes], now: float) -> None:
+        self.counters.messages += 1
         try:
-            return await self.sub.recv_multipart_batch(max_messages)
-        except zmq.ZMQError as exc:
-            raise ListenerError(f"ZMQ receive failed: {exc}") from exc
+            if len(frames) != 3:
+                raise WireDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+            topic, seq_frame, payload = frames
+            seq = decode_seq(seq_frame)
+            if seq_frame == REPLAY_END_SEQ:
+                raise WireDecodeError("sequence ff*8 is reserved for the replay end marker")
+            if len(payload) > self.options.max_payload_bytes:
+                raise WireDecodeError(f"ZMQ payload exceeds {self.options.max_payload_bytes} bytes")
+        except WireDecodeError as exc:
+            self.counters.decode_errors += 1
+            raise ListenerError(f"{DECODE_FAILED}: {exc}") from exc
+        self.sync.on_live(seq, xxh3_64_intdigest(payload), len(payload), (topic, payload), now)
 
-    def _check_ready(self) -> None:
-        if not self.status.get().is_ready_generation(self.generation):
-            raise _NotReady()
+    # -- actions --------------------------------------------------------------------------------------
 
-    def _apply(self, message: RawMessage) -> None:
-        self.pipeline.process(message)
-        self.gate.mark_applied(message.seq)
+    async def _execute(self) -> None:
+        actions = self.sync.take_actions()
+        if not actions:
+            return
+        self.pending_bytes += sum(len(action.message[1]) for action in actions if type(action) is Apply)
+        for action in actions:
+            kind = type(action)
+            if kind is Apply:
+                assert isinstance(action, Apply)
+                payload_bytes = len(action.message[1])
+                await self._wait_for_coordinator_room()
+                self.pending_bytes -= payload_bytes
+                self._apply(action.seq, action.message[1])
+                await self._yield_if_slice_over()
+            elif kind is Signal:
+                assert isinstance(action, Signal)
+                self._signal(action)
+            elif kind is RequestReplay:
+                assert isinstance(action, RequestReplay) and self.replay is not None
+                self.replay.request(action.start)
+            elif kind is CancelReplay:
+                assert self.replay is not None
+                self.replay.cancel()
 
-    async def _lose(self, lost: int, why: str) -> None:
-        log.warning("vllm_source_lost_batches", generation=self.generation, batches=lost, reason=why)
-        self.stats.lost_batches += lost
+    async def _wait_for_coordinator_room(self) -> None:
+        if self.coordinator.ingress_bytes > self.coordinator_bound:
+            await self.coordinator.wait_ingress_bytes_at_most(self.coordinator_bound)
+
+    def _signal(self, action: Signal) -> None:
+        log.info(
+            "vllm_source_signal",
+            generation=self.generation,
+            state=None if action.state is None else action.state.value,
+            reset=action.reset,
+            lost_batches=action.lost_batches,
+            reason=action.reason,
+        )
+        signal = SourceSignal(
+            self.generation,
+            state=action.state,
+            reset=action.reset,
+            lost_batches=action.lost_batches,
+            reason=action.reason,
+        )
         try:
-            await self.coordinator.report_source_loss(self.generation, lost)
+            self.coordinator.admit_nowait(signal)
         except KvAgentError as exc:
             raise ListenerError(exc.message) from exc
 
-    async def _on_live(self, frames: list[bytes]) -> None:
-        self._check_ready()
-        self.stats.messages += 1
+    def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode, check, normalize and admit one batch SourceSync let through (in seq order)."""
         try:
-            message = decode(frames, max_payload_bytes=self.options.max_payload_bytes)
+            batch = decode_payload(payload, max_payload_bytes=self.options.max_payload_bytes)
         except WireDecodeError as exc:
-            self.stats.decode_errors += 1
-            raise ListenerError(f"failed to decode framework KV event batch: {exc}") from exc
-        gate = self.gate
-        decision = gate.classify(message.seq)
-        if decision is SeqDecision.DUPLICATE:
-            self.stats.duplicates += 1
-            return
-        if decision is SeqDecision.RESTART:
-            # The coordinator sees the cursor regress and publishes its own reset barrier.
-            self.stats.restarts_seen += 1
-            log.warning("vllm_engine_restarted_in_place", generation=self.generation, seq=message.seq)
-            if message.seq > 0:
-                # The new incarnation's first batches went by before the SUB reconnected: its history
-                # starts at 0, so that is a gap like any other (repaired from its fresh replay buffer).
-                gate.expect(0)
-                decision = SeqDecision.GAP
-        if decision is SeqDecision.GAP:
-            expected = gate.expected()
-            assert expected is not None  # a gap needs something applied before it
-            self.stats.gaps += 1
-            if self.replay is not None:
-                await self._apply_replay(await self._fetch(expected))
-                if gate.classify_replayed(message.seq) is SeqDecision.DUPLICATE:
-                    self.stats.duplicates += 1  # the replay already carried this batch
-                    return
-            hole_start = gate.expected()
-            assert hole_start is not None
-            if hole_start < message.seq:
-                await self._lose(message.seq - hole_start, "unrepaired seq gap")
-                gate.expect(message.seq)
-        self._apply(message)
-
-    async def _bootstrap(self) -> None:
-        """Cold attach: apply the engine's whole replay buffer first."""
-        attempt = await self._fetch(0)
-        if attempt.messages or attempt.complete:
-            self.gate.expect(0)
-        else:
-            log.warning("vllm_cold_attach_replay_empty", generation=self.generation, error=attempt.error)
-        await self._apply_replay(attempt)
-
-    async def _apply_replay(self, attempt: ReplayAttempt) -> None:
-        gate = self.gate
-        for message in attempt.messages:
-            self._check_ready()
-            decision = gate.classify_replayed(message.seq)
-            if decision is SeqDecision.DUPLICATE:
-                continue
-            if decision is SeqDecision.GAP:
-                expected = gate.expected()
-                assert expected is not None
-                why = "replay started late" if message is attempt.messages[0] else "replay skipped batches"
-                await self._lose(message.seq - expected, why)
-            self._apply(message)
-            self.stats.repaired_batches += 1
-        if not attempt.complete:
-            log.warning(
-                "vllm_replay_incomplete", generation=self.generation, start=attempt.start, error=attempt.error
-            )
-
-    async def _fetch(self, start: int) -> ReplayAttempt:
-        """Run one replay request while live messages collect in the reorder buffer."""
-        replay = self.replay
-        assert replay is not None
-        attempt = ReplayAttempt(start)
-        capacity = self.options.reorder_capacity
-        done = trio.CancelScope()  # whichever side finishes first ends the other
-
-        async def fetch() -> None:
-            await replay.fetch(attempt)
-            done.cancel()
-
-        async def buffer_live() -> None:
-            # This task owns the SUB only while the replay runs; the listener task is waiting here.
-            while len(self.pending) < capacity:
-                room = min(self.options.batch_messages, capacity - len(self.pending))
-                self.pending.extend(await self._receive(room))
-            self.stats.reorder_overflows += 1
-            attempt.error = f"reorder buffer full ({capacity} live batches)"
-            done.cancel()
-
+            self.counters.decode_errors += 1
+            raise ListenerError(f"{DECODE_FAILED}: {exc}") from exc
+        batch_rank = batch.data_parallel_rank or 0
+        if batch_rank != self.rank:
+            raise ListenerError(f"vLLM batch rank {batch_rank} does not match configured rank {self.rank}")
+        normalized = self.normalizer.normalize(batch)
+        counters = self.counters
+        counters.batches += 1
+        counters.unpublished_blocks += normalized.unpublished_blocks
+        for reason, count in normalized.filtered.items():
+            counters.filtered[reason] = counters.filtered.get(reason, 0) + count
         try:
-            with done:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(fetch)
-                    nursery.start_soon(buffer_live)
-        except* ListenerError as group:
-            # Only buffer_live raises it (a failed SUB receive): end the listener with that message.
-            raise group.exceptions[0] from None
-        return attempt
+            chunks = build_ingress_chunks(self.generation, seq, normalized)
+        except ChunkingError as exc:
+            raise ListenerError(str(exc)) from exc
+        # The batch's bytes stay charged until its final chunk is handled.
+        chunks[-1] = attrs.evolve(chunks[-1], raw_bytes=len(payload))
+        admit = self.coordinator.admit_nowait
+        try:
+            for chunk in chunks:
+                admit(chunk)
+        except KvAgentError as exc:
+            raise ListenerError(exc.message) from exc
 
 
-def _open_sockets(
-    context: zmq.Context[Any], attachment: Attachment, options: ListenerOptions
-) -> tuple[TrioSocket, ReplayClient | None]:
-    """The SUB connected and subscribed to the attachment's topic, and a replay client if it has an endpoint."""
+def _build(
+    context: zmq.Context[Any],
+    attachment: Attachment,
+    kv_block_size: int,
+    coordinator: CoordinatorHandle,
+    status: StatusCell,
+    options: ListenerOptions,
+    counters: ListenerCounters,
+) -> tuple[LiveReader, ReplayClient | None, _Processor]:
     source = attachment.source
-    sub_socket = context.socket(zmq.SUB)
-    sub_socket.setsockopt(zmq.RCVHWM, options.rcvhwm)
-    sub_socket.setsockopt(zmq.LINGER, 0)
-    sub = TrioSocket(sub_socket)
-    try:
-        sub_socket.connect(source.endpoint)
-        sub_socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-        replay = None
-        if source.replay_endpoint:
-            replay = ReplayClient(
-                context,
-                source.replay_endpoint,
-                inactivity_timeout=options.replay_timeout,
-                max_payload_bytes=options.max_payload_bytes,
-            )
-    except BaseException:
-        sub.close()
-        raise
-    return sub, replay
+    listener_bound = options.ingress_bytes // 2
+    # Replies in flight get an eighth of the listener's half, so a shed can always free the rest.
+    inbox = Inbox(reply_bytes_bound=listener_bound // 4)
+    sync: SourceSync[_Batch] = SourceSync(
+        has_replay=source.replay_endpoint is not None,
+        reorder_window=options.reorder_window,
+        reorder_wait=options.reorder_wait,
+        cold_bootstrap=options.cold_bootstrap,
+    )
+    replay = None
+    if source.replay_endpoint:
+        replay = ReplayClient(
+            context,
+            source.replay_endpoint,
+            inbox,
+            max_payload_bytes=options.max_payload_bytes,
+            timeouts=options.replay_timeouts,
+        )
+    processor = _Processor(
+        attachment=attachment,
+        kv_block_size=kv_block_size,
+        coordinator=coordinator,
+        status=status,
+        options=options,
+        counters=counters,
+        inbox=inbox,
+        sync=sync,
+        replay=replay,
+    )
+
+    def shed_held() -> int:
+        freed = sync.shed(trio.current_time())
+        inbox.wake()  # SourceSync may have something to do about it
+        return freed
+
+    reader = LiveReader(
+        context,
+        endpoint=source.endpoint,
+        topic=source.topic.encode(),
+        rcvhwm=options.rcvhwm,
+        inbox=inbox,
+        bytes_bound=listener_bound,
+        held_bytes=lambda: sync.held_bytes + processor.pending_bytes,
+        shed_held=shed_held,
+    )
+    counters.sync, counters.reader, counters.replay = sync, reader, replay
+    return reader, replay, processor
 
 
 async def run_listener(
@@ -442,43 +475,43 @@ async def run_listener(
     stats: ListenerCounters | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen to one attachment until cancelled or failed; a failure ends in a quarantine of its generation.
+    """Listen to one attachment until cancelled or ended; ending on its own quarantines its generation.
 
-    ``stats`` is the counters object the caller reads (a fresh one if not given).
+    ``stats`` is the counters object the caller reads (a fresh one if not given). The SUB is connected
+    before ``task_status.started()``.
     """
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
-    stats = stats if stats is not None else ListenerCounters()
+    counters = stats if stats is not None else ListenerCounters()
     generation = attachment.generation
-    sub, replay = _open_sockets(context, attachment, options)
-    task_status.started()
+    reader, replay, processor = _build(context, attachment, kv_block_size, coordinator, status, options, counters)
+    reader.open()
     error: str | None = None
     try:
-        listener = _Listener(
-            attachment=attachment,
-            kv_block_size=kv_block_size,
-            coordinator=coordinator,
-            status=status,
-            options=options,
-            stats=stats,
-            sub=sub,
-            replay=replay,
-        )
-        await listener.run()
-    except _NotReady:
-        log.info("listener_stopping", generation=generation, reason="attachment no longer ready")
-    except ListenerError as exc:
-        error = str(exc)
-    except Exception as exc:  # any other failure still ends in a quarantine, never a silent stop
-        log.exception("listener_crashed", generation=generation)
-        error = f"{type(exc).__name__}: {exc}"
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            if replay is not None:
+                nursery.start_soon(replay.run)
+            await processor.run()
+    except* _Stop:
+        log.info("listener_stopping", generation=generation, reason="attachment generation no longer open")
+    except* ListenerError as group:
+        error = str(group.exceptions[0])
+    except* Exception as group:  # any other failure still ends in a quarantine, never a silent stop
+        log.error("listener_crashed", generation=generation, exc_info=group.exceptions[0])
+        error = f"{type(group.exceptions[0]).__name__}: {group.exceptions[0]}"
     finally:
-        sub.close()
+        reader.close()
         if replay is not None:
             replay.close()
     if error is not None:
         log.warning("listener_failed", generation=generation, error=error)
-    with trio.move_on_after(QUARANTINE_TIMEOUT, shield=True):
-        try:
-            await coordinator.quarantine(generation, LISTENER_TERMINATED)
-        except KvAgentError as exc:
-            log.warning("listener_quarantine_failed", generation=generation, error=str(exc))
+    _quarantine(coordinator, generation)
+
+
+def _quarantine(coordinator: CoordinatorHandle, generation: int) -> None:
+    """The terminal quarantine, in order after every batch the listener admitted."""
+    try:
+        coordinator.admit_nowait(SourceSignal(generation, quarantine=True, reason=LISTENER_TERMINATED))
+    except KvAgentError as exc:
+        log.warning("listener_quarantine_failed", generation=generation, error=str(exc))

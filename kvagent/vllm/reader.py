@@ -1,0 +1,314 @@
+"""The listener's receiving side: the byte-counted inbox, and the reader task that owns the SUB socket.
+
+The reader drains the SUB until ``zmq.Again`` (in slices of about a millisecond, so other tasks get their
+turn during a flood) into the :class:`Inbox`, which also carries the replay client's replies and the
+engine connection's ups and downs. Everything it holds is counted in payload bytes. When the bytes the
+listener holds — the inbox, the live batches ``SourceSync`` holds back, the batches the processor has
+taken but not yet admitted — pass the bound (half the ingress budget: the coordinator's queue has the
+other half), the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
+ones it holds, and closes and re-opens the SUB, which also discards libzmq's own queue. The loss becomes
+a gap like any other, repaired from the replay socket or reported. Memory never grows past the bound.
+
+The SUB's monitor socket (``get_monitor_socket``) tells when the engine's connection drops
+(``EVENT_DISCONNECTED``) and comes back (``EVENT_HANDSHAKE_SUCCEEDED``). A small task owns the monitor
+socket and forwards these as :class:`LinkItem` s, in order with the data. The listener's own re-open after
+shedding is not an engine reconnect: only a handshake after a reported disconnect is one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import structlog
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvagent._util.zmqtrio import TrioSocket
+from kvagent.model.errors import ListenerError
+from kvagent.vllm.replay import ReplayReply
+
+__all__ = [
+    "SLICE_SECONDS",
+    "Inbox",
+    "InboxItem",
+    "LinkItem",
+    "LiveItem",
+    "LiveReader",
+    "ReplayEndItem",
+    "ReplyItem",
+]
+
+log = structlog.get_logger(__name__)
+
+SLICE_SECONDS = 0.001
+_CHECK_CLOCK_EVERY = 16  # messages between clock reads while draining
+_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_monitor_ids = itertools.count()
+
+
+class LiveItem(NamedTuple):
+    frames: list[bytes]
+    nbytes: int
+
+
+class ReplyItem(NamedTuple):
+    request: int
+    reply: ReplayReply
+
+
+class ReplayEndItem(NamedTuple):
+    request: int
+    complete: bool
+    reason: str
+
+
+class LinkItem(NamedTuple):
+    connected: bool  # False: the engine's connection dropped; True: it is back
+
+
+InboxItem = LiveItem | ReplyItem | ReplayEndItem | LinkItem
+
+
+class Inbox:
+    """What the processor has yet to take, in arrival order, with its payload bytes counted.
+
+    Replies in flight are bounded separately (``reply_bytes_bound``): the replay client waits for room.
+    """
+
+    def __init__(self, reply_bytes_bound: int) -> None:
+        self._items: collections.deque[InboxItem] = collections.deque()
+        self.live_bytes = 0
+        self.reply_bytes = 0
+        self.reply_bytes_bound = reply_bytes_bound
+        self._arrived = trio.Event()
+        self._room = trio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self.live_bytes + self.reply_bytes
+
+    def put_live(self, frames: list[bytes], nbytes: int) -> None:
+        self._items.append(LiveItem(frames, nbytes))
+        self.live_bytes += nbytes
+        self._arrived.set()
+
+    def put_link(self, connected: bool) -> None:
+        self._items.append(LinkItem(connected))
+        self._arrived.set()
+
+    # ReplaySink
+    def on_reply(self, request: int, reply: ReplayReply) -> None:
+        self._items.append(ReplyItem(request, reply))
+        self.reply_bytes += len(reply.payload)
+        self._arrived.set()
+
+    def on_end(self, request: int, complete: bool, reason: str) -> None:
+        self._items.append(ReplayEndItem(request, complete, reason))
+        self._arrived.set()
+
+    async def wait_for_room(self) -> None:
+        while self.reply_bytes > self.reply_bytes_bound:
+            self._room = trio.Event()
+            await self._room.wait()
+
+    def pop(self) -> InboxItem | None:
+        if not self._items:
+            return None
+        item = self._items.popleft()
+        if type(item) is LiveItem:
+            self.live_bytes -= item.nbytes
+        elif type(item) is ReplyItem:
+            self.reply_bytes -= len(item.reply.payload)
+            if self.reply_bytes <= self.reply_bytes_bound:
+                self._room.set()
+        return item
+
+    async def wait(self) -> None:
+        """Return once an item is queued (or :meth:`wake` was called)."""
+        if self._items:
+            return
+        self._arrived = trio.Event()
+        await self._arrived.wait()
+
+    def wake(self) -> None:
+        self._arrived.set()
+
+    def drop_live(self) -> int:
+        """Drop every queued live batch (keeping replies and link changes, in order); returns the bytes freed."""
+        freed = self.live_bytes
+        self._items = collections.deque(item for item in self._items if type(item) is not LiveItem)
+        self.live_bytes = 0
+        return freed
+
+
+class _Subscription:
+    """One SUB socket connected and subscribed, with its monitor PAIR socket."""
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str, topic: bytes, rcvhwm: int) -> None:
+        sub = context.socket(zmq.SUB)
+        self.sub = TrioSocket(sub)
+        self.monitor: TrioSocket | None = None
+        try:
+            sub.setsockopt(zmq.RCVHWM, rcvhwm)
+            sub.setsockopt(zmq.LINGER, 0)
+            # A unique address: the default one is derived from the FD number, which a re-opened socket
+            # may reuse while the old monitor is still bound.
+            monitor = sub.get_monitor_socket(_MONITOR_EVENTS, f"inproc://kvagent-sub-monitor-{next(_monitor_ids)}")
+            monitor.setsockopt(zmq.LINGER, 0)
+            self.monitor = TrioSocket(monitor)
+            sub.connect(endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, topic)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sub.socket.disable_monitor()
+            self.monitor.close()
+        self.sub.close()
+
+
+class LiveReader:
+    """Owns the SUB (re-opened after every shed) and feeds the inbox; see the module docstring."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        *,
+        endpoint: str,
+        topic: bytes,
+        rcvhwm: int,
+        inbox: Inbox,
+        bytes_bound: int,
+        held_bytes: Callable[[], int],
+        shed_held: Callable[[], int],
+    ) -> None:
+        self.context = context
+        self.endpoint = endpoint
+        self.topic = topic
+        self.rcvhwm = rcvhwm
+        self.inbox = inbox
+        self.bytes_bound = bytes_bound
+        self._held_bytes = held_bytes  # bytes held past the inbox (SourceSync, the processor's batch)
+        self._shed_held = shed_held  # drops what SourceSync holds; returns the bytes freed
+        self.messages = 0
+        self.sheds = 0
+        self.shed_bytes = 0
+        self.disconnects = 0
+        self.reconnects = 0
+        self._engine_connected: bool | None = None  # None: never connected yet
+        self._subscription: _Subscription | None = None
+        self._monitor_scope = trio.CancelScope()
+
+    def open(self) -> None:
+        """Connect the first SUB (before the listener reports itself started)."""
+        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self.rcvhwm)
+
+    def close(self) -> None:
+        self._monitor_scope.cancel()
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._subscription is None:
+            self.open()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._start_monitor(nursery)
+                task_status.started()
+                await self._read(nursery)
+        finally:
+            self.close()
+
+    async def _read(self, nursery: trio.Nursery) -> None:
+        while True:
+            subscription = self._subscription
+            assert subscription is not None
+            if self._drain(subscription.sub):
+                await trio.lowlevel.checkpoint()  # the slice is over: let the processor and others run
+            elif self._subscription is subscription:
+                try:
+                    await subscription.sub.wait_readable()
+                except zmq.ZMQError as exc:
+                    raise ListenerError(f"ZMQ receive failed: {exc}") from exc
+            else:
+                self._start_monitor(nursery)  # shed: a new socket, a new monitor
+
+    def _drain(self, sub: TrioSocket) -> bool:
+        """Receive until zmq.Again (False) or the slice is over (True); sheds past the bound."""
+        recv = sub.socket.recv_multipart
+        put = self.inbox.put_live
+        clock = time.perf_counter
+        slice_end = clock() + SLICE_SECONDS
+        inbox = self.inbox
+        for count in itertools.count(1):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            except zmq.ZMQError as exc:
+                raise ListenerError(f"ZMQ receive failed: {exc}") from exc
+            nbytes = sum(map(len, frames))
+            put(frames, nbytes)
+            self.messages += 1
+            if inbox.nbytes + self._held_bytes() > self.bytes_bound:
+                self._shed()
+                return False
+            if count % _CHECK_CLOCK_EVERY == 0 and clock() >= slice_end:
+                return True
+        raise AssertionError("unreachable")
+
+    def _shed(self) -> None:
+        freed = self.inbox.drop_live() + self._shed_held()
+        self.sheds += 1
+        self.shed_bytes += freed
+        log.warning("vllm_listener_shed", freed_bytes=freed, bound=self.bytes_bound, sheds=self.sheds)
+        # Close and re-open: libzmq's queue goes with the old socket. What was lost is a gap for SourceSync.
+        self._monitor_scope.cancel()
+        old = self._subscription
+        self._subscription = None
+        if old is not None:
+            old.close()
+        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self.rcvhwm)
+        self.inbox.wake()
+
+    # -- the engine connection ------------------------------------------------------------------------
+
+    def _start_monitor(self, nursery: trio.Nursery) -> None:
+        subscription = self._subscription
+        assert subscription is not None and subscription.monitor is not None
+        self._monitor_scope = trio.CancelScope()
+        nursery.start_soon(self._watch_monitor, subscription.monitor, self._monitor_scope)
+
+    async def _watch_monitor(self, monitor: TrioSocket, scope: trio.CancelScope) -> None:
+        with scope:
+            while True:
+                frames = await monitor.recv_multipart()
+                self._on_monitor_event(parse_monitor_message(frames)["event"])
+
+    def _on_monitor_event(self, event: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            if self._engine_connected:
+                self._engine_connected = False
+                self.disconnects += 1
+                log.warning("vllm_engine_disconnected", endpoint=self.endpoint)
+                self.inbox.put_link(False)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if self._engine_connected is False:
+                self.reconnects += 1
+                log.info("vllm_engine_reconnected", endpoint=self.endpoint)
+                self.inbox.put_link(True)
+            # The first connection, or the listener's own re-open of a SUB while the engine stayed up.
+            self._engine_connected = True
