@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 
 import attrs
+import structlog
 
+from kvagent.coordinator.counters import CoordinatorCounters
 from kvagent.model.events import IngressChunk
 
-__all__ = ["Continuity", "SourceCursorTracker", "classify_chunk"]
+__all__ = ["Continuity", "SourceContinuity", "SourceCursorTracker", "classify_chunk"]
+
+log = structlog.get_logger(__name__)
 
 
 @attrs.define(slots=True)
@@ -68,3 +72,53 @@ def classify_chunk(
     if last_seen is not None and chunk.source_cursor < last_seen:
         return Continuity.RESTARTED
     return Continuity.CONTINUES
+
+
+class SourceContinuity:
+    """The coordinator's view of one attachment's raw sequence: duplicates dropped, gaps counted (3.5)."""
+
+    def __init__(self, counters: CoordinatorCounters) -> None:
+        self._counters = counters
+        self.tracker = SourceCursorTracker()
+        # A duplicated non-final raw batch: its later chunks are dropped too.
+        self._skipping_sequence: int | None = None
+
+    def reset(self) -> None:
+        """Forget the stream (a new attachment, an engine restart or a source reset)."""
+        self.tracker = SourceCursorTracker()
+        self._skipping_sequence = None
+
+    def classify(self, chunk: IngressChunk) -> Continuity:
+        if chunk.chunk_index == 0:
+            self._skipping_sequence = None
+        continuity = classify_chunk(self.tracker, self._skipping_sequence, chunk)
+        if continuity is Continuity.DUPLICATE:
+            self._skipping_sequence = None if chunk.final else chunk.source_cursor
+            log.warning(
+                "duplicate_source_batch_dropped",
+                generation=chunk.generation,
+                source_cursor=chunk.source_cursor,
+                chunk_index=chunk.chunk_index,
+            )
+            self._counters.count_filtered("duplicate_source_chunk")
+        return continuity
+
+    def observe_lossy(self, chunk: IngressChunk, phase: str) -> None:
+        """Advance past ``chunk``; a discontinuity is counted as dropped raw batches and accepted."""
+        tracker = self.tracker
+        if tracker.observe(chunk):
+            return
+        previous = tracker.completed
+        missing = 1
+        if previous is not None and chunk.source_cursor - (previous + 1) > 0:
+            missing = chunk.source_cursor - (previous + 1)
+        log.warning(
+            "source_cursor_gap",
+            generation=chunk.generation,
+            source_cursor=chunk.source_cursor,
+            previous_cursor=previous,
+            chunk_index=chunk.chunk_index,
+            phase=phase,
+        )
+        self._counters.dropped_events += missing
+        tracker.accept_after_loss(chunk)

@@ -13,14 +13,15 @@ queued ingress.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import attrs
 import structlog
 
 from kvagent.coordinator.coalesce import coalesce
-from kvagent.coordinator.cursor import Continuity, SourceCursorTracker, classify_chunk
+from kvagent.coordinator.counters import CoordinatorCounters, CoordinatorStatistics
+from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCursorTracker
 from kvagent.coordinator.dedup import DedupFilter
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
@@ -33,6 +34,8 @@ from kvagent.model.events import (
     PlacementEvent,
     ResidencyDomain,
     RouterEvent,
+    SourceSignal,
+    SourceState,
     StorageTier,
     WorkerWithDpRank,
 )
@@ -49,6 +52,8 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+LISTENER_TERMINATED = "framework listener terminated"  # a quarantine signal's reason when it names none
+
 
 class LocalIndex(Protocol):
     """What the coordinator needs of :class:`kvagent.index.recovery_index.RecoveryIndex`."""
@@ -56,67 +61,6 @@ class LocalIndex(Protocol):
     def apply(self, event: RouterEvent) -> None: ...
 
     def current_event_id(self) -> int: ...
-
-
-@attrs.frozen(slots=True)
-class CoordinatorStatistics:
-    """A snapshot of one slot coordinator's counters (all count since the agent started, never reset).
-
-    Attributes:
-        events_in: placement events taken from ingress chunks.
-        events_published: RouterEvents the sink accepted.
-        events_out_ids: outbound event ids assigned (published or not).
-        filtered: events dropped before publication, by reason.
-        dropped_events: raw batches lost to source cursor gaps (``engines_dropped_events``).
-        quarantines: quarantines of an attachment, by reason.
-        attachments: attachments that became ready.
-        restarts: in-place engine restarts detected from a regressing raw sequence.
-        publications: sink calls (one per published chunk).
-        publication_failures: sink calls that raised.
-        source_losses: raw batches the listener reported as unrepairable.
-        ingress_chunks: ingress chunks handled (live and detach drain).
-        ingress_queue_depth: chunks admitted but not yet handled (0 for the bare sans-IO coordinator).
-    """
-
-    events_in: int
-    events_published: int
-    events_out_ids: int
-    filtered: Mapping[str, int]
-    dropped_events: int
-    quarantines: Mapping[str, int]
-    attachments: int
-    restarts: int
-    publications: int
-    publication_failures: int
-    source_losses: int
-    ingress_chunks: int
-    ingress_queue_depth: int = 0
-
-
-@attrs.define(slots=True)
-class CoordinatorCounters:
-    """The coordinator's plain counters, bumped on the hot path; :meth:`statistics` snapshots them."""
-
-    events_in: int = 0
-    events_published: int = 0
-    events_out_ids: int = 0
-    filtered: dict[str, int] = attrs.Factory(dict)
-    dropped_events: int = 0
-    quarantines: dict[str, int] = attrs.Factory(dict)
-    attachments: int = 0
-    restarts: int = 0
-    publications: int = 0
-    publication_failures: int = 0
-    source_losses: int = 0
-    ingress_chunks: int = 0
-
-    def count_filtered(self, reason: str, n: int = 1) -> None:
-        if n:
-            self.filtered[reason] = self.filtered.get(reason, 0) + n
-
-    def statistics(self, *, ingress_queue_depth: int = 0) -> CoordinatorStatistics:
-        # asdict copies the labelled counters, so the snapshot never changes afterwards.
-        return CoordinatorStatistics(**attrs.asdict(self), ingress_queue_depth=ingress_queue_depth)
 
 
 class SlotCoordinator:
@@ -145,16 +89,16 @@ class SlotCoordinator:
         self._ingress_generation: int | None = None
         self._next_outbound_id = 1
         self._next_attachment_generation = 1
-        self._cursor = SourceCursorTracker()
-        # A duplicated non-final raw batch: its later chunks are dropped too.
-        self._skipping_sequence: int | None = None
+        self._continuity = SourceContinuity(self.counters)
         self._dedup = DedupFilter()
         # The three failure flags are never cleared for the life of the agent (3.1).
         self._worker_domain_failed = False
         self._cache_owner_domain_failed = False
         self._source_failed = False
-        # strict_cache_owner: an unrepaired source loss makes CacheOwner untrusted until the next attach.
+        # strict_cache_owner: an unrepaired source loss makes CacheOwner untrusted until the next attach, or
+        # until the source is READY again after a Worker reset that followed the loss.
         self._cache_owner_untrusted = False
+        self._reset_since_loss = False
         self._batching_ingress = False
         self._status_dirty = False
         # The Trio shell installs the real backlog probe (the core never sees the channel itself).
@@ -180,7 +124,7 @@ class SlotCoordinator:
 
     @property
     def cursor(self) -> SourceCursorTracker:
-        return self._cursor
+        return self._continuity.tracker
 
     def statistics(self) -> CoordinatorStatistics:
         """The counters so far; ``ingress_queue_depth`` is 0 (the queue belongs to the Trio shell)."""
@@ -219,7 +163,7 @@ class SlotCoordinator:
         attachment = attrs.evolve(attachment, ready=True, ready_at_outbound_cursor=barrier_cursor)
         self._ingress_generation = generation
         # A fresh cursor does not prove CacheOwner continuity: CacheOwner stays advisory.
-        self._reset_cursor()
+        self._continuity.reset()
         self._cache_owner_untrusted = False
         self._attachment = attachment
         self.counters.attachments += 1
@@ -234,7 +178,7 @@ class SlotCoordinator:
         self._attachment = attrs.evolve(attachment, ready=False)
         self._publish_status()
 
-    def complete_detach(self, generation: int, queued: Iterable[IngressChunk]) -> int:
+    def complete_detach(self, generation: int, queued: Iterable[IngressChunk | SourceSignal]) -> int:
         attachment = self._require_attachment()
         if attachment.generation != generation or attachment.ready:
             raise CoordinatorError(
@@ -252,13 +196,16 @@ class SlotCoordinator:
                 "failed to publish final Worker detach barrier", code="internal"
             ) from error
         self._attachment = None
-        self._reset_cursor()
+        self._continuity.reset()
         self._publish_status()
         return cursor
 
-    def quarantine(self, generation: int, reason: str) -> None:
+    def quarantine(self, generation: int, reason: str) -> bool:
+        """Quarantine ``generation`` if it is the current attachment (True); a stale one changes nothing."""
         if self._quarantine(generation, reason):
             self._withdraw(generation)
+            return True
+        return False
 
     def abort_attach(self, generation: int) -> None:
         """Forget a started attach whose listener never ran; publishes no barrier."""
@@ -266,17 +213,95 @@ class SlotCoordinator:
             return
         self._attachment = None
         self._ingress_generation = None
-        self._reset_cursor()
+        self._continuity.reset()
         self._publish_status()
 
     def report_source_loss(self, generation: int, lost_batches: int) -> None:
-        """The listener could not repair ``lost_batches`` raw batches of ``generation``."""
-        self.counters.source_losses += lost_batches
+        """The listener could not repair ``lost_batches`` raw batches of ``generation`` (a control command;
+        a listener sends ``SourceSignal(lost_batches=...)`` in order with its chunks instead)."""
         current = self._attachment is not None and self._attachment.generation == generation
+        self._count_source_loss(generation, lost_batches, current=current)
+
+    # -- source signals: the listener's verdicts, in order with its chunks ---------------------------
+
+    def handle_signal(self, signal: SourceSignal) -> None:
+        """Act on one verdict about the source of ``signal.generation``, after every chunk admitted before it.
+
+        Ignored (counted) unless the generation is the open attachment. In order: ``reset`` publishes a Worker
+        reset barrier and forgets the source cursor and the Worker dedup; ``lost_batches`` are counted (with
+        strict CacheOwner, CacheOwner is untrusted); ``state`` becomes the attachment's source state;
+        ``quarantine`` ends the attachment.
+        """
+        generation = signal.generation
+        attachment = self._attachment
+        if (
+            attachment is None
+            or attachment.generation != generation
+            or not attachment.ready
+            or self._ingress_generation != generation
+        ):
+            self.counters.signals_ignored += 1
+            log.info("source_signal_ignored", generation=generation, reason=signal.reason)
+            return
+        if signal.reset:
+            self._reset_source(attachment.worker, signal)
+        if signal.lost_batches:
+            self._count_source_loss(generation, signal.lost_batches, current=True)
+        if signal.state is not None:
+            self._set_source_state(signal.state, signal)
+        self._publish_status()
+        if signal.quarantine:
+            self.quarantine(generation, signal.reason or LISTENER_TERMINATED)
+
+    def _reset_source(self, worker: WorkerWithDpRank, signal: SourceSignal) -> None:
+        """Routers drop what may be stale at the barrier; the stream after it rebuilds the Worker state."""
+        self.counters.source_resets += 1
+        log.warning("source_reset", generation=signal.generation, reason=signal.reason)
+        try:
+            barrier_cursor = self._apply_and_publish_reset(worker)
+        except CoordinatorError as error:
+            raise CoordinatorError("failed to publish Worker source reset barrier", code="internal") from error
+        self._continuity.reset()
+        self._dedup.reset_domain(worker.dp_rank, ResidencyDomain.WORKER)
+        self._reset_since_loss = True
+        attachment = self._require_attachment()
+        if (signal.state or attachment.source_state) is SourceState.READY:
+            # The stream from the barrier on carries the engine's complete history.
+            self._attachment = attrs.evolve(attachment, ready_at_outbound_cursor=barrier_cursor)
+
+    def _count_source_loss(self, generation: int, lost_batches: int, *, current: bool) -> None:
+        self.counters.source_losses += lost_batches
         log.warning("source_batches_lost", generation=generation, lost_batches=lost_batches)
-        if self.strict_cache_owner and current and lost_batches > 0 and not self._cache_owner_untrusted:
-            self._cache_owner_untrusted = True
-            self._publish_status()
+        if self.strict_cache_owner and current and lost_batches > 0:
+            self._reset_since_loss = False
+            if not self._cache_owner_untrusted:
+                self._cache_owner_untrusted = True
+                self._publish_status()
+
+    def _set_source_state(self, state: SourceState, signal: SourceSignal) -> None:
+        attachment = self._require_attachment()
+        if self._cache_owner_untrusted and state is SourceState.READY and self._reset_since_loss:
+            self._cache_owner_untrusted = False  # resynchronised after a reset: CacheOwner is trusted again
+        previous = attachment.source_state
+        if state is previous:
+            return
+        if state is SourceState.DEGRADED:
+            self.counters.degradations += 1
+        elif state is SourceState.DISCONNECTED:
+            self.counters.disconnects += 1
+        else:
+            self.counters.resyncs += 1
+        self._attachment = attrs.evolve(attachment, source_state=state)
+        log.warning(
+            "attachment_source_state",
+            generation=attachment.generation,
+            state=state.value,
+            previous=previous.value,
+            reason=signal.reason,
+        )
+        if previous is SourceState.READY:
+            # The attachment advertisement exists only while the attachment is ready.
+            self._withdraw(attachment.generation)
 
     # -- ingress (3.4) -----------------------------------------------------------------------------
 
@@ -290,12 +315,12 @@ class SlotCoordinator:
         if len(chunk.events) > MAX_CHUNK_EVENTS or _chunk_blocks(chunk.events) > MAX_CHUNK_BLOCKS:
             self._fail_source(generation, "oversized ingress envelope")
             raise CoordinatorError("oversized ingress envelope", code="bad_request")
-        continuity = self._classify_cursor(chunk)
+        continuity = self._continuity.classify(chunk)
         if continuity is Continuity.DUPLICATE:
             return
         if continuity is Continuity.RESTARTED:
             self._restart_in_place(chunk)
-        self._observe_cursor_lossy(chunk, "live ingress")
+        self._continuity.observe_lossy(chunk, "live ingress")
         self.counters.events_in += len(chunk.events)
         if chunk.source_fault is not None:
             self._fail_source(generation, chunk.source_fault)
@@ -311,9 +336,14 @@ class SlotCoordinator:
         self.counters.count_filtered("cache_owner_failed", len(events) - len(kept))
         return kept
 
-    def _drain_cache_owner(self, generation: int, queued: Iterable[IngressChunk]) -> None:
+    def _drain_cache_owner(self, generation: int, queued: Iterable[IngressChunk | SourceSignal]) -> None:
         """CompleteDetach step 3: CacheOwner events queued for this attachment are residency truth."""
         for chunk in queued:
+            if isinstance(chunk, SourceSignal):
+                # The final Worker barrier supersedes any reset or state; losses are still counted.
+                self.counters.signals_ignored += 1
+                self.counters.source_losses += chunk.lost_batches
+                continue
             self.counters.ingress_chunks += 1
             if chunk.generation != generation:
                 log.warning(
@@ -321,14 +351,14 @@ class SlotCoordinator:
                 )
                 self.counters.count_filtered("stale_generation", len(chunk.events))
                 continue
-            continuity = self._classify_cursor(chunk)
+            continuity = self._continuity.classify(chunk)
             if continuity is Continuity.DUPLICATE:
                 continue
             if continuity is Continuity.RESTARTED:
                 # The final Worker barrier follows at once, so no restart barrier is needed here.
                 self.counters.restarts += 1
-                self._reset_cursor()
-            self._observe_cursor_lossy(chunk, "detach drain")
+                self._continuity.reset()
+            self._continuity.observe_lossy(chunk, "detach drain")
             self.counters.events_in += len(chunk.events)
             if chunk.source_fault is not None:
                 self._fail_source(generation, chunk.source_fault)
@@ -342,31 +372,13 @@ class SlotCoordinator:
                 self._apply_and_publish(self._without_failed_cache_owner(cache_owner_events))
             except CoordinatorError as error:
                 log.error("detach_cache_owner_drain_failed", generation=generation, error=str(error))
-        if self._cursor.active is not None:
+        if self._continuity.tracker.active is not None:
             # CacheOwner residency stays advisory: part of a raw batch never arrived.
             log.warning("detach_after_incomplete_batch", generation=generation)
             self.counters.dropped_events += 1
-            self._reset_cursor()
+            self._continuity.reset()
 
-    # -- source cursor (3.5, plus in-place restart detection) --------------------------------------
-
-    def _classify_cursor(self, chunk: IngressChunk) -> Continuity:
-        if chunk.chunk_index == 0:
-            self._skipping_sequence = None
-        continuity = classify_chunk(self._cursor, self._skipping_sequence, chunk)
-        if continuity is Continuity.DUPLICATE:
-            self._drop_duplicate(chunk)
-        return continuity
-
-    def _drop_duplicate(self, chunk: IngressChunk) -> None:
-        self._skipping_sequence = None if chunk.final else chunk.source_cursor
-        log.warning(
-            "duplicate_source_batch_dropped",
-            generation=chunk.generation,
-            source_cursor=chunk.source_cursor,
-            chunk_index=chunk.chunk_index,
-        )
-        self.counters.count_filtered("duplicate_source_chunk")
+    # -- in-place restart detection (issue #6) ------------------------------------------------------
 
     def _restart_in_place(self, chunk: IngressChunk) -> None:
         """The engine's sequence went backwards: its Worker state is gone, so reset ours (issue #6)."""
@@ -376,36 +388,14 @@ class SlotCoordinator:
             "engine_restarted_in_place",
             generation=chunk.generation,
             source_cursor=chunk.source_cursor,
-            previous_cursor=self._cursor.last_seen(),
+            previous_cursor=self._continuity.tracker.last_seen(),
         )
         try:
             self._apply_and_publish_reset(attachment.worker)
         except CoordinatorError as error:
             raise CoordinatorError("failed to publish Worker restart barrier", code="internal") from error
-        self._reset_cursor()
+        self._continuity.reset()
         self._dedup.reset_domain(attachment.worker.dp_rank, ResidencyDomain.WORKER)
-
-    def _observe_cursor_lossy(self, chunk: IngressChunk, phase: str) -> None:
-        if self._cursor.observe(chunk):
-            return
-        previous = self._cursor.completed
-        missing = 1
-        if previous is not None and chunk.source_cursor - (previous + 1) > 0:
-            missing = chunk.source_cursor - (previous + 1)
-        log.warning(
-            "source_cursor_gap",
-            generation=chunk.generation,
-            source_cursor=chunk.source_cursor,
-            previous_cursor=previous,
-            chunk_index=chunk.chunk_index,
-            phase=phase,
-        )
-        self.counters.dropped_events += missing
-        self._cursor.accept_after_loss(chunk)
-
-    def _reset_cursor(self) -> None:
-        self._cursor = SourceCursorTracker()
-        self._skipping_sequence = None
 
     # -- failure functions (3.6) -------------------------------------------------------------------
 

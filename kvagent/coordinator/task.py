@@ -4,8 +4,10 @@
 ``run(*, task_status)`` (the coordinator task).  Two channels feed the task:
 
 - **control**, bounded at 16: lifecycle commands, each with its own one-shot reply;
-- **ingress**, unbounded: the listener's chunks, admitted with ``send_nowait`` so that admission never
-  waits on coordinator progress (3.10: Stored/Removed are lossy, not flow-controlled).
+- **ingress**, unbounded: the listener's chunks and its :class:`~kvagent.model.events.SourceSignal` verdicts,
+  in one order, admitted with ``send_nowait`` so that admission never waits on coordinator progress (3.10:
+  Stored/Removed are lossy, not flow-controlled). The listener bounds it in bytes instead: it waits on
+  :meth:`CoordinatorHandle.wait_ingress_bytes_at_most` before decoding more.
 
 Priority is exact: before every command and every drain of ingress (at most :data:`DRAIN_CHUNKS` chunks,
 handled inside ``SlotCoordinator.ingress_batch``) the task tries control first, so a queued command is
@@ -25,12 +27,14 @@ import trio
 
 from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
-from kvagent.model.events import IngressChunk
+from kvagent.model.events import IngressChunk, SourceSignal
 from kvagent.model.status import AgentStatus, Attachment
 
 __all__ = [
     "CONTROL_CAPACITY",
     "CoordinatorHandle",
+    "IngressItem",
+    "IngressMeter",
     "StatusCell",
     "admit_ingress",
     "open_coordinator",
@@ -47,7 +51,8 @@ DRAIN_CHUNKS = 8  # chunks taken per drain: at ~15 us per event, about a slice
 INGRESS_CLOSED = "state-agent ingress coordinator is closed"
 
 T = TypeVar("T")
-_Invoke = Callable[[SlotCoordinator, Iterable[IngressChunk]], T]
+IngressItem = IngressChunk | SourceSignal
+_Invoke = Callable[[SlotCoordinator, Iterable[IngressItem]], T]
 
 
 class _Command(Generic[T]):
@@ -63,7 +68,7 @@ class _Command(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def execute(self, core: SlotCoordinator, queued: Iterable[IngressChunk]) -> None:
+    def execute(self, core: SlotCoordinator, queued: Iterable[IngressItem]) -> None:
         try:
             self._result = self.invoke(core, queued)
         except Exception as error:
@@ -122,19 +127,54 @@ class StatusCell:
 
 
 def open_ingress_channel() -> tuple[
-    trio.MemorySendChannel[IngressChunk], trio.MemoryReceiveChannel[IngressChunk]
+    trio.MemorySendChannel[IngressItem], trio.MemoryReceiveChannel[IngressItem]
 ]:
     # Unbounded on purpose: the listener must never wait on the coordinator (3.10, 7.5). Memory is bounded
-    # in practice by the engine's own event rate; the coordinator drains in batches.
-    return trio.open_memory_channel[IngressChunk](math.inf)
+    # in bytes by the listener (IngressMeter); the coordinator drains in batches.
+    return trio.open_memory_channel[IngressItem](math.inf)
 
 
-def admit_ingress(channel: trio.MemorySendChannel[IngressChunk], chunk: IngressChunk) -> None:
-    """Queue one chunk without waiting; fails only when the coordinator is gone."""
+def admit_ingress(channel: trio.MemorySendChannel[IngressItem], item: IngressItem) -> None:
+    """Queue one chunk or signal without waiting; fails only when the coordinator is gone."""
     try:
-        channel.send_nowait(chunk)
+        channel.send_nowait(item)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         raise CoordinatorClosed(INGRESS_CLOSED) from None
+
+
+class IngressMeter:
+    """Raw payload bytes of the chunks admitted and not yet handled, with a wait for it to fall (no polling).
+
+    The handle adds at admission, the coordinator task subtracts once a chunk is handled; a waiter is woken
+    by the first subtraction after it started waiting and checks again.
+    """
+
+    __slots__ = ("_drained", "bytes")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._drained: trio.Event | None = None  # created only while someone waits
+
+    def add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+
+    def sub(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+        drained = self._drained
+        if drained is not None:
+            self._drained = None
+            drained.set()
+
+    def clear(self) -> None:
+        """The queue is gone (the coordinator stopped): nothing is held any more."""
+        self.sub(self.bytes)
+
+    async def wait_at_most(self, limit: int) -> None:
+        while self.bytes > limit:
+            if self._drained is None:
+                self._drained = trio.Event()
+            await self._drained.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
 
 
 class CoordinatorHandle:
@@ -143,28 +183,44 @@ class CoordinatorHandle:
     def __init__(
         self,
         control: trio.MemorySendChannel[_Command[Any]],
-        ingress: trio.MemorySendChannel[IngressChunk],
+        ingress: trio.MemorySendChannel[IngressItem],
         wakeup: _Wakeup,
         core: SlotCoordinator,
+        meter: IngressMeter,
     ) -> None:
         self._control = control
         self._ingress = ingress
         self._wakeup = wakeup
         self._core = core
+        self._meter = meter
 
-    def admit_nowait(self, chunk: IngressChunk) -> None:
-        """Queue one ingress chunk without waiting; raises CoordinatorClosed once the task is gone."""
-        admit_ingress(self._ingress, chunk)
+    def admit_nowait(self, item: IngressChunk | SourceSignal) -> None:
+        """Queue one ingress chunk or source signal without waiting, in order with everything admitted
+        before it; raises CoordinatorClosed once the task is gone."""
+        admit_ingress(self._ingress, item)
+        if type(item) is IngressChunk:
+            self._meter.add(item.raw_bytes)
         self._wakeup.set()
 
     def statistics(self) -> CoordinatorStatistics:
-        """The coordinator's counters, with the real ingress queue depth."""
-        return self._core.counters.statistics(ingress_queue_depth=self.ingress_backlog)
+        """The coordinator's counters, with the real ingress queue depth and bytes."""
+        return self._core.counters.statistics(
+            ingress_queue_depth=self.ingress_backlog, ingress_bytes=self._meter.bytes
+        )
 
     @property
     def ingress_backlog(self) -> int:
-        """Chunks admitted but not yet taken by the coordinator."""
+        """Chunks and signals admitted but not yet taken by the coordinator."""
         return self._ingress.statistics().current_buffer_used
+
+    @property
+    def ingress_bytes(self) -> int:
+        """The ``raw_bytes`` of the chunks admitted and not yet handled."""
+        return self._meter.bytes
+
+    async def wait_ingress_bytes_at_most(self, limit: int) -> None:
+        """Return once :attr:`ingress_bytes` is at most ``limit`` (woken by the coordinator, no polling)."""
+        await self._meter.wait_at_most(limit)
 
     async def attach(self, attachment: Attachment) -> Attachment:
         return await self._call(lambda core, _: core.attach(attachment), "state-agent attach was dropped")
@@ -180,8 +236,9 @@ class CoordinatorHandle:
             "state-agent detach completion was dropped",
         )
 
-    async def quarantine(self, generation: int, reason: str) -> None:
-        await self._call(
+    async def quarantine(self, generation: int, reason: str) -> bool:
+        """True when ``generation`` was the current attachment; a stale generation changes nothing."""
+        return await self._call(
             lambda core, _: core.quarantine(generation, reason),
             "state-agent quarantine acknowledgement was dropped",
         )
@@ -228,13 +285,15 @@ class _CoordinatorTask:
         self,
         core: SlotCoordinator,
         control: trio.MemoryReceiveChannel[_Command[Any]],
-        ingress: trio.MemoryReceiveChannel[IngressChunk],
+        ingress: trio.MemoryReceiveChannel[IngressItem],
         wakeup: _Wakeup,
+        meter: IngressMeter,
     ) -> None:
         self._core = core
         self._control = control
         self._ingress = ingress
         self._wakeup = wakeup
+        self._meter = meter
         self._started = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -264,42 +323,50 @@ class _CoordinatorTask:
             else:
                 # No other task runs while this drain is handled, so no command can arrive meanwhile: taking
                 # several chunks at once keeps the priority of control exact.
-                chunks = self._take_ingress(DRAIN_CHUNKS)
-                if not chunks:
+                items = self._take_ingress(DRAIN_CHUNKS)
+                if not items:
                     await self._wakeup.arm().wait()
                     slice_end = clock() + SLICE_SECONDS
                     continue
                 with self._core.ingress_batch():
-                    for chunk in chunks:
-                        self._ingest(chunk)
+                    for item in items:
+                        self._ingest(item)
             if clock() >= slice_end:
                 await trio.lowlevel.checkpoint()
                 slice_end = clock() + SLICE_SECONDS
 
-    def _next_chunk(self) -> IngressChunk | None:
+    def _next_item(self) -> IngressItem | None:
         try:
             return self._ingress.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
             return None
 
-    def _take_ingress(self, limit: int) -> list[IngressChunk]:
-        chunks: list[IngressChunk] = []
+    def _take_ingress(self, limit: int) -> list[IngressItem]:
+        items: list[IngressItem] = []
         receive = self._ingress.receive_nowait
         try:
-            while len(chunks) < limit:
-                chunks.append(receive())
+            while len(items) < limit:
+                items.append(receive())
         except (trio.WouldBlock, trio.EndOfChannel):
             pass
-        return chunks
+        return items
 
-    def _queued(self) -> Iterator[IngressChunk]:
-        """Every chunk already queued, taken without waiting (the CompleteDetach drain)."""
-        while (chunk := self._next_chunk()) is not None:
-            yield chunk
+    def _queued(self) -> Iterator[IngressItem]:
+        """Everything already queued, taken without waiting (the CompleteDetach drain)."""
+        while (item := self._next_item()) is not None:
+            if type(item) is IngressChunk:
+                self._meter.sub(item.raw_bytes)
+            yield item
 
-    def _ingest(self, chunk: IngressChunk) -> None:
+    def _ingest(self, item: IngressItem) -> None:
         try:
-            self._core.handle_ingress(chunk)
+            if isinstance(item, SourceSignal):
+                self._core.handle_signal(item)
+            else:
+                try:
+                    self._core.handle_ingress(item)
+                finally:
+                    self._meter.sub(item.raw_bytes)
         except CoordinatorError as error:
             log.error("ingress_failed", error=str(error), code=error.code)
         except Exception:
@@ -315,6 +382,7 @@ class _CoordinatorTask:
                 break
         self._control.close()
         self._ingress.close()
+        self._meter.clear()
 
 
 def open_coordinator(
@@ -324,7 +392,8 @@ def open_coordinator(
     control_send, control_receive = trio.open_memory_channel[_Command[Any]](CONTROL_CAPACITY)
     ingress_send, ingress_receive = open_ingress_channel()
     wakeup = _Wakeup()
-    task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup)
-    handle = CoordinatorHandle(control_send, ingress_send, wakeup, core)
+    meter = IngressMeter()
+    task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup, meter)
+    handle = CoordinatorHandle(control_send, ingress_send, wakeup, core, meter)
     core.bind_ingress_queue_depth(lambda: handle.ingress_backlog)
     return handle, task.run

@@ -11,10 +11,28 @@ from typing import Any
 import attrs
 
 from kvagent.model.errors import CodecError
-from kvagent.model.events import U64_MAX, IngressProtocol, WorkerWithDpRank
+from kvagent.model.events import U64_MAX, IngressProtocol, SourceState, WorkerWithDpRank
 from kvagent.model.ids import KvStateAgentIdentity
 
-__all__ = ["AgentStatus", "Attachment", "AttachmentSource", "AttachmentStatus"]
+__all__ = [
+    "ATTACHMENT_STATES",
+    "DETACHED",
+    "UNREADY",
+    "AgentStatus",
+    "Attachment",
+    "AttachmentSource",
+    "AttachmentStatus",
+]
+
+DETACHED = "detached"  # a slot without an attachment (not an attachment state)
+UNREADY = "unready"  # attaching, detaching or quarantined: the attachment is not open
+# An attachment's state as routers see it: "ready" is the only state whose Worker state can be trusted.
+ATTACHMENT_STATES = (
+    SourceState.READY.value,
+    SourceState.DEGRADED.value,
+    SourceState.DISCONNECTED.value,
+    UNREADY,
+)
 
 
 @attrs.frozen(slots=True)
@@ -31,7 +49,12 @@ class AttachmentSource:
 
 @attrs.frozen(slots=True)
 class Attachment:
-    """The coordinator's record of the current engine incarnation."""
+    """The coordinator's record of the current engine incarnation.
+
+    ``ready`` is the lifecycle half of readiness: the attachment is open (attached, not detaching or
+    quarantined). ``source_state`` is the listener's half: whether the Worker state follows the engine's
+    complete history. Only both together make the status ``ready``.
+    """
 
     worker: WorkerWithDpRank
     source: AttachmentSource
@@ -40,17 +63,49 @@ class Attachment:
     generation: int = 0
     ready: bool = False
     ready_at_outbound_cursor: int = 0
+    source_state: SourceState = SourceState.READY
+
+    @property
+    def state(self) -> str:
+        """One of :data:`ATTACHMENT_STATES`."""
+        return self.source_state.value if self.ready else UNREADY
 
     def status(self) -> AttachmentStatus:
-        return AttachmentStatus(self.generation, self.worker, self.ready, self.ready_at_outbound_cursor)
+        state = self.state
+        return AttachmentStatus(
+            self.generation, self.worker, state == "ready", self.ready_at_outbound_cursor, state
+        )
+
+
+def _default_state(status: AttachmentStatus) -> str:
+    return "ready" if status.ready else UNREADY
 
 
 @attrs.frozen(slots=True)
 class AttachmentStatus:
+    """What the status op reports of the attachment; ``ready`` is always ``state == "ready"``.
+
+    ``state`` is ``"ready"``, ``"degraded"`` (history was lost: a Worker reset was published and the state
+    is a subset of the engine's), ``"disconnected"`` (the engine's connection dropped) or ``"unready"``
+    (attaching, detaching or quarantined). Left out, it follows ``ready``.
+    """
+
     generation: int
     worker: WorkerWithDpRank
     ready: bool
     ready_at_outbound_cursor: int
+    state: str = attrs.field(default=attrs.Factory(_default_state, takes_self=True))
+
+    def __attrs_post_init__(self) -> None:
+        if self.state not in ATTACHMENT_STATES:
+            raise ValueError(f"unknown attachment state {self.state!r}")
+        if self.ready != (self.state == "ready"):
+            raise ValueError(f"attachment state {self.state!r} contradicts ready={self.ready}")
+
+    @property
+    def is_open(self) -> bool:
+        """Attached and neither detaching nor quarantined (ready, degraded or disconnected)."""
+        return self.state != UNREADY
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -58,20 +113,23 @@ class AttachmentStatus:
             "worker": {"worker_id": self.worker.worker_id, "dp_rank": self.worker.dp_rank},
             "ready": self.ready,
             "ready_at_outbound_cursor": self.ready_at_outbound_cursor,
+            "state": self.state,
         }
 
     @classmethod
     def from_json(cls, value: object, field: str = "attachment") -> AttachmentStatus:
         obj = _object(value, field)
         worker = _object(_member(obj, "worker", field), f"{field}.worker")
+        ready = _bool(_member(obj, "ready", field), f"{field}.ready")
         return cls(
             _uint(_member(obj, "generation", field), f"{field}.generation"),
             WorkerWithDpRank(
                 _uint(_member(worker, "worker_id", f"{field}.worker"), f"{field}.worker.worker_id"),
                 _uint(_member(worker, "dp_rank", f"{field}.worker"), f"{field}.worker.dp_rank"),
             ),
-            _bool(_member(obj, "ready", field), f"{field}.ready"),
+            ready,
             _uint(_member(obj, "ready_at_outbound_cursor", field), f"{field}.ready_at_outbound_cursor"),
+            _state(obj, ready, field),
         )
 
 
@@ -103,9 +161,34 @@ class AgentStatus:
         )
 
     def is_ready_generation(self, generation: int) -> bool:
+        """Generation ``generation`` is attached and ``ready`` (its Worker state can be trusted)."""
         return (
             self.attachment is not None and self.attachment.generation == generation and self.attachment.ready
         )
+
+    def is_open_generation(self, generation: int) -> bool:
+        """Generation ``generation`` is attached and not detaching or quarantined (its listener runs on,
+        also while degraded or disconnected)."""
+        return (
+            self.attachment is not None and self.attachment.generation == generation and self.attachment.is_open
+        )
+
+    @property
+    def state(self) -> str:
+        """The attachment's state, or ``"detached"`` when there is none (what /readyz and metrics show)."""
+        return DETACHED if self.attachment is None else self.attachment.state
+
+
+def _state(obj: dict[str, Any], ready: bool, field: str) -> str:
+    """The ``state`` member; an older agent without it is read from ``ready``."""
+    if "state" not in obj:
+        return "ready" if ready else UNREADY
+    state = obj["state"]
+    if state not in ATTACHMENT_STATES:
+        raise CodecError(f"{field}.state must be one of {', '.join(ATTACHMENT_STATES)}, got {state!r}")
+    if ready != (state == "ready"):
+        raise CodecError(f"{field}.state {state!r} contradicts {field}.ready={ready}")
+    return str(state)
 
 
 def _object(value: object, field: str) -> dict[str, Any]:
