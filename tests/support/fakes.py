@@ -11,18 +11,25 @@ import zmq
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.coordinator.task import CoordinatorHandle
 from kvagent.model.errors import KvAgentError
-from kvagent.model.events import IngressChunk
+from kvagent.model.events import IngressChunk, SourceSignal
 from kvagent.vllm.decode import REPLAY_END_SEQ
 
 
 class RecordingCoordinator:
-    """Stands in for :class:`CoordinatorHandle`: records admissions, quarantines and loss reports."""
+    """Stands in for :class:`CoordinatorHandle`: records admissions, quarantines and loss reports.
+
+    Source signals are recorded in ``signals`` (and in ``quarantines`` / ``losses`` for what they carry);
+    ``items`` is every admission in order. Nothing is ever queued: ``ingress_bytes`` is 0.
+    """
 
     def __init__(self, *, closed: bool = False) -> None:
         self.chunks: list[IngressChunk] = []
+        self.signals: list[SourceSignal] = []
+        self.items: list[IngressChunk | SourceSignal] = []
         self.quarantines: list[tuple[int, str]] = []
         self.losses: list[tuple[int, int]] = []
         self.closed = closed
+        self.ingress_bytes = 0
         self._changed = trio.Event()
 
     def as_handle(self) -> CoordinatorHandle:
@@ -32,11 +39,22 @@ class RecordingCoordinator:
         self._changed.set()
         self._changed = trio.Event()
 
-    def admit_nowait(self, chunk: IngressChunk) -> None:
+    def admit_nowait(self, item: IngressChunk | SourceSignal) -> None:
         if self.closed:
             raise KvAgentError("state-agent ingress coordinator is closed", code="internal")
-        self.chunks.append(chunk)
+        self.items.append(item)
+        if isinstance(item, SourceSignal):
+            self.signals.append(item)
+            if item.lost_batches:
+                self.losses.append((item.generation, item.lost_batches))
+            if item.quarantine:
+                self.quarantines.append((item.generation, item.reason))
+        else:
+            self.chunks.append(item)
         self._notify()
+
+    async def wait_ingress_bytes_at_most(self, limit: int) -> None:
+        await trio.lowlevel.checkpoint()
 
     async def quarantine(self, generation: int, reason: str) -> None:
         await trio.lowlevel.checkpoint()

@@ -1,0 +1,182 @@
+"""The listener's reader over real ZMQ: the engine's connection watched through the SUB monitor, shedding."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+import trio.testing
+import zmq
+
+from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
+from kvagent.vllm.reader import Inbox, InboxItem, LinkItem, LiveItem, LiveReader
+
+GUARD = 10  # seconds: a hang guard only
+
+
+class WatchedInbox(Inbox):
+    """An inbox that remembers the most live bytes it ever held and wakes waiters on every item."""
+
+    def __init__(self) -> None:
+        super().__init__(reply_bytes_bound=1 << 20)
+        self.most_live_bytes = 0
+        self.changed = trio.Event()
+
+    def put_live(self, frames: list[bytes], nbytes: int) -> None:
+        super().put_live(frames, nbytes)
+        self.most_live_bytes = max(self.most_live_bytes, self.live_bytes)
+        self._notify()
+
+    def put_link(self, connected: bool) -> None:
+        super().put_link(connected)
+        self._notify()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def take_all(self) -> list[InboxItem]:
+        items = []
+        while (item := self.pop()) is not None:
+            items.append(item)
+        return items
+
+    async def next_link(self) -> LinkItem:
+        while True:
+            for item in self.take_all():
+                if isinstance(item, LinkItem):
+                    return item
+            await self.changed.wait()
+
+
+class Held:
+    """Stands in for what SourceSync holds: bytes the reader must count and can have shed."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.shed_calls = 0
+
+    def shed(self) -> int:
+        self.shed_calls += 1
+        freed, self.bytes = self.bytes, 0
+        return freed
+
+
+@asynccontextmanager
+async def reading(
+    engine: FakeVllmEngine, bound: int = 1 << 20, held: Held | None = None
+) -> AsyncIterator[tuple[LiveReader, WatchedInbox]]:
+    inbox = WatchedInbox()
+    held = held if held is not None else Held()
+    reader = LiveReader(
+        zmq.Context.instance(),
+        endpoint=engine.endpoint,
+        topic=engine.topic,
+        rcvhwm=1000,
+        inbox=inbox,
+        bytes_bound=bound,
+        held_bytes=lambda: held.bytes,
+        shed_held=held.shed,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reader.run)
+        yield reader, inbox
+        nursery.cancel_scope.cancel()
+
+
+def store(n: int) -> list[dict[str, object]]:
+    return [block_stored([n + 1], None, [n % 50_000] * 16, 16)]
+
+
+async def test_a_killed_engine_is_reported_disconnected_and_its_revival_connected() -> None:
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            async with reading(engine) as (reader, inbox):
+                await engine.wait_for_subscriber()
+                await engine.publish_batch(store(0))
+                engine.kill()
+                assert await inbox.next_link() == LinkItem(False)
+                await engine.revive(restart=False)
+                assert await inbox.next_link() == LinkItem(True)
+                await engine.wait_for_subscriber()  # the SUB re-subscribed by itself
+                await engine.publish_batch(store(1))
+                assert (reader.disconnects, reader.reconnects) == (1, 1)
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_first_connection_is_not_a_reconnect() -> None:
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            async with reading(engine) as (reader, inbox):
+                await engine.wait_for_subscriber()
+                await engine.publish_batch(store(0))
+                while not inbox.live_bytes:
+                    await inbox.changed.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert [type(item) for item in inbox.take_all()] == [LiveItem]
+                assert (reader.disconnects, reader.reconnects) == (0, 0)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_flood_is_shed_never_held_past_the_bound_and_reading_goes_on() -> None:
+    payload_bytes = 4096
+    bound = 16 * payload_bytes
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            held = Held()
+            held.bytes = 4 * payload_bytes  # SourceSync holds some batches: they count against the bound
+            async with reading(engine, bound, held) as (reader, inbox):
+                await engine.wait_for_subscriber()
+                filler = b"x" * payload_bytes
+                seq = 0
+                while reader.sheds < 3:  # nobody takes from the inbox: only shedding keeps it bounded
+                    await engine.wait_for_subscriber(1 + reader.sheds)  # each shed re-subscribes
+                    await engine.publish_frames([engine.topic, seq.to_bytes(8, "big"), filler])
+                    seq += 1
+                    await trio.testing.wait_all_tasks_blocked()
+                message_bytes = len(engine.topic) + 8 + payload_bytes
+                assert inbox.most_live_bytes <= bound + message_bytes, "at most one message past the bound"
+                assert held.shed_calls == reader.sheds and held.bytes == 0
+                assert reader.shed_bytes >= 3 * (bound - 4 * payload_bytes)
+                # The shed re-opened the SUB (a new subscription, no disconnect) and reading goes on.
+                await engine.wait_for_subscriber(1 + reader.sheds)
+                assert (reader.disconnects, reader.reconnects) == (0, 0)
+                sheds = reader.sheds
+                inbox.take_all()
+                await engine.publish_frames([engine.topic, seq.to_bytes(8, "big"), b"after"])
+                while not inbox.live_bytes:
+                    await inbox.changed.wait()
+                assert reader.sheds == sheds
+                assert [item.frames[2] for item in inbox.take_all() if isinstance(item, LiveItem)][-1] == b"after"
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_re_open_while_the_engine_is_down_reports_its_return() -> None:
+    payload_bytes = 4096
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            held = Held()
+            async with reading(engine, 8 * payload_bytes, held) as (reader, inbox):
+                await engine.wait_for_subscriber()
+                engine.kill()
+                assert await inbox.next_link() == LinkItem(False)
+                held.bytes = 9 * payload_bytes
+                await engine.revive(restart=False)
+                assert await inbox.next_link() == LinkItem(True)
+                await engine.wait_for_subscriber()
+                await engine.publish_frames([engine.topic, (0).to_bytes(8, "big"), b"x"])  # sheds at once
+                while not reader.sheds:
+                    await inbox.changed.wait()
+                await engine.wait_for_subscriber(2)  # the re-opened SUB
+                engine.kill()
+                assert await inbox.next_link() == LinkItem(False), "the re-opened SUB's monitor watches on"
+            nursery.cancel_scope.cancel()
