@@ -27,8 +27,15 @@ class TrioSocket:
         self._closed = False
 
     async def _wait(self, flag: int) -> None:
-        # Re-read EVENTS right before waiting: a previous call may already have consumed the edge.
-        while not cast(int, self.socket.getsockopt(zmq.EVENTS)) & flag:
+        while True:
+            if self._closed:
+                # Closed by its owner while this task was already rescheduled: a cancellation that came too
+                # late to abort the wait is raised here, at the next checkpoint; else the close is an error.
+                await trio.lowlevel.checkpoint_if_cancelled()
+                raise trio.ClosedResourceError("the ZMQ socket was closed")
+            # Re-read EVENTS right before waiting: a previous call may already have consumed the edge.
+            if cast(int, self.socket.getsockopt(zmq.EVENTS)) & flag:
+                return
             if flag == zmq.POLLIN:
                 await trio.lowlevel.wait_readable(self._fd)
             else:

@@ -247,7 +247,9 @@ class FakeVllmEngine:
         # The only task that waits on the XPUB's FD. Sends (in publish_batch) never wait, and they drain
         # subscriptions themselves because a send can consume the FD's edge (landscape.md §3).
         fd = cast(int, pub.socket.getsockopt(zmq.FD))
-        while True:
+        # kill() closes the socket while this task may be runnable (its cancellation then comes at the next
+        # checkpoint): check before touching it.
+        while not pub.socket.closed:
             self._drain_subscriptions()
             if not cast(int, pub.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 await trio.lowlevel.wait_readable(fd)
