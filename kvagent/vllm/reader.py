@@ -48,6 +48,7 @@ log = structlog.get_logger(__name__)
 
 SLICE_SECONDS = 0.001
 _CHECK_CLOCK_EVERY = 16  # messages between clock reads while draining
+_MIN_RCVHWM = 4
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
 
@@ -208,6 +209,8 @@ class LiveReader:
         self.disconnects = 0
         self.reconnects = 0
         self._engine_connected: bool | None = None  # None: never connected yet
+        self._largest_message = 0
+        self._current_rcvhwm = rcvhwm
         self._subscription: _Subscription | None = None
         self._monitor_scope = trio.CancelScope()
 
@@ -263,12 +266,29 @@ class LiveReader:
             nbytes = sum(map(len, frames))
             put(frames, nbytes)
             self.messages += 1
+            if nbytes > self._largest_message:
+                self._largest_message = nbytes
+                self._fit_rcvhwm(sub)
             if inbox.nbytes + self._held_bytes() > self.bytes_bound:
                 self._shed()
                 return False
             if count % _CHECK_CLOCK_EVERY == 0 and clock() >= slice_end:
                 return True
         raise AssertionError("unreachable")
+
+    def _rcvhwm(self) -> int:
+        """libzmq's queue in messages, so that it holds about a quarter of the bound in the largest seen."""
+        if self._largest_message == 0:
+            return self.rcvhwm
+        fitted = max(_MIN_RCVHWM, (self.bytes_bound // 4) // self._largest_message)
+        return fitted if self.rcvhwm == 0 else min(self.rcvhwm, fitted)
+
+    def _fit_rcvhwm(self, sub: TrioSocket) -> None:
+        # libzmq applies a changed RCVHWM to the pipes already connected (since 4.2), not only to new ones.
+        hwm = self._rcvhwm()
+        if hwm != self._current_rcvhwm:
+            self._current_rcvhwm = hwm
+            sub.socket.setsockopt(zmq.RCVHWM, hwm)
 
     def _shed(self) -> None:
         freed = self.inbox.drop_live() + self._shed_held()
@@ -281,7 +301,7 @@ class LiveReader:
         self._subscription = None
         if old is not None:
             old.close()
-        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self.rcvhwm)
+        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self._current_rcvhwm)
         self.inbox.wake()
 
     # -- the engine connection ------------------------------------------------------------------------
