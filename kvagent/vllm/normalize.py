@@ -55,6 +55,7 @@ __all__ = [
     "ResidencyNormalizer",
     "bounded_ingress_chunks",
     "build_ingress_chunks",
+    "split_oversized_event",
 ]
 
 FAULT_UNKNOWN_OWNERSHIP = "unknown raw event ownership"
@@ -488,21 +489,61 @@ def _is_plain_store(event: RawBlockStored, block_size: int) -> bool:
 
 
 def bounded_ingress_chunks(events: Sequence[PlacementEvent]) -> list[tuple[PlacementEvent, ...]]:
-    """At most 128 events and 8192 blocks per chunk; an empty list yields exactly one empty chunk."""
+    """At most 128 events and 8192 blocks per chunk; an empty list yields exactly one empty chunk.
+
+    An event with more blocks than a chunk holds is split first (:func:`split_oversized_event`), so each
+    part fills a chunk of its own; applied in order, the parts change the index exactly as the event would.
+    """
     chunks: list[tuple[PlacementEvent, ...]] = []
     current: list[PlacementEvent] = []
     blocks = 0
-    for event in events:
-        size = block_count(event.data)
-        if size > MAX_CHUNK_BLOCKS:
-            raise ChunkingError("one ingress event exceeds the block bound")
-        if current and (len(current) >= MAX_CHUNK_EVENTS or blocks + size > MAX_CHUNK_BLOCKS):
-            chunks.append(tuple(current))
-            current, blocks = [], 0
-        current.append(event)
-        blocks += size
+    for whole in events:
+        parts = (whole,) if block_count(whole.data) <= MAX_CHUNK_BLOCKS else split_oversized_event(whole)
+        for event in parts:
+            size = block_count(event.data)
+            if current and (len(current) >= MAX_CHUNK_EVENTS or blocks + size > MAX_CHUNK_BLOCKS):
+                chunks.append(tuple(current))
+                current, blocks = [], 0
+            current.append(event)
+            blocks += size
     chunks.append(tuple(current))
     return chunks
+
+
+def split_oversized_event(
+    event: PlacementEvent, max_blocks: int = MAX_CHUNK_BLOCKS
+) -> tuple[PlacementEvent, ...]:
+    """``event`` as consecutive parts of at most ``max_blocks`` blocks each.
+
+    A Stored chain continues across its parts: each later part's parent is the previous part's last block
+    (its ``start_position``, a position of the first block, stays with the first part). A Removed just
+    splits its hashes. A Cleared has no blocks and is never split.
+    """
+    data = event.data
+    if block_count(data) <= max_blocks or not isinstance(data, Removed | Stored):
+        return (event,)
+    if isinstance(data, Removed):
+        hashes = data.block_hashes
+        return tuple(
+            attrs.evolve(event, data=Removed(hashes[start : start + max_blocks]))
+            for start in range(0, len(hashes), max_blocks)
+        )
+    parts: list[PlacementEvent] = []
+    parent = data.parent_hash
+    for start in range(0, len(data.block_hashes), max_blocks):
+        end = start + max_blocks
+        hashes = data.block_hashes[start:end]
+        mm_infos = None if data.mm_extra_infos is None else data.mm_extra_infos[start:end]
+        part = Stored(
+            parent,
+            hashes,
+            data.tokens_hashes[start:end],
+            mm_infos,
+            data.start_position if start == 0 else None,
+        )
+        parts.append(attrs.evolve(event, data=part))
+        parent = hashes[-1]
+    return tuple(parts)
 
 
 def build_ingress_chunks(

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from kvagent.coordinator.task import CoordinatorHandle, admit_ingress, open_coordinator, open_ingress_channel
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
-from kvagent.model.events import residency_owner
+from kvagent.model.events import (
+    Cleared,
+    IngressChunk,
+    PlacementEvent,
+    SourceSignal,
+    SourceState,
+    residency_owner,
+)
 from tests.support.coordinator import FIRST, REPLACEMENT, Slot, chunk, store
 from tests.support.ids import OWNER, C, W, attachment_for
 
@@ -19,7 +27,7 @@ def test_listener_admission_does_not_wait_for_coordinator_progress() -> None:
     send, receive = open_ingress_channel()
     for cursor in range(1, 1025):
         admit_ingress(send, chunk(7, cursor))
-    assert receive.receive_nowait().source_cursor == 1
+    assert receive.receive_nowait() == chunk(7, 1)
     assert receive.statistics().current_buffer_used == 1023
 
 
@@ -193,6 +201,99 @@ async def test_cancellation_stops_a_busy_loop() -> None:
             nursery.cancel_scope.cancel()
     assert slot.core.counters.ingress_chunks < 1000
     await handle.shutdown()  # already gone: a no-op
+
+
+# -- source signals and the ingress byte meter (issue #14) -------------------------------------------
+
+
+def sized(generation: int, cursor: int, events: list[PlacementEvent], raw_bytes: int) -> IngressChunk:
+    return attrs.evolve(chunk(generation, cursor, events), raw_bytes=raw_bytes)
+
+
+async def test_signals_are_handled_in_order_with_the_chunks_around_them() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    handle, run = open_coordinator(slot.core)
+    handle.admit_nowait(sized(1, 1, [store(W, None, 1, 1)], 10))
+    handle.admit_nowait(sized(1, 2, [store(W, 1, 2, 2)], 10))
+    handle.admit_nowait(SourceSignal(1, state=SourceState.DEGRADED, reset=True, lost_batches=897))
+    handle.admit_nowait(sized(1, 900, [store(W, None, 9, 9)], 10))
+    handle.admit_nowait(SourceSignal(1, quarantine=True, reason="malformed frame"))
+    handle.admit_nowait(sized(1, 901, [store(W, 9, 10, 10)], 10))
+    assert handle.ingress_bytes == 40 and handle.ingress_backlog == 6
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run)
+            await handle.wait_ingress_bytes_at_most(0)
+            await handle.shutdown()
+    kinds = [(e.event_id, "clear" if isinstance(e.data, Cleared) else e.data.block_hashes) for e in slot.sink.events]
+    assert kinds == [(1, "clear"), (2, (1,)), (3, (2,)), (4, "clear"), (5, (9,))]
+    assert {block for (_owner, _tier, block) in slot.index.resident_blocks()} == {9}
+    status = slot.current()
+    assert status.attachment is not None and status.attachment.state == "unready"
+    counters = slot.core.counters
+    assert counters.quarantines == {"malformed frame": 1} and counters.source_losses == 897
+    assert counters.ingress_chunks == 4  # the chunk after the quarantine found ingress closed
+    assert slot.withdrawals == [1, 1]  # leaving ready, then the quarantine
+
+
+async def test_ingress_bytes_wait_is_woken_by_the_coordinator() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    handle, run = open_coordinator(slot.core)
+    for cursor, nbytes in ((1, 100), (2, 200), (3, 300)):
+        handle.admit_nowait(sized(1, cursor, [store(W, None, cursor, cursor)], nbytes))
+    handle.admit_nowait(SourceSignal(1, state=SourceState.DISCONNECTED))  # a signal carries no bytes
+    assert handle.ingress_bytes == 600 and handle.statistics().ingress_bytes == 600
+    released: list[int] = []
+
+    async def wait_below(limit: int) -> None:
+        await handle.wait_ingress_bytes_at_most(limit)
+        released.append(handle.ingress_bytes)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await handle.wait_ingress_bytes_at_most(600)  # already true: returns at once
+            nursery.start_soon(wait_below, 250)
+            nursery.start_soon(wait_below, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert released == []
+            await nursery.start(run)
+            await handle.wait_ingress_bytes_at_most(0)
+            await trio.testing.wait_all_tasks_blocked()
+            await handle.shutdown()
+    # One drain handles all three chunks before either waiter runs again.
+    assert released == [0, 0]
+    assert handle.ingress_bytes == 0 and slot.core.counters.disconnects == 1
+
+
+async def test_complete_detach_and_a_stopped_coordinator_release_queued_bytes() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    handle, run = open_coordinator(slot.core)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run)
+            await handle.begin_detach(1)
+            handle.admit_nowait(sized(1, 1, [store(C, None, 5, 5)], 1000))
+            handle.admit_nowait(SourceSignal(1, lost_batches=2))
+            await handle.complete_detach(1)
+            assert handle.ingress_bytes == 0
+            assert (slot.core.counters.signals_ignored, slot.core.counters.source_losses) == (1, 2)
+            await handle.attach(attachment_for(FIRST))
+            await handle.shutdown()
+
+    stopped = Slot()
+    stopped.core.attach(attachment_for(FIRST))
+    handle, run = open_coordinator(stopped.core)
+    handle.admit_nowait(sized(1, 1, [store(W, None, 1, 1)], 500))
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handle.wait_ingress_bytes_at_most, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            handle.close()  # the task stops before it takes the chunk: its bytes are released, not handled
+            await nursery.start(run)
+    assert handle.ingress_bytes == 0 and stopped.core.counters.ingress_chunks == 0
 
 
 def test_handle_type_is_exported() -> None:

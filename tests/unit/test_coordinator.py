@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
+    MAX_CHUNK_BLOCKS,
     Cleared,
     PlacementEvent,
     Removed,
+    RouterEvent,
     Stored,
 )
 from kvagent.model.status import AgentStatus
+from kvagent.vllm.normalize import NormalizedBatch, build_ingress_chunks
 from tests.support.coordinator import (
     FIRST,
     REPLACEMENT,
+    SLOT_RANK,
     Slot,
     chunk,
     cleared_count,
@@ -475,3 +480,38 @@ def test_statistics_is_a_frozen_snapshot_of_the_counters() -> None:
     # Later counting changes neither the snapshot's scalars nor its labelled counters.
     assert before.filtered == {} and before.quarantines == {"operator quarantine": 1}
     assert slot.core.statistics().filtered == {"stale_generation": 1}
+
+
+# -- one event larger than a chunk (issue #14) ------------------------------------------------------
+
+
+def dumped_rows(answer: TreeDumpAnswer) -> set[tuple[int | None, int, int]]:
+    rows: set[tuple[int | None, int, int]] = set()
+    for event in answer.events:
+        assert isinstance(event.data, Stored)
+        rows.add((event.data.parent_hash, event.data.block_hashes[0], event.data.tokens_hashes[0]))
+    return rows
+
+
+def test_an_event_larger_than_a_chunk_is_split_and_applies_like_the_whole_event() -> None:
+    hashes = tuple(range(50_000, 50_000 + MAX_CHUNK_BLOCKS + 1))
+    whole_store = Stored(None, hashes, tuple(h * 3 for h in hashes))
+    # Removes the first 4000 blocks, plus hashes no block has (ignored), 8193 in all.
+    whole_remove = Removed(hashes[:4000] + tuple(range(1, MAX_CHUNK_BLOCKS - 3999 + 1)))
+    events = [PlacementEvent(whole_store, DEVICE, W, SLOT_RANK), PlacementEvent(whole_remove, DEVICE, W, SLOT_RANK)]
+    slot = Slot()
+    generation = slot.core.attach(attachment_for(FIRST)).generation
+    chunks = build_ingress_chunks(generation, 0, NormalizedBatch(events))
+    assert [[len(e.data.block_hashes) for e in c.events] for c in chunks] == [[8192], [1], [8192], [1]]
+    for ingress in chunks:
+        slot.core.handle_ingress(ingress)
+    assert slot.ready and slot.core.counters.quarantines == {}
+
+    reference = RecoveryIndex(4, ring_capacity=32)
+    reference.apply(RouterEvent(FIRST.worker_id, DEVICE, W, 1, whole_store, SLOT_RANK))
+    reference.apply(RouterEvent(FIRST.worker_id, DEVICE, W, 2, whole_remove, SLOT_RANK))
+    assert slot.index.resident_blocks() == reference.resident_blocks()
+    assert slot.index.resident_block_count == MAX_CHUNK_BLOCKS + 1 - 4000
+    expected = reference.events_in_range(None, None)
+    assert isinstance(expected, TreeDumpAnswer)
+    assert dumped_rows(slot.dump()) == dumped_rows(expected)

@@ -8,7 +8,6 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvagent.model.errors import ChunkingError
 from kvagent.model.events import (
     CLEARED,
     IngressProtocol,
@@ -38,6 +37,7 @@ from kvagent.vllm.normalize import (
     NormalizedBatch,
     bounded_ingress_chunks,
     build_ingress_chunks,
+    split_oversized_event,
 )
 
 W, C = ResidencyDomain.WORKER, ResidencyDomain.CACHE_OWNER
@@ -360,8 +360,49 @@ def test_chunk_bounds() -> None:
     sizes = [chunk_blocks(c) for c in bounded_ingress_chunks([placement(5000)] * 3)]
     assert sizes == [5000, 5000, 5000]
     assert [len(c) for c in bounded_ingress_chunks([placement(8192), placement(0), placement(1)])] == [2, 1]
-    with pytest.raises(ChunkingError, match="^one ingress event exceeds the block bound$"):
-        bounded_ingress_chunks([placement(1), placement(8193)])
+    # One event with more blocks than a chunk holds is split across chunks, not refused.
+    split = bounded_ingress_chunks([placement(1), placement(8193)])
+    assert [[block_count(e.data) for e in c] for c in split] == [[1], [8192], [1]]
+    assert [h for c in split[1:] for e in c for h in e.data.block_hashes] == list(range(8193))
+
+
+def test_an_oversized_store_splits_into_a_chain_and_keeps_its_fields() -> None:
+    mm = MmExtraInfo((MmObject(0xAB, ((0, 4),)),))
+    hashes = tuple(range(1000, 1000 + 2 * 8192 + 5))
+    infos = tuple(mm if h % 3 == 0 else None for h in hashes)
+    locals_ = tuple(h + 7 for h in hashes)
+    event = PlacementEvent(Stored(42, hashes, locals_, infos, 16), HOST, C, 3, session_id="s")
+    parts = split_oversized_event(event)
+    assert [len(p.data.block_hashes) for p in parts] == [8192, 8192, 5]
+    stored = [p.data for p in parts]
+    assert all(isinstance(d, Stored) for d in stored)
+    assert [d.parent_hash for d in stored] == [42, hashes[8191], hashes[2 * 8192 - 1]]  # type: ignore[union-attr]
+    assert [d.start_position for d in stored] == [16, None, None]  # type: ignore[union-attr]
+    assert tuple(h for d in stored for h in d.block_hashes) == hashes
+    assert tuple(h for d in stored for h in d.tokens_hashes) == locals_  # type: ignore[union-attr]
+    assert tuple(i for d in stored for i in d.mm_extra_infos) == infos  # type: ignore[union-attr]
+    assert {(p.tier, p.domain, p.dp_rank, p.session_id) for p in parts} == {(HOST, C, 3, "s")}
+    small = PlacementEvent(Stored(None, (1,), (2,)), DEV, W, 0)
+    assert split_oversized_event(small) == (small,)
+    assert split_oversized_event(PlacementEvent(CLEARED, DEV, W, 0)) == (PlacementEvent(CLEARED, DEV, W, 0),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 20000), max_size=300))
+def test_chunking_invariants(sizes: list[int]) -> None:
+    events = [placement(n) for n in sizes]
+    chunks = bounded_ingress_chunks(events)
+    flat = [e for c in chunks for e in c]
+    assert flat == [part for e in events for part in split_oversized_event(e)]
+    # Each event's parts, taken together, are exactly its blocks.
+    position = 0
+    for event in events:
+        parts = max(1, -(-block_count(event.data) // 8192))
+        joined = tuple(h for part in flat[position : position + parts] for h in part.data.block_hashes)
+        assert joined == event.data.block_hashes
+        position += parts
+    assert all(len(c) <= 128 and chunk_blocks(c) <= 8192 for c in chunks)
+    assert all(c for c in chunks) or chunks == [()]
 
 
 def test_build_ingress_chunks_puts_faults_on_chunk_0_and_marks_the_last_final() -> None:
@@ -376,15 +417,3 @@ def test_build_ingress_chunks_puts_faults_on_chunk_0_and_marks_the_last_final() 
     assert (empty.events, empty.final, empty.chunk_index) == ((), True, 0)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 9000), max_size=300))
-def test_chunking_invariants(sizes: list[int]) -> None:
-    events = [placement(n) for n in sizes]
-    if any(n > 8192 for n in sizes):
-        with pytest.raises(ChunkingError):
-            bounded_ingress_chunks(events)
-        return
-    chunks = bounded_ingress_chunks(events)
-    assert [e for c in chunks for e in c] == events
-    assert all(len(c) <= 128 and chunk_blocks(c) <= 8192 for c in chunks)
-    assert all(c for c in chunks) or chunks == [()]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from kvagent.model.errors import CodecError, IdentityError
-from kvagent.model.events import WorkerWithDpRank
+from kvagent.model.events import SourceState, WorkerWithDpRank
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.recovery.client import RecoveryClientError, agent_status_from_json
-from tests.support.ids import IDENTITY
+from tests.support.ids import IDENTITY, ready_attachment
 
 ATTACHED = AgentStatus(
     IDENTITY,
@@ -20,9 +21,60 @@ ATTACHED = AgentStatus(
 )
 
 
-@pytest.mark.parametrize("status", [AgentStatus(IDENTITY), ATTACHED])
+DEGRADED = AgentStatus(IDENTITY, AttachmentStatus(7, WorkerWithDpRank(17, 3), False, 12, "degraded"))
+
+
+@pytest.mark.parametrize("status", [AgentStatus(IDENTITY), ATTACHED, DEGRADED])
 def test_status_json_round_trips(status: AgentStatus) -> None:
     assert AgentStatus.from_json(json.loads(json.dumps(status.to_json()))) == status
+
+
+@pytest.mark.parametrize(
+    ("ready", "source_state", "state"),
+    [
+        (True, SourceState.READY, "ready"),
+        (True, SourceState.DEGRADED, "degraded"),
+        (True, SourceState.DISCONNECTED, "disconnected"),
+        (False, SourceState.READY, "unready"),
+        (False, SourceState.DEGRADED, "unready"),
+    ],
+)
+def test_an_attachment_is_ready_only_while_open_and_its_source_is_ready(
+    ready: bool, source_state: SourceState, state: str
+) -> None:
+    attachment = attrs.evolve(ready_attachment("tcp://e:1"), ready=ready, source_state=source_state)
+    status = AgentStatus(IDENTITY, attachment.status())
+    assert status.attachment is not None
+    assert (status.attachment.state, status.attachment.ready) == (state, state == "ready")
+    assert status.state == state
+    assert status.attachment.to_json()["state"] == state
+    assert status.is_ready_generation(1) is (state == "ready")
+    assert status.is_open_generation(1) is ready
+    assert not status.is_open_generation(2)
+
+
+def test_a_slot_without_attachment_is_detached_and_nothing_is_open() -> None:
+    status = AgentStatus(IDENTITY)
+    assert status.state == "detached"
+    assert not status.is_open_generation(1) and not status.is_ready_generation(1)
+
+
+def test_state_defaults_from_ready_and_must_agree_with_it() -> None:
+    worker = WorkerWithDpRank(1, 0)
+    assert AttachmentStatus(1, worker, True, 0).state == "ready"
+    assert AttachmentStatus(1, worker, False, 0).state == "unready"
+    with pytest.raises(ValueError, match="contradicts"):
+        AttachmentStatus(1, worker, True, 0, "degraded")
+    with pytest.raises(ValueError, match="unknown attachment state"):
+        AttachmentStatus(1, worker, False, 0, "sleepy")
+
+
+def test_a_status_without_state_is_read_from_ready() -> None:
+    attachment = ATTACHED.to_json()["attachment"]
+    assert isinstance(attachment, dict)
+    legacy = {key: value for key, value in attachment.items() if key != "state"}
+    assert AttachmentStatus.from_json(legacy).state == "ready"
+    assert AttachmentStatus.from_json({**legacy, "ready": False}).state == "unready"
 
 
 def test_attachment_status_json_round_trips() -> None:
@@ -45,6 +97,10 @@ def _malformed() -> list[object]:
         {**good, "attachment": []},
         {**good, "attachment": {**attachment, "generation": True}},
         {**good, "attachment": {**attachment, "worker": {"worker_id": 17}}},
+        {**good, "attachment": {**attachment, "state": "sleepy"}},
+        {**good, "attachment": {**attachment, "state": 1}},
+        {**good, "attachment": {**attachment, "state": "degraded"}},
+        {**good, "attachment": {**attachment, "ready": False}},
     ]
 
 

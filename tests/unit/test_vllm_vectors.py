@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import xxhash
 
-from kvagent.model.errors import ChunkingError, WireDecodeError
+from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, StorageTier, Stored, WorkerWithDpRank
 from kvagent.vllm.decode import (
     RawAllBlocksCleared,
@@ -109,12 +109,13 @@ def test_many_events_split_into_128_and_72() -> None:
     assert [len(c) for c in bounded_ingress_chunks(many.events)] == [128, 72]
 
 
-def test_huge_event_normalizes_but_cannot_be_chunked() -> None:
+def test_huge_event_normalizes_and_is_split_across_chunks() -> None:
     huge = normalizer().normalize(decode(STRUCTS["huge_event"][1]).batch)
     stored = huge.events[0].data
     assert isinstance(stored, Stored) and len(stored.block_hashes) == 9000
-    with pytest.raises(ChunkingError, match="^one ingress event exceeds the block bound$"):
-        bounded_ingress_chunks(huge.events)
+    chunks = bounded_ingress_chunks(huge.events)
+    assert [[len(e.data.block_hashes) for e in c] for c in chunks] == [[8192], [808]]
+    assert tuple(h for c in chunks for e in c for h in e.data.block_hashes) == stored.block_hashes
 
 
 def test_lora_store_seeds_the_local_hash_with_the_adapter_name() -> None:
