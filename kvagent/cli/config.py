@@ -96,7 +96,7 @@ class ServeConfig:
     max_message_bytes: int = 1 << 20
     status_interval: float = 5.0
     shutdown_timeout: float = 10.0
-    rcvhwm: int = 1_000_000
+    rcvhwm: int = 1000  # the listener fits it lower still once it sees large messages (its byte bound)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :func:`structure_serve_config` turns back into an equal config."""
