@@ -91,6 +91,8 @@ class ListenerOptions:
     cold_bootstrap: bool = True
     max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
     ingress_bytes: int = attrs.field(default=64 * MiB, validator=_positive)
+    # How long the reader may stop reading (over its half of the budget) before it sheds instead.
+    shed_after: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
 
     def __attrs_post_init__(self) -> None:
         if self.ingress_bytes < 4 * self.max_payload_bytes:
@@ -339,6 +341,7 @@ class _Processor:
                 await self._wait_for_coordinator_room()
                 self.pending_bytes -= payload_bytes
                 self._apply(action.seq, action.message[1])
+                self.inbox.space_freed()
                 await self._yield_if_slice_over()
             elif kind is Signal:
                 assert isinstance(action, Signal)
@@ -459,6 +462,7 @@ def _build(
         bytes_bound=listener_bound,
         held_bytes=lambda: sync.held_bytes + processor.pending_bytes,
         shed_held=shed_held,
+        shed_after=options.shed_after,
     )
     counters.sync, counters.reader, counters.replay = sync, reader, replay
     return reader, replay, processor

@@ -5,9 +5,12 @@ turn during a flood) into the :class:`Inbox`, which also carries the replay clie
 engine connection's ups and downs. Everything it holds is counted in payload bytes. When the bytes the
 listener holds — the inbox, the live batches ``SourceSync`` holds back, the batches the processor has
 taken but not yet admitted — pass the bound (half the ingress budget: the coordinator's queue has the
-other half), the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
-ones it holds, and closes and re-opens the SUB, which also discards libzmq's own queue. The loss becomes
-a gap like any other, repaired from the replay socket or reported. Memory never grows past the bound.
+other half), the reader stops reading: a burst waits in libzmq's queue (its RCVHWM is fitted to the
+largest message seen, so it holds about a quarter of the bound) and in the engine's send HWM. If the
+processor has not made room within ``shed_after``, the reader **sheds**: it drops the queued live batches,
+tells ``SourceSync`` to drop the ones it holds, and closes and re-opens the SUB, which also discards
+libzmq's queue, so a listener that cannot keep up reads fresh batches again instead of ever older ones.
+The loss becomes a gap like any other, repaired from the replay socket or reported. Memory never grows.
 
 The SUB's monitor socket (``get_monitor_socket``) tells when the engine's connection drops
 (``EVENT_DISCONNECTED``) and comes back (``EVENT_HANDSHAKE_SUCCEEDED``). A small task owns the monitor
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import itertools
 import time
 from collections.abc import Callable
@@ -51,6 +55,12 @@ _CHECK_CLOCK_EVERY = 16  # messages between clock reads while draining
 _MIN_RCVHWM = 4
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
+
+
+class _Drained(enum.Enum):
+    AGAIN = "again"  # libzmq's queue is empty
+    SLICE_OVER = "slice over"
+    FULL = "full"  # the listener holds more than its bound
 
 
 class LiveItem(NamedTuple):
@@ -89,6 +99,7 @@ class Inbox:
         self.reply_bytes_bound = reply_bytes_bound
         self._arrived = trio.Event()
         self._room = trio.Event()
+        self._space: trio.Event | None = None  # created only while the reader waits for space
 
     def __len__(self) -> int:
         return len(self._items)
@@ -121,9 +132,23 @@ class Inbox:
             self._room = trio.Event()
             await self._room.wait()
 
+    async def wait_for_space(self) -> None:
+        """Return at the next :meth:`pop` or :meth:`space_freed` (the reader then checks its bound again)."""
+        if self._space is None:
+            self._space = trio.Event()
+        await self._space.wait()
+
+    def space_freed(self) -> None:
+        """Something the reader counts against its bound went down (an item taken, held batches applied)."""
+        space = self._space
+        if space is not None:
+            self._space = None
+            space.set()
+
     def pop(self) -> InboxItem | None:
         if not self._items:
             return None
+        self.space_freed()
         item = self._items.popleft()
         if type(item) is LiveItem:
             self.live_bytes -= item.nbytes
@@ -194,6 +219,7 @@ class LiveReader:
         bytes_bound: int,
         held_bytes: Callable[[], int],
         shed_held: Callable[[], int],
+        shed_after: float = 1.0,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
@@ -201,9 +227,11 @@ class LiveReader:
         self.rcvhwm = rcvhwm
         self.inbox = inbox
         self.bytes_bound = bytes_bound
+        self.shed_after = shed_after
         self._held_bytes = held_bytes  # bytes held past the inbox (SourceSync, the processor's batch)
         self._shed_held = shed_held  # drops what SourceSync holds; returns the bytes freed
         self.messages = 0
+        self.pauses = 0
         self.sheds = 0
         self.shed_bytes = 0
         self.disconnects = 0
@@ -239,28 +267,35 @@ class LiveReader:
         while True:
             subscription = self._subscription
             assert subscription is not None
-            if self._drain(subscription.sub):
-                await trio.lowlevel.checkpoint()  # the slice is over: let the processor and others run
-            elif self._subscription is subscription:
+            outcome = self._drain(subscription.sub)
+            if outcome is _Drained.SLICE_OVER:
+                await trio.lowlevel.checkpoint()  # let the processor and others run
+            elif outcome is _Drained.FULL:
+                await self._wait_for_room_or_shed()
+                if self._subscription is not subscription:
+                    self._start_monitor(nursery)  # shed: a new socket, a new monitor
+            else:
                 try:
                     await subscription.sub.wait_readable()
                 except zmq.ZMQError as exc:
                     raise ListenerError(f"ZMQ receive failed: {exc}") from exc
-            else:
-                self._start_monitor(nursery)  # shed: a new socket, a new monitor
 
-    def _drain(self, sub: TrioSocket) -> bool:
-        """Receive until zmq.Again (False) or the slice is over (True); sheds past the bound."""
+    def _over_bound(self) -> bool:
+        return self.inbox.nbytes + self._held_bytes() > self.bytes_bound
+
+    def _drain(self, sub: TrioSocket) -> _Drained:
+        """Receive until zmq.Again, the slice is over, or the listener holds more than its bound."""
         recv = sub.socket.recv_multipart
         put = self.inbox.put_live
         clock = time.perf_counter
         slice_end = clock() + SLICE_SECONDS
-        inbox = self.inbox
         for count in itertools.count(1):
+            if self._over_bound():
+                return _Drained.FULL
             try:
                 frames = recv(zmq.NOBLOCK)
             except zmq.Again:
-                return False
+                return _Drained.AGAIN
             except zmq.ZMQError as exc:
                 raise ListenerError(f"ZMQ receive failed: {exc}") from exc
             nbytes = sum(map(len, frames))
@@ -269,12 +304,19 @@ class LiveReader:
             if nbytes > self._largest_message:
                 self._largest_message = nbytes
                 self._fit_rcvhwm(sub)
-            if inbox.nbytes + self._held_bytes() > self.bytes_bound:
-                self._shed()
-                return False
             if count % _CHECK_CLOCK_EVERY == 0 and clock() >= slice_end:
-                return True
+                return _Drained.SLICE_OVER
         raise AssertionError("unreachable")
+
+    async def _wait_for_room_or_shed(self) -> None:
+        """Stop reading while over the bound (libzmq's bounded queue and the engine's HWM wait meanwhile);
+        shed if the processor has not made room within ``shed_after``."""
+        self.pauses += 1
+        with trio.move_on_after(self.shed_after):
+            while self._over_bound():
+                await self.inbox.wait_for_space()
+        if self._over_bound():
+            self._shed()
 
     def _rcvhwm(self) -> int:
         """libzmq's queue in messages, so that it holds about a quarter of the bound in the largest seen."""

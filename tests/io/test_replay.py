@@ -19,6 +19,7 @@ from tests.support.fakes import ReplayRouter
 from tests.support.vectors import load_live
 
 LIVE, REPLAY = load_live()
+DEFAULT_TIMEOUTS = ReplayTimeouts()
 
 
 # -- ReplayClient -----------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ class RecordingReplaySink:
 
 @asynccontextmanager
 async def replay_client(
-    endpoint: str, timeouts: ReplayTimeouts = ReplayTimeouts()
+    endpoint: str, timeouts: ReplayTimeouts = DEFAULT_TIMEOUTS
 ) -> AsyncIterator[tuple[ReplayClient, RecordingReplaySink]]:
     sink = RecordingReplaySink()
     client = ReplayClient(zmq.Context.instance(), endpoint, sink, max_payload_bytes=1 << 23, timeouts=timeouts)
@@ -198,7 +199,7 @@ def test_replies_parse_in_both_layouts_and_the_end_marker_is_none() -> None:
 
 async def trickle_router(interval: float, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """A ROUTER that answers every request with the capture's replies, one per ``interval`` seconds."""
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
     with TrioSocket(router) as sock:

@@ -66,7 +66,7 @@ async def test_a_50000_batch_gap_beyond_the_replay_buffer_degrades_with_a_reset_
             dump, truth = rig.dump(), rig.truth()
             assert rig.state == "degraded"
             assert rig.worker_resets() == 1
-            assert dump <= truth, f"stale blocks: {sorted(dump - truth)[:10]}"
+            assert dump <= truth, f"stale blocks: {set(dump - truth)}"
             # What the engine still held was applied after the reset: every block it holds from those batches.
             assert truth - dump == {rig.first_sentinel}
             assert stats.lost_batches == 40_000

@@ -58,10 +58,10 @@ def check_invariant(rig: TrustRig) -> None:
     state = rig.state
     dump, truth = rig.dump(), rig.truth()
     if state == "ready":
-        assert dump == truth, f"ready while wrong: stale {sorted(dump - truth)}, missing {sorted(truth - dump)}"
+        assert dump == truth, f"ready while wrong: stale {set(dump - truth)}, missing {set(truth - dump)}"
         return
     assert state in ("degraded", "disconnected"), state
-    assert dump <= truth, f"stale blocks while {state}: {sorted(dump - truth)}"
+    assert dump <= truth, f"stale blocks while {state}: {set(dump - truth)}"
     if state == "degraded":
         # The engine was empty when attached (a complete cold start): losing history later held something.
         assert rig.worker_resets() >= 1, "degraded without a Worker reset"

@@ -32,6 +32,11 @@ class WatchedInbox(Inbox):
         super().put_link(connected)
         self._notify()
 
+    def drop_live(self) -> int:
+        freed = super().drop_live()
+        self._notify()  # a shed
+        return freed
+
     def _notify(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
@@ -65,7 +70,7 @@ class Held:
 
 @asynccontextmanager
 async def reading(
-    engine: FakeVllmEngine, bound: int = 1 << 20, held: Held | None = None
+    engine: FakeVllmEngine, bound: int = 1 << 20, held: Held | None = None, shed_after: float = 0.0
 ) -> AsyncIterator[tuple[LiveReader, WatchedInbox]]:
     inbox = WatchedInbox()
     held = held if held is not None else Held()
@@ -78,6 +83,7 @@ async def reading(
         bytes_bound=bound,
         held_bytes=lambda: held.bytes,
         shed_held=held.shed,
+        shed_after=shed_after,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(reader.run)
@@ -179,4 +185,31 @@ async def test_a_re_open_while_the_engine_is_down_reports_its_return() -> None:
                 await engine.wait_for_subscriber(2)  # the re-opened SUB
                 engine.kill()
                 assert await inbox.next_link() == LinkItem(False), "the re-opened SUB's monitor watches on"
+            nursery.cancel_scope.cancel()
+
+
+async def test_over_the_bound_the_reader_pauses_and_resumes_without_loss_when_room_is_made() -> None:
+    payload_bytes = 4096
+    bound = 8 * payload_bytes
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            async with reading(engine, bound, shed_after=GUARD) as (reader, inbox):
+                await engine.wait_for_subscriber()
+                for seq in range(20):  # more than the bound: the rest waits in libzmq's queue
+                    await engine.publish_frames([engine.topic, seq.to_bytes(8, "big"), bytes(payload_bytes)])
+                await trio.testing.wait_all_tasks_blocked()
+                assert reader.pauses >= 1 and reader.sheds == 0
+                message_bytes = len(engine.topic) + 8 + payload_bytes
+                assert inbox.live_bytes <= bound + message_bytes
+                seqs: list[int] = []
+                while len(seqs) < 20:  # taking items makes room: reading resumes
+                    item = inbox.pop()
+                    if item is None:
+                        await inbox.changed.wait()
+                    elif isinstance(item, LiveItem):
+                        seqs.append(int.from_bytes(item.frames[1], "big"))
+                assert seqs == list(range(20)), "nothing was lost: a burst waits, it is not shed"
+                assert reader.sheds == 0
             nursery.cancel_scope.cancel()

@@ -28,6 +28,7 @@ __all__ = ["BLOCK", "ChurnWorkload", "TrustRig", "open_rig"]
 BLOCK = 16
 WORKER_ID = 17
 SENTINEL_BASE = 1 << 60
+DEFAULT_OPTIONS = ListenerOptions()
 
 
 class ChurnWorkload:
@@ -133,7 +134,7 @@ class TrustRig:
 
 @asynccontextmanager
 async def open_rig(
-    options: ListenerOptions = ListenerOptions(), *, replay: bool = True, **engine_options: Any
+    options: ListenerOptions = DEFAULT_OPTIONS, *, replay: bool = True, **engine_options: Any
 ) -> AsyncIterator[TrustRig]:
     """An engine (with a replay socket unless ``replay=False``) and a running agent attached to it."""
     context: zmq.Context[Any] = zmq.Context()
