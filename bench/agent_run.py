@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from typing import Any
@@ -28,10 +29,19 @@ def owner() -> Any:
 async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
                      cpu_window: tuple[float, float] | None, wait_limit: float) -> dict[str, Any]:
     from kvagent import AttachmentConfig, MemoryDiscovery, SlotAgentConfig, open_slot_agent
+    from kvagent.vllm.listener import ListenerOptions
 
     stats = publisher.stats
     context: zmq.Context[Any] = zmq.Context()
-    config = SlotAgentConfig(name="bench", cache_owner_id=owner(), kv_block_size=BLOCK_SIZE, dp_rank=0)
+    # Zero-loss burst ingest: past its byte budget the listener waits (the publisher queues, SNDHWM 0) instead
+    # of shedding, which a real deployment does to stay current.
+    config = SlotAgentConfig(
+        name="bench",
+        cache_owner_id=owner(),
+        kv_block_size=BLOCK_SIZE,
+        dp_rank=0,
+        listener=ListenerOptions(shed_after=math.inf),
+    )
     try:
         async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
             publisher.request_subscriber_wait()

@@ -91,8 +91,9 @@ class ListenerOptions:
     cold_bootstrap: bool = True
     max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
     ingress_bytes: int = attrs.field(default=64 * MiB, validator=_positive)
-    # How long the reader may stop reading (over its half of the budget) before it sheds instead.
-    shed_after: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+    # Over its half of the budget the reader sheds; with shed_after > 0 it first stops reading for up to that
+    # long (libzmq's queue and the engine's send HWM hold a burst meanwhile; math.inf: never shed).
+    shed_after: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
 
     def __attrs_post_init__(self) -> None:
         if self.ingress_bytes < 4 * self.max_payload_bytes:

@@ -5,12 +5,13 @@ turn during a flood) into the :class:`Inbox`, which also carries the replay clie
 engine connection's ups and downs. Everything it holds is counted in payload bytes. When the bytes the
 listener holds — the inbox, the live batches ``SourceSync`` holds back, the batches the processor has
 taken but not yet admitted — pass the bound (half the ingress budget: the coordinator's queue has the
-other half), the reader stops reading: a burst waits in libzmq's queue (its RCVHWM is fitted to the
-largest message seen, so it holds about a quarter of the bound) and in the engine's send HWM. If the
-processor has not made room within ``shed_after``, the reader **sheds**: it drops the queued live batches,
-tells ``SourceSync`` to drop the ones it holds, and closes and re-opens the SUB, which also discards
-libzmq's queue, so a listener that cannot keep up reads fresh batches again instead of ever older ones.
+other half), the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
+ones it holds, and closes and re-opens the SUB, which also discards libzmq's queue (and the engine's send
+queue for it), so a listener that cannot keep up reads fresh batches again instead of ever older ones.
 The loss becomes a gap like any other, repaired from the replay socket or reported. Memory never grows.
+With ``shed_after`` > 0 the reader first stops reading for up to that long (a burst then waits in libzmq's
+queue, whose RCVHWM is fitted to the largest message seen so it holds about a quarter of the bound, and
+in the engine's send HWM) and sheds only if the processor has not made room by then.
 
 The SUB's monitor socket (``get_monitor_socket``) tells when the engine's connection drops
 (``EVENT_DISCONNECTED``) and comes back (``EVENT_HANDSHAKE_SUCCEEDED``). A small task owns the monitor
@@ -219,7 +220,7 @@ class LiveReader:
         bytes_bound: int,
         held_bytes: Callable[[], int],
         shed_held: Callable[[], int],
-        shed_after: float = 1.0,
+        shed_after: float = 0.0,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
@@ -309,14 +310,16 @@ class LiveReader:
         raise AssertionError("unreachable")
 
     async def _wait_for_room_or_shed(self) -> None:
-        """Stop reading while over the bound (libzmq's bounded queue and the engine's HWM wait meanwhile);
-        shed if the processor has not made room within ``shed_after``."""
+        """Over the bound: stop reading, and shed unless the processor makes room within ``shed_after``."""
         self.pauses += 1
         with trio.move_on_after(self.shed_after):
             while self._over_bound():
                 await self.inbox.wait_for_space()
         if self._over_bound():
             self._shed()
+            # What is still over the bound are batches the processor has taken: it is admitting them.
+            while self._over_bound():
+                await self.inbox.wait_for_space()
 
     def _rcvhwm(self) -> int:
         """libzmq's queue in messages, so that it holds about a quarter of the bound in the largest seen."""
