@@ -268,6 +268,8 @@ class SlotCoordinator:
         if (signal.state or attachment.source_state) is SourceState.READY:
             # The stream from the barrier on carries the engine's complete history.
             self._attachment = attrs.evolve(attachment, ready_at_outbound_cursor=barrier_cursor)
+            if attachment.source_state is SourceState.READY:
+                self._withdraw(attachment.generation)  # the ad names the old cursor; it is registered anew
 
     def _count_source_loss(self, generation: int, lost_batches: int, *, current: bool) -> None:
         self.counters.source_losses += lost_batches
