@@ -217,7 +217,8 @@ class SlotAgent:
                 await self._discovery.register(record)
             except Exception as exc:
                 await self._rollback_started_attach(generation, "attach_rollback_failed")
-                raise KvAgentError("failed to advertise reattached engine attachment", code="internal") from exc
+                message = "failed to advertise reattached engine attachment"
+                raise KvAgentError(message, code="internal") from exc
             self.ad_keeper.note_registered(record, attached)
         if self._status.get().is_open_generation(generation):
             return
@@ -226,7 +227,9 @@ class SlotAgent:
                 await self._discovery.unregister(record.topic, record.record_id)
                 self._holder.forget_if(record)
             except Exception as exc:
-                log.warning("terminated_attachment_ad_withdrawal_failed", generation=generation, error=str(exc))
+                log.warning(
+                    "terminated_attachment_ad_withdrawal_failed", generation=generation, error=str(exc)
+                )
         await self._rollback_started_attach(generation, "terminated_attach_rollback_failed")
         raise KvAgentError(
             "raw KV listener terminated before attachment advertisement completed", code="not_ready"

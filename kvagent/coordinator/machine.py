@@ -260,7 +260,9 @@ class SlotCoordinator:
         try:
             barrier_cursor = self._apply_and_publish_reset(worker)
         except CoordinatorError as error:
-            raise CoordinatorError("failed to publish Worker source reset barrier", code="internal") from error
+            raise CoordinatorError(
+                "failed to publish Worker source reset barrier", code="internal"
+            ) from error
         self._continuity.reset()
         self._dedup.reset_domain(worker.dp_rank, ResidencyDomain.WORKER)
         self._reset_since_loss = True

@@ -10,11 +10,13 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+import httpx
 import trio
 import trio.testing
 
 from kvagent import SlotAgent
 from kvagent.agent.host import SlotRegistry
+from kvagent.agent.metrics import MetricSources, serve_metrics
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, SourceSignal, SourceState
@@ -75,7 +77,11 @@ def signal(agent: SlotAgent, generation: int, **fields: Any) -> None:
 
 
 def ads(records: Mapping[tuple[str, int], DiscoveryRecord]) -> dict[int, DiscoveryRecord]:
-    return {record_id: record for (topic, record_id), record in records.items() if topic == KV_STATE_ATTACHMENTS_TOPIC}
+    return {
+        record_id: record
+        for (topic, record_id), record in records.items()
+        if topic == KV_STATE_ATTACHMENTS_TOPIC
+    }
 
 
 def ad_cursor(record: DiscoveryRecord) -> object:
@@ -224,4 +230,30 @@ async def test_websocket_quarantine_returns_while_discovery_hangs() -> None:
                 discovery.resume()
                 await discovery.wait_for(lambda records: not ads(records))
                 nursery.cancel_scope.cancel()
+            engine.close()
+
+
+async def test_readyz_follows_the_attachment_state_and_healthz_answers() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_agent() as (agent, _discovery, _sink, context), trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_metrics, MetricSources(slots=lambda: [agent])))
+            base = f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(base_url=base) as http:
+                response = await http.get("/readyz")
+                assert response.status_code == 503
+                assert response.json() == {"ready": False, "slots": {"s0": "detached"}}
+                engine = XpubEngine(context)
+                generation = await attach(agent, engine)
+                response = await http.get("/readyz")
+                assert response.status_code == 200
+                assert response.json() == {"ready": True, "slots": {"s0": "ready"}}
+                signal(agent, generation, state=DISCONNECTED)
+                await agent.status_cell.wait_for(lambda status: status.state == "disconnected")
+                response = await http.get("/readyz")
+                assert (response.status_code, response.json()["slots"]) == (503, {"s0": "disconnected"})
+                assert (await http.get("/healthz")).status_code == 200
+                metrics = (await http.get("/metrics")).text
+                assert 'kvagent_attachment_state{slot="s0",state="disconnected"} 1.0' in metrics
+                assert 'kvagent_disconnects_total{slot="s0"} 1.0' in metrics
+            nursery.cancel_scope.cancel()
             engine.close()
