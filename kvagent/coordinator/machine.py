@@ -149,7 +149,13 @@ class SlotCoordinator:
             raise CoordinatorError("attachment generation exhausted", code="internal")
         # The generation is consumed even if the barrier below fails.
         self._next_attachment_generation = generation + 1
-        attachment = attrs.evolve(attachment, generation=generation, ready=False, ready_at_outbound_cursor=0)
+        attachment = attrs.evolve(
+            attachment,
+            generation=generation,
+            ready=False,
+            ready_at_outbound_cursor=0,
+            source_state=SourceState.READY,  # a new engine incarnation: its listener reports otherwise
+        )
         self._attachment = attachment
         self._publish_status()
         try:
@@ -165,6 +171,7 @@ class SlotCoordinator:
         # A fresh cursor does not prove CacheOwner continuity: CacheOwner stays advisory.
         self._continuity.reset()
         self._cache_owner_untrusted = False
+        self._reset_since_loss = False
         self._attachment = attachment
         self.counters.attachments += 1
         self._publish_status()
