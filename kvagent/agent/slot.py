@@ -118,7 +118,6 @@ class SlotAgent:
         self._coordinator = parts.coordinator
         self._discovery = discovery
         self._holder = parts.holder
-        self._request_withdrawal = parts.request_withdrawal
         self._listener_nursery = listener_nursery
         self._zmq_context = zmq_context
         self._lifecycle = trio.Lock()
@@ -134,7 +133,7 @@ class SlotAgent:
             holder=self._holder,
             status=self._status,
             lifecycle=self._lifecycle,
-            request_withdrawal=self._request_withdrawal,
+            request_withdrawal=parts.request_withdrawal,
         )
 
     # --- read side (SlotSurface) ---------------------------------------------------------------
