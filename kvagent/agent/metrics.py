@@ -3,10 +3,14 @@
 The hot paths only increment plain private counters; nothing here runs per event. When ``/metrics`` is
 scraped, the collector takes one frozen snapshot per component (each slot's :class:`SlotStatistics`, the
 recovery server's, the event plane's, the etcd backend's) and maps its fields to metric families.
+
+The same small HTTP server answers ``/healthz`` (200 while the process serves) and ``/readyz`` (200 only if
+every slot has an attachment in state ``ready``, 503 otherwise; the JSON body lists each slot's state).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import attrs
@@ -18,14 +22,24 @@ from prometheus_client.registry import Collector
 
 from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
-from kvagent.model.status import AgentStatus
+from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
 
-__all__ = ["MetricSources", "SlotMetricsCollector", "render_metrics", "serve_metrics"]
+__all__ = [
+    "SLOT_STATES",
+    "MetricSources",
+    "SlotMetricsCollector",
+    "readiness",
+    "render_metrics",
+    "serve_metrics",
+]
 
 log = structlog.get_logger(__name__)
+
+# Every value of ``AgentStatus.state``: the attachment states, and "detached" for a slot without one.
+SLOT_STATES = (*ATTACHMENT_STATES, DETACHED)
 
 
 @attrs.frozen
@@ -99,6 +113,31 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
         "Unrepairable raw batches reported by the listener",
         lambda v: v.statistics.coordinator.source_losses,
     ),
+    (
+        "degradations",
+        "Times the attachment went degraded (history lost, Worker reset published)",
+        lambda v: v.statistics.coordinator.degradations,
+    ),
+    (
+        "disconnects",
+        "Times the attachment went disconnected (the engine's connection dropped)",
+        lambda v: v.statistics.coordinator.disconnects,
+    ),
+    (
+        "resyncs",
+        "Times the attachment returned to ready from degraded or disconnected",
+        lambda v: v.statistics.coordinator.resyncs,
+    ),
+    (
+        "source_resets",
+        "Worker reset barriers published for a listener's source signal",
+        lambda v: v.statistics.coordinator.source_resets,
+    ),
+    (
+        "signals_ignored",
+        "Source signals for a generation that was not the open attachment",
+        lambda v: v.statistics.coordinator.signals_ignored,
+    ),
     ("ingress_chunks", "Ingress chunks handled", lambda v: v.statistics.coordinator.ingress_chunks),
     ("messages", "Raw ZMQ messages received", _listener(lambda listener: listener.messages)),
     ("decode_errors", "Raw messages that failed to decode", _listener(lambda listener: listener.decode_errors)),
@@ -146,8 +185,13 @@ _SLOT_GAUGES: tuple[tuple[str, str, _Reading], ...] = (
     ("resident_blocks", "Resident blocks in the recovery index", lambda v: v.resident_blocks),
     (
         "ingress_queue_depth",
-        "Ingress chunks waiting for the coordinator",
+        "Ingress chunks and signals waiting for the coordinator",
         lambda v: v.statistics.coordinator.ingress_queue_depth,
+    ),
+    (
+        "ingress_bytes",
+        "Raw payload bytes of the ingress chunks waiting for the coordinator",
+        lambda v: v.statistics.coordinator.ingress_bytes,
     ),
 )
 # Per-slot families with a second label: (name, help, label, the counts by that label).
@@ -172,6 +216,16 @@ def _slot_families(views: list[_SlotView]) -> Iterator[Metric]:
             for key, count in counts(view).items():
                 labelled.add_metric([view.name, key], count)
         yield labelled
+    state = GaugeMetricFamily(
+        "kvagent_attachment_state",
+        "1 for the slot's attachment state (ready, degraded, disconnected, unready, detached), else 0",
+        labels=["slot", "state"],
+    )
+    for view in views:
+        current = view.status.state
+        for name in SLOT_STATES:
+            state.add_metric([view.name, name], 1.0 if name == current else 0.0)
+    yield state
 
 
 def _labelled(name: str, doc: str, label: str, counts: Mapping[str, int] | Mapping[int, int]) -> CounterMetricFamily:
@@ -257,6 +311,31 @@ def render_metrics(sources: MetricSources) -> bytes:
     return generate_latest(prometheus_registry)
 
 
+def readiness(agents: Iterable[SlotAgent]) -> tuple[bool, dict[str, str]]:
+    """Whether every slot has a ready attachment (and there is a slot at all), and each slot's state."""
+    states = {agent.name: agent.status().state for agent in agents}
+    return bool(states) and all(state == "ready" for state in states.values()), dict(sorted(states.items()))
+
+
+def _response(status: bytes, content_type: bytes, body: bytes) -> bytes:
+    return (
+        b"HTTP/1.0 " + status + b"\r\nContent-Type: " + content_type + b"\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+def _answer(path: bytes, sources: MetricSources) -> bytes:
+    if path == b"/metrics":
+        return _response(b"200 OK", b"text/plain; version=0.0.4; charset=utf-8", render_metrics(sources))
+    if path == b"/healthz":
+        return _response(b"200 OK", b"text/plain; charset=utf-8", b"ok\n")
+    if path == b"/readyz":
+        ready, states = readiness(sources.slots())
+        body = json.dumps({"ready": ready, "slots": states}).encode()
+        return _response(b"200 OK" if ready else b"503 Service Unavailable", b"application/json", body)
+    return b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+
+
 async def _answer_scrape(stream: trio.SocketStream, sources: MetricSources) -> None:
     request = b""
     while b"\r\n\r\n" not in request and len(request) < 8192:
@@ -265,13 +344,8 @@ async def _answer_scrape(stream: trio.SocketStream, sources: MetricSources) -> N
             return
         request += chunk
     line = request.split(b"\r\n", 1)[0].split()
-    if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-        body = render_metrics(sources)
-        head = (
-            b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
-        )
-        await stream.send_all(head + body)
+    if len(line) >= 2 and line[0] == b"GET":
+        await stream.send_all(_answer(line[1].split(b"?")[0], sources))
     else:
         await stream.send_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
 
@@ -283,7 +357,7 @@ async def serve_metrics(
     port: int = 0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A minimal HTTP/1.0 server for ``GET /metrics`` (Prometheus scrapes need nothing more)."""
+    """A minimal HTTP/1.0 server for ``GET /metrics``, ``/healthz`` and ``/readyz``."""
 
     async def handle(stream: trio.SocketStream) -> None:
         try:

@@ -9,6 +9,13 @@ Nesting expresses dependency order (outermost lives longest)::
 Shutdown follows the seed's order (agent-semantics 7.8): quarantine the current attachment, withdraw the
 attachment advertisement, stop the listener, stop the coordinator, join the supervisor, withdraw the source
 advertisement.  Every step is shielded and time-bounded so a stuck backend cannot hang the process.
+
+The attachment advertisement exists only while the attachment is ``ready``: the coordinator asks the
+withdrawal supervisor to withdraw it when the attachment leaves ready (or its ready cursor moves), and the
+slot's ad keeper (a task beside the listeners) registers it again, with the new ``ready_at_outbound_cursor``,
+once the attachment is ready again.  The keeper takes the lifecycle lock, so it never registers the ad of
+a generation that a detach or quarantine has closed, and a lifecycle call interrupts a registration that
+discovery keeps waiting.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ import structlog
 import trio
 import zmq
 
+from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
-from kvagent.discovery.ads import attachment_advertisement, source_advertisement
+from kvagent.discovery.ads import source_advertisement
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import (
     AttachmentRecordHolder,
@@ -89,6 +97,7 @@ class _SlotParts:
     source_record: DiscoveryRecord
     withdraw_tx: trio.MemorySendChannel[int]
     withdraw_rx: trio.MemoryReceiveChannel[int]
+    request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
 
 
 class SlotAgent:
@@ -116,6 +125,16 @@ class SlotAgent:
         self._attachment: Attachment | None = None
         self._listener: _ListenerTask | None = None
         self._latest_listener_counters: ListenerCounters | None = None
+        self.ad_keeper = AttachmentAdKeeper(
+            identity=self.identity,
+            kv_state_endpoint=self.config.kv_state_endpoint,
+            recovery_url=self.config.recovery_url,
+            discovery=discovery,
+            holder=self._holder,
+            status=self._status,
+            lifecycle=self._lifecycle,
+            request_withdrawal=parts.request_withdrawal,
+        )
 
     # --- read side (SlotSurface) ---------------------------------------------------------------
     @property
@@ -164,7 +183,12 @@ class SlotAgent:
             raise KvAgentError("previous engine attachment has not fully detached", code="conflict")
 
     async def attach(self, config: AttachmentConfig) -> AttachmentStatus:
-        """Attach an engine: barrier, listener, then the advertisement (agent-semantics 7.4 order)."""
+        """Attach an engine: barrier, listener, then the advertisement (agent-semantics 7.4 order).
+
+        The advertisement is registered only if the attachment is ready by then; a degraded or disconnected
+        attachment is attached all the same, and the ad keeper advertises it once it is ready.
+        """
+        self.ad_keeper.interrupt()
         async with self._lifecycle:
             self._check_attachable(config)
             attached = await self._coordinator.attach(config.to_attachment())
@@ -176,52 +200,65 @@ class SlotAgent:
                 await self._coordinator.abort_attach(generation)
                 raise KvAgentError("failed to start the attached raw KV listener", code="internal") from exc
             await self._advertise_attachment(attached)
-            self._attachment = attached
-            return attached.status()
+            self._attachment = self.ad_keeper.attached = attached
+            self.ad_keeper.wake()
+            status = self._status.get().attachment
+            return status if status is not None and status.generation == generation else attached.status()
 
     async def _advertise_attachment(self, attached: Attachment) -> None:
-        """Register the attachment ad; roll the attachment back if that fails or it already terminated."""
+        """Register the attachment ad if ready; roll the attachment back if that fails or it terminated."""
         generation = attached.generation
-        record = attachment_advertisement(
-            identity=self.identity,
-            attachment=attached,
-            kv_state_endpoint=self.config.kv_state_endpoint,
-            recovery_url=self.config.recovery_url,
-        )
-        try:
-            await self._discovery.register(record)
-        except Exception as exc:
-            await self._rollback_started_attach(generation, "attach_rollback_failed")
-            raise KvAgentError("failed to advertise reattached engine attachment", code="internal") from exc
-        self._holder.set(record)
-        if self._status.get().is_ready_generation(generation):
+        status = self._status.get().attachment
+        record: DiscoveryRecord | None = None
+        if status is not None and status.generation == generation and status.ready:
+            record = self.ad_keeper.record(attached, status.ready_at_outbound_cursor)
+            try:
+                await self._discovery.register(record)
+            except Exception as exc:
+                await self._rollback_started_attach(generation, "attach_rollback_failed")
+                message = "failed to advertise reattached engine attachment"
+                raise KvAgentError(message, code="internal") from exc
+            self.ad_keeper.note_registered(record, attached)
+        if self._status.get().is_open_generation(generation):
             return
-        try:
-            await self._discovery.unregister(record.topic, record.record_id)
-            self._holder.forget_if(record)
-        except Exception as exc:
-            log.warning("terminated_attachment_ad_withdrawal_failed", generation=generation, error=str(exc))
+        if record is not None:
+            try:
+                await self._discovery.unregister(record.topic, record.record_id)
+                self._holder.forget_if(record)
+            except Exception as exc:
+                log.warning(
+                    "terminated_attachment_ad_withdrawal_failed", generation=generation, error=str(exc)
+                )
         await self._rollback_started_attach(generation, "terminated_attach_rollback_failed")
         raise KvAgentError(
             "raw KV listener terminated before attachment advertisement completed", code="not_ready"
         )
 
     async def detach(self, generation: int) -> int:
+        self.ad_keeper.interrupt()
         async with self._lifecycle:
             self._check_open()
             await self._coordinator.begin_detach(generation)
             await self._withdraw_attachment_ad(generation)
             await self._stop_listener()
             cursor = await self._coordinator.complete_detach(generation)
-            self._attachment = None
+            self._attachment = self.ad_keeper.attached = None
+            self.ad_keeper.wake()
             return cursor
 
     async def quarantine(self, generation: int, reason: str) -> None:
+        """Quarantine ``generation`` if it is the current attachment; an older one changes nothing.
+
+        Returns without waiting for discovery: the coordinator hands the ad withdrawal to the withdrawal
+        supervisor, which retries it until discovery answers.
+        """
+        self.ad_keeper.interrupt()
         async with self._lifecycle:
             self._check_open()
             await self._coordinator.quarantine(generation, reason)
-            await self._withdraw_attachment_ad(generation)
-            await self._stop_listener()
+            if self._listener is not None and self._listener.generation == generation:
+                await self._stop_listener()
+            self.ad_keeper.wake()
 
     # SlotSurface control ops (websocket)
     async def control_attach(
@@ -329,6 +366,7 @@ class SlotAgent:
         steps then run without the lock.
         """
         self._closing = True
+        self.ad_keeper.close()
         with trio.move_on_after(2 * self.config.shutdown_step_timeout) as waiting:
             async with self._lifecycle:
                 waiting.deadline = math.inf  # only the wait for the lock is bounded here
@@ -398,6 +436,7 @@ def _build_slot(config: SlotAgentConfig, sink: EventSink | None) -> _SlotParts:
         source_record=source_record,
         withdraw_tx=withdraw_tx,
         withdraw_rx=withdraw_rx,
+        request_withdrawal=request_withdrawal,
     )
 
 
@@ -445,6 +484,7 @@ async def _slot_nurseries(
                                 listener_nursery=listener_nursery,
                                 zmq_context=zmq_context,
                             )
+                            await listener_nursery.start(_logged_task, agent.ad_keeper.run, parts.config.name)
                             try:
                                 yield agent
                             finally:

@@ -137,11 +137,11 @@ async def _status_lines(host: Host, interval: float) -> None:
             rate = (status.outbound_cursor - previous_cursor) / max(now - previous_time, 1e-9)
             last[agent.name] = (now, status.outbound_cursor)
             attachment = status.attachment
-            state = (
-                "detached"
-                if attachment is None
-                else f"gen {attachment.generation} {'ready' if attachment.ready else 'UNREADY'}"
-            )
+            if attachment is None:
+                state = "detached"
+            else:  # anything but ready is shouted: a router must not trust the slot then
+                shown = attachment.state if attachment.ready else attachment.state.upper()
+                state = f"gen {attachment.generation} {shown}"
             coordinator = agent.statistics().coordinator
             faults = sum(coordinator.quarantines.values())
             print(

@@ -149,7 +149,13 @@ class SlotCoordinator:
             raise CoordinatorError("attachment generation exhausted", code="internal")
         # The generation is consumed even if the barrier below fails.
         self._next_attachment_generation = generation + 1
-        attachment = attrs.evolve(attachment, generation=generation, ready=False, ready_at_outbound_cursor=0)
+        attachment = attrs.evolve(
+            attachment,
+            generation=generation,
+            ready=False,
+            ready_at_outbound_cursor=0,
+            source_state=SourceState.READY,  # a new engine incarnation: its listener reports otherwise
+        )
         self._attachment = attachment
         self._publish_status()
         try:
@@ -165,6 +171,7 @@ class SlotCoordinator:
         # A fresh cursor does not prove CacheOwner continuity: CacheOwner stays advisory.
         self._continuity.reset()
         self._cache_owner_untrusted = False
+        self._reset_since_loss = False
         self._attachment = attachment
         self.counters.attachments += 1
         self._publish_status()
@@ -260,7 +267,9 @@ class SlotCoordinator:
         try:
             barrier_cursor = self._apply_and_publish_reset(worker)
         except CoordinatorError as error:
-            raise CoordinatorError("failed to publish Worker source reset barrier", code="internal") from error
+            raise CoordinatorError(
+                "failed to publish Worker source reset barrier", code="internal"
+            ) from error
         self._continuity.reset()
         self._dedup.reset_domain(worker.dp_rank, ResidencyDomain.WORKER)
         self._reset_since_loss = True
@@ -268,6 +277,8 @@ class SlotCoordinator:
         if (signal.state or attachment.source_state) is SourceState.READY:
             # The stream from the barrier on carries the engine's complete history.
             self._attachment = attrs.evolve(attachment, ready_at_outbound_cursor=barrier_cursor)
+            if attachment.source_state is SourceState.READY:
+                self._withdraw(attachment.generation)  # the ad names the old cursor; it is registered anew
 
     def _count_source_loss(self, generation: int, lost_batches: int, *, current: bool) -> None:
         self.counters.source_losses += lost_batches

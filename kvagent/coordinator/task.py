@@ -110,14 +110,25 @@ class StatusCell:
     def __init__(self, initial: AgentStatus) -> None:
         self._status = initial
         self._changed = trio.Event()
+        self._attachment_changed = trio.Event()
 
     def get(self) -> AgentStatus:
         return self._status
 
     def set(self, status: AgentStatus) -> None:
-        self._status = status
+        previous, self._status = self._status, status
         self._changed.set()
         self._changed = trio.Event()
+        if status.attachment != previous.attachment:
+            self._attachment_changed.set()
+            self._attachment_changed = trio.Event()
+
+    def attachment_change(self) -> trio.Event:
+        """An event set at the next change of the attachment's status (not at mere cursor advances).
+
+        Take it before looking at the status, then wait on it: a change in between is never missed.
+        """
+        return self._attachment_changed
 
     async def wait_for(self, predicate: Callable[[AgentStatus], bool]) -> AgentStatus:
         """Wait until ``predicate(status)`` is true and return that status."""

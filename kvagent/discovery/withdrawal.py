@@ -51,6 +51,7 @@ class AttachmentRecordHolder:
 
     def __init__(self) -> None:
         self._record: DiscoveryRecord | None = None
+        self._changed = trio.Event()
         # Plain counters bumped by the withdrawal paths; statistics() snapshots them.
         self._withdrawals = 0
         self._retries = 0
@@ -70,14 +71,25 @@ class AttachmentRecordHolder:
         return self._record
 
     def set(self, record: DiscoveryRecord | None) -> None:
-        self._record = record
+        if record is not self._record:
+            self._record = record
+            self._notify()
 
     def forget_if(self, record: DiscoveryRecord) -> bool:
         """Forget the held record only if it is still ``record`` (a newer one is never dropped)."""
         if self._record is not None and self._record == record:
             self._record = None
+            self._notify()
             return True
         return False
+
+    def change(self) -> trio.Event:
+        """An event set at the next change of the held record (take it before looking, then wait)."""
+        return self._changed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
 
 def _next_delay(delay: float, cap: float) -> float:

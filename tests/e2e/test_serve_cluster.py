@@ -94,3 +94,9 @@ async def test_metrics_endpoint_counters_move(tmp_path: Path, fake_engine: XpubE
             assert after["kvagent_events_in_total"] > before.get("kvagent_events_in_total", 0)
             assert after["kvagent_resident_blocks"] == 51
             assert after["kvagent_attachment_ready"] == 1
+            assert after["kvagent_attachment_state"] == 1  # one-hot: the five states sum to 1
+            async with httpx.AsyncClient() as http:
+                ready = await http.get(f"http://127.0.0.1:{port}/readyz")
+                health = await http.get(f"http://127.0.0.1:{port}/healthz")
+            assert (ready.status_code, ready.json()) == (200, {"ready": True, "slots": {"s0": "ready"}})
+            assert health.status_code == 200

@@ -32,6 +32,8 @@ async def test_serve_end_to_end_recover_follow_control_and_sigterm(
             async with client(agent.url) as c:
                 status = (await c.request("status"))["status"]
                 assert status["attachment"]["ready"] is True
+                assert status["attachment"]["state"] == "ready"
+                await agent.log.wait_for(lambda text: text.startswith("[s0] gen 1 ready cursor"))
                 assert status["attachment"]["generation"] == 1
                 assert status["outbound_cursor"] == status["attachment"]["ready_at_outbound_cursor"] == 1
 

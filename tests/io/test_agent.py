@@ -101,7 +101,6 @@ async def test_cache_owner_state_survives_worker_replacement() -> None:
         pytest.param(batch([{**gpu_store([1]), "ownership": "future_owner"}]), False, id="source-fault"),
         pytest.param(batch([gpu_store([1])], rank=1), True, id="rank-mismatch"),
         pytest.param(b"\x93\xcb", True, id="decode-error"),
-        pytest.param(batch([gpu_store(list(range(9000)))]), True, id="oversized-event"),
         pytest.param(batch([kvcr_store([1], medium="GPU")]), False, id="cache-owner-fault"),
     ],
 )
@@ -227,3 +226,20 @@ async def test_clean_shutdown_withdraws_every_advertisement() -> None:
         assert isinstance(sink.events[-1].data, Stored)
         assert sink.events[-1].residency_domain is ResidencyDomain.WORKER
         engine.close()
+
+
+async def test_an_event_larger_than_a_chunk_is_applied_not_quarantined() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_agent() as (agent, discovery, _sink, context):
+            engine = XpubEngine(context)
+            generation = await attach(agent, engine)
+            hashes = list(range(1, 9001))
+            await engine.send_payload(batch([gpu_store(hashes)]))
+            await engine.send_payload(batch([gpu_store([0xFEED])]))
+            await wait_for_event(agent, is_store_of(0xFEED))
+            worker = WorkerWithDpRank(17, 0)
+            assert {h for (owner, _, h) in agent.index.resident_blocks() if owner == worker} == {*hashes, 0xFEED}
+            assert agent.status().is_ready_generation(generation)
+            assert agent.statistics().coordinator.quarantines == {}
+            assert len(attachment_ads(discovery)) == 1
+            engine.close()

@@ -1,18 +1,22 @@
 """Model-based test of the whole agent: real listener over loopback ZMQ, coordinator, index, supervisor.
 
 Hypothesis generates operation sequences — ingest (Worker and CacheOwner stores/removes), raw sequence
-gaps, operator quarantine followed by detach and reattach, plain detach/reattach — and after every step the
-agent is checked against a reference model:
+gaps, operator quarantine followed by detach and reattach, plain detach/reattach, and the listener's source
+verdicts (degraded with a reset then resynchronised, disconnected then reconnected) — and after every step
+the agent is checked against a reference model:
 
 - outbound ids strictly increase and are never reused;
 - the index equals the model (Worker residency refcounted per worker, CacheOwner residency set-like and
   surviving worker replacement);
 - a tree dump replayed into a fresh index, plus nothing else, equals the live index;
-- the buffered tail from any cursor is gap-free (consecutive ids through the newest).
+- the buffered tail from any cursor is gap-free (consecutive ids through the newest);
+- the attachment ad is registered, at the status's ``ready_at_outbound_cursor``, exactly while the attachment
+  is ready (waited for: the withdrawal supervisor and the ad keeper run asynchronously).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import trio
@@ -20,8 +24,18 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvagent.discovery.base import DiscoveryRecord
 from kvagent.index.recovery_index import EventsAnswer, RecoveryIndex
-from kvagent.model.events import ResidencyOwner, RouterEvent, StorageTier, WorkerWithDpRank
+from kvagent.model.events import (
+    KV_STATE_ATTACHMENTS_TOPIC,
+    ResidencyOwner,
+    RouterEvent,
+    SourceSignal,
+    SourceState,
+    StorageTier,
+    WorkerWithDpRank,
+)
+from kvagent.model.status import AgentStatus
 from kvagent.testing import RecordingSink
 from tests.support.agent import (
     XpubEngine,
@@ -48,13 +62,19 @@ operation = st.one_of(
     st.tuples(st.just("gap"), st.integers(1, 3)),
     st.tuples(st.just("quarantine_reattach"), st.just(0)),
     st.tuples(st.just("reattach"), st.just(0)),
+    st.tuples(st.just("resync"), st.just(0)),
+    st.tuples(st.just("reconnect"), st.just(0)),
 )
+
+
+def in_state(state: str, status: AgentStatus) -> bool:
+    return status.attachment is not None and status.attachment.state == state
 
 
 async def scenario(operations: list[tuple[Any, ...]]) -> None:
     sink = RecordingSink()
     context: zmq.Context[Any] = zmq.Context()
-    async with running_agent(sink=sink) as (agent, _discovery, _sink, _ctx):
+    async with running_agent(sink=sink) as (agent, discovery, _sink, _ctx):
         worker_id = 100
         engine = XpubEngine(context)
         generation = await attach(agent, engine, worker_id=worker_id)
@@ -68,6 +88,26 @@ async def scenario(operations: list[tuple[Any, ...]]) -> None:
             await engine.send_payload(batch([gpu_store([sentinel])]))
             await wait_for_event(agent, is_store_of(sentinel))
             worker_refs[sentinel] = worker_refs.get(sentinel, 0) + 1
+
+        def ads_match(records: dict[tuple[str, int], DiscoveryRecord]) -> bool:
+            """The attachment ad is there, at the ready cursor, exactly while the attachment is ready."""
+            cursors = [
+                record.metadata["ready_at_outbound_cursor"]
+                for (topic, _), record in records.items()
+                if topic == KV_STATE_ATTACHMENTS_TOPIC
+            ]
+            attachment = agent.status().attachment
+            if attachment is None or not attachment.ready:
+                return cursors == []
+            return cursors == [attachment.ready_at_outbound_cursor]
+
+        async def verdicts(*signals: SourceSignal) -> None:
+            """The listener's verdicts, each waited for until its ad change is visible."""
+            for verdict in signals:
+                assert verdict.state is not None
+                agent._coordinator.admit_nowait(verdict)
+                await agent.status_cell.wait_for(partial(in_state, verdict.state.value))
+                await discovery.wait_for(ads_match)
 
         def check() -> None:
             expected: set[tuple[ResidencyOwner, StorageTier, int]] = {
@@ -133,6 +173,17 @@ async def scenario(operations: list[tuple[Any, ...]]) -> None:
             elif op[0] == "gap":
                 engine.seq += op[1]  # the engine's publisher lost batches: lossy, the stream continues
                 await flush()
+            elif op[0] == "resync":
+                await verdicts(
+                    SourceSignal(generation, state=SourceState.DEGRADED, reset=True, lost_batches=1),
+                    SourceSignal(generation, state=SourceState.READY, reset=True),
+                )
+                worker_refs.clear()  # both resets cleared Worker residency; CacheOwner survives
+            elif op[0] == "reconnect":
+                await verdicts(
+                    SourceSignal(generation, state=SourceState.DISCONNECTED),
+                    SourceSignal(generation, state=SourceState.READY),
+                )
             else:
                 if op[0] == "quarantine_reattach":
                     await agent.quarantine(generation, "model test")
@@ -145,6 +196,7 @@ async def scenario(operations: list[tuple[Any, ...]]) -> None:
                 engine = XpubEngine(context)
                 generation = await attach(agent, engine, worker_id=worker_id)
             check()
+            await discovery.wait_for(ads_match)
         engine.close()
     context.destroy(linger=0)
 

@@ -296,6 +296,19 @@ async def test_complete_detach_and_a_stopped_coordinator_release_queued_bytes() 
     assert handle.ingress_bytes == 0 and stopped.core.counters.ingress_chunks == 0
 
 
+def test_status_cell_signals_attachment_changes_but_not_cursor_advances() -> None:
+    slot = Slot()
+    change = slot.status.attachment_change()
+    generation = slot.core.attach(attachment_for(FIRST)).generation
+    assert change.is_set()
+    change = slot.status.attachment_change()
+    slot.core.handle_ingress(chunk(generation, 1, [store(W, None, 5, 5)]))
+    slot.core.handle_ingress(chunk(generation, 2, [store(W, 5, 6, 6)]))
+    assert slot.current().outbound_cursor == 3 and not change.is_set()
+    slot.core.handle_signal(SourceSignal(generation, state=SourceState.DISCONNECTED))
+    assert change.is_set()
+
+
 def test_handle_type_is_exported() -> None:
     handle, _run = open_coordinator(Slot().core)
     assert isinstance(handle, CoordinatorHandle)

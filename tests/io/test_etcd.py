@@ -8,12 +8,16 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 import trio
+import zmq
 
+from kvagent import SlotAgentConfig
+from kvagent.agent.host import open_host
 from kvagent.discovery import open_discovery
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.etcd import (
@@ -24,7 +28,13 @@ from kvagent.discovery.etcd import (
     parse_etcd_url,
 )
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
+from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
+from kvagent.model.ids import attachment_record_id
+from kvagent.recovery.client import connect_slot
+from kvagent.recovery.server import RecoveryServerInfo, serve_recovery
+from tests.support.agent import XpubEngine, attach
 from tests.support.etcd_server import EtcdEndpoint, PrivateEtcd, _free_ports
+from tests.support.ids import OWNER
 
 pytestmark = pytest.mark.etcd
 
@@ -374,6 +384,50 @@ async def test_etcd_restart_mid_run(private_etcd: PrivateEtcd) -> None:
             ("delete", 2),
         ]
         nursery.cancel_scope.cancel()
+
+
+async def test_websocket_quarantine_returns_while_etcd_is_down(private_etcd: PrivateEtcd) -> None:
+    """The quarantine op is answered with etcd dead; the withdrawal supervisor removes the ad once it is back."""
+    endpoint = private_etcd.endpoint("/quarantine")
+    token = "etcd-quarantine-test-token"
+    context: zmq.Context[Any] = zmq.Context()
+    config = SlotAgentConfig(name="s0", cache_owner_id=OWNER, kv_block_size=32)
+    try:
+        with trio.fail_after(60):
+            async with (
+                discovery_at(endpoint) as discovery,
+                open_host(discovery=discovery, zmq_context=context) as host,
+                trio.open_nursery() as nursery,
+            ):
+                agent = await host.add_slot(config)
+                engine = XpubEngine(context)
+                generation = await attach(agent, engine)
+                record_id = attachment_record_id(agent.identity.publisher_id, generation)
+                ad_key = f"{endpoint.prefix}/v2/{KV_STATE_ATTACHMENTS_TOPIC}/{record_id}"
+                assert await raw_get(endpoint, ad_key) is not None
+                info: RecoveryServerInfo = await nursery.start(
+                    partial(serve_recovery, host, host="127.0.0.1", port=0, token=token)
+                )
+                await private_etcd.stop(signal.SIGKILL)
+                async with connect_slot(f"ws://127.0.0.1:{info.port}", "s0", token=token) as client:
+                    await client.quarantine(generation, "operator")
+                    status = await client.status()
+                assert status.attachment is not None and status.attachment.state == "unready"
+                holder = agent._holder
+
+                def withdrawal_owed() -> bool:
+                    return holder.record is not None
+
+                assert withdrawal_owed()
+                await private_etcd.start()
+                while withdrawal_owed():  # until the supervisor's retry gets through
+                    await holder.change().wait()
+                assert await raw_get(endpoint, ad_key) is None
+                assert agent.statistics().withdrawal.retries >= 1
+                nursery.cancel_scope.cancel()
+                engine.close()
+    finally:
+        context.destroy(linger=0)
 
 
 async def enable_auth(server: PrivateEtcd, password: str) -> None:

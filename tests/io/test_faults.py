@@ -15,6 +15,7 @@ from tests.support.agent import (
     XpubEngine,
     attach,
     attachment_ads,
+    attachment_ads_of,
     batch,
     gpu_store,
     is_store_of,
@@ -107,11 +108,12 @@ async def test_discovery_outage_during_quarantine_is_retried_then_succeeds() -> 
             engine = XpubEngine(context)
             generation = await attach(agent, engine)
             discovery.set_failing(True, on=("unregister",))
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(agent.quarantine, generation, "operator test")
-                await discovery.wait_for_attempts(3, "unregister")
-                discovery.set_failing(False)
-            assert attachment_ads(discovery) == []
+            # The quarantine returns without waiting for discovery; the withdrawal supervisor retries.
+            await agent.quarantine(generation, "operator test")
+            await discovery.wait_for_attempts(3, "unregister")
+            assert attachment_ads(discovery) != []
+            discovery.set_failing(False)
+            await discovery.wait_for(lambda records: not attachment_ads_of(records))
             status = agent.status()
             assert status.attachment is not None and not status.attachment.ready
             cursor = await agent.detach(generation)

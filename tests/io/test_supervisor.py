@@ -87,6 +87,19 @@ def test_holder_forgets_only_the_same_record(holder: AttachmentRecordHolder) -> 
     assert not holder.forget_if(ad(2))
 
 
+def test_holder_change_event_fires_on_each_change_of_the_record(holder: AttachmentRecordHolder) -> None:
+    first = holder.change()
+    holder.set(None)  # unchanged: no event
+    assert not first.is_set()
+    holder.set(ad(1))
+    assert first.is_set()
+    second = holder.change()
+    assert second is not first and not second.is_set()
+    holder.set(holder.record)  # the same record again: no event
+    assert not holder.forget_if(ad(2)) and not second.is_set()
+    assert holder.forget_if(ad(1)) and second.is_set()
+
+
 # -- supervisor --------------------------------------------------------------------------------------
 
 

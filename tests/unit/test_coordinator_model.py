@@ -1,9 +1,10 @@
 """Stateful model test: SlotCoordinator + the real RecoveryIndex against a simple reference model.
 
 The model keeps the resident set ``{(owner, tier, hash)}`` and Worker refcounts (3.7), plus the few
-lifecycle flags that decide whether an operation succeeds.  Invariants after every step: published ids
-strictly increase (never reused), the index's resident set equals the model, a tree dump replayed into a
-fresh index reproduces the live one, and the status agrees with the model.
+lifecycle flags that decide whether an operation succeeds, and the listener's source state (signals).
+Invariants after every step: published ids strictly increase (never reused), the index's resident set equals
+the model, a tree dump replayed into a fresh index reproduces the live one, and the status agrees with the
+model (ready only while open and the source is ready).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from kvagent.model.events import (
     Removed,
     ResidencyDomain,
     ResidencyOwner,
+    SourceSignal,
+    SourceState,
     StorageTier,
     Stored,
     WorkerWithDpRank,
@@ -70,7 +73,8 @@ class Model:
     resident: set[Resident] = attrs.Factory(set)
     refcounts: dict[tuple[StorageTier, int], int] = attrs.Factory(dict)
     attached: int | None = None
-    ready: bool = False
+    ready: bool = False  # open: attached, not detaching or quarantined
+    source_state: SourceState = SourceState.READY
     ingress: int | None = None
     next_generation: int = 1
     worker_failed: bool = False
@@ -187,6 +191,43 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert attached.generation == generation
         assert attached.ready_at_outbound_cursor == self.core.outbound_cursor
         model.ready, model.ingress, model.completed = True, generation, None
+        model.source_state = SourceState.READY
+
+    @rule(
+        state=st.sampled_from([None, *SourceState]),
+        reset=st.booleans(),
+        lost=st.sampled_from([0, 0, 3]),
+        stale=rarely,
+        fail=publication_fails,
+    )
+    def signal(self, state: SourceState | None, reset: bool, lost: int, stale: bool, fail: bool) -> None:
+        self.sink.fail = fail
+        model = self.model
+        generation = (model.attached or 0) + (9 if stale else 0)
+        verdict = SourceSignal(generation, state=state, reset=reset, lost_batches=lost)
+        withdrawals, ignored = len(self.withdrawals), self.core.counters.signals_ignored
+        if not model.ready or model.ingress != generation:
+            self.core.handle_signal(verdict)
+            assert self.core.counters.signals_ignored == ignored + 1
+            assert len(self.withdrawals) == withdrawals
+            return
+        previous = model.source_state
+        if reset:
+            model.completed = None
+            if self.barrier():
+                with pytest.raises(CoordinatorError, match="^failed to publish Worker source reset barrier$"):
+                    self.core.handle_signal(verdict)
+                return
+        self.core.handle_signal(verdict)
+        model.source_state = state or previous
+        attachment = self.status.get().attachment
+        assert attachment is not None
+        if reset and model.source_state is SourceState.READY:
+            assert attachment.ready_at_outbound_cursor == self.core.outbound_cursor  # the barrier
+        # The ad is withdrawn when the attachment leaves ready, or its ready cursor moves while ready.
+        moved = reset and previous is SourceState.READY and model.source_state is SourceState.READY
+        left = previous is SourceState.READY and model.source_state is not SourceState.READY
+        assert self.withdrawals[withdrawals:] == ([generation] if moved or left else [])
 
     @rule(
         chunks=st.lists(
@@ -323,7 +364,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
         else:
             assert status.attachment is not None
             assert status.attachment.generation == self.model.attached
-            assert status.attachment.ready is self.model.ready
+            source_ready = self.model.source_state is SourceState.READY
+            assert status.attachment.ready is (self.model.ready and source_ready)
+            expected = self.model.source_state.value if self.model.ready else "unready"
+            assert status.attachment.state == expected
+            assert status.attachment.ready_at_outbound_cursor <= status.outbound_cursor
         assert self.core.ingress_generation == self.model.ingress
 
 

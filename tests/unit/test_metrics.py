@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
-from kvagent.agent.metrics import MetricSources, render_metrics
+import pytest
+
+from kvagent.agent.metrics import MetricSources, _answer, readiness, render_metrics
 from kvagent.agent.slot import SlotStatistics
 from kvagent.coordinator.machine import CoordinatorStatistics
 from kvagent.discovery.etcd import EtcdStatistics
@@ -30,6 +33,12 @@ COORDINATOR = CoordinatorStatistics(
     source_losses=8,
     ingress_chunks=9,
     ingress_queue_depth=13,
+    degradations=14,
+    disconnects=15,
+    resyncs=16,
+    source_resets=17,
+    signals_ignored=18,
+    ingress_bytes=19,
 )
 LISTENER = ListenerStatistics(
     messages=100,
@@ -49,13 +58,18 @@ LISTENER = ListenerStatistics(
 class _Slot:
     """What the collector reads of a slot agent: name, status, statistics and the index size."""
 
-    def __init__(self, name: str, *, attached: bool) -> None:
+    def __init__(self, name: str, *, attached: bool, state: str = "ready") -> None:
         self.name = name
         self.attached = attached
+        self.state = state
         self.index = SimpleNamespace(resident_block_count=77)
 
     def status(self) -> AgentStatus:
-        attachment = AttachmentStatus(3, WorkerWithDpRank(1, 0), True, 5) if self.attached else None
+        attachment = (
+            AttachmentStatus(3, WorkerWithDpRank(1, 0), self.state == "ready", 5, self.state)
+            if self.attached
+            else None
+        )
         return AgentStatus(IDENTITY, attachment, cache_owner_ready=False, outbound_cursor=99)
 
     def statistics(self) -> SlotStatistics:
@@ -98,6 +112,12 @@ def test_each_snapshot_field_lands_in_its_family() -> None:
         'kvagent_messages_total{slot="b"} 100.0',
         'kvagent_lost_batches_total{slot="b"} 105.0',
         'kvagent_withdrawal_retries_total{slot="a"} 21.0',
+        'kvagent_degradations_total{slot="b"} 14.0',
+        'kvagent_disconnects_total{slot="b"} 15.0',
+        'kvagent_resyncs_total{slot="b"} 16.0',
+        'kvagent_source_resets_total{slot="b"} 17.0',
+        'kvagent_signals_ignored_total{slot="b"} 18.0',
+        'kvagent_ingress_bytes{slot="b"} 19.0',
         'kvagent_stale_withdrawals_total{slot="b"} 22.0',
         "kvagent_recovery_connections_open 1.0",
         "kvagent_recovery_connections_total 2.0",
@@ -117,3 +137,48 @@ def test_a_slot_that_never_attached_has_no_listener_samples() -> None:
     samples = _scrape()
     assert not [line for line in samples if line.startswith("kvagent_messages_total") and 'slot="a"' in line]
     assert not [line for line in samples if line.startswith("kvagent_gaps_total") and 'slot="a"' in line]
+
+
+def _states(samples: set[str], slot: str) -> dict[str, float]:
+    prefix = "kvagent_attachment_state{"
+    found: dict[str, float] = {}
+    for line in samples:
+        if line.startswith(prefix) and f'slot="{slot}"' in line:
+            state = line.split('state="', 1)[1].split('"', 1)[0]
+            found[state] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+@pytest.mark.parametrize("state", ["ready", "degraded", "disconnected", "unready"])
+def test_attachment_state_is_one_hot(state: str) -> None:
+    sources = MetricSources(
+        slots=lambda: [_Slot("b", attached=True, state=state), _Slot("a", attached=False)]  # type: ignore[list-item]
+    )
+    samples = {line for line in render_metrics(sources).decode().splitlines() if not line.startswith("#")}
+    everything = {"ready", "degraded", "disconnected", "unready", "detached"}
+    assert _states(samples, "b") == {name: float(name == state) for name in everything}
+    assert _states(samples, "a") == {name: float(name == "detached") for name in everything}
+    assert f'kvagent_attachment_ready{{slot="b"}} {float(state == "ready")}' in samples
+
+
+@pytest.mark.parametrize(
+    ("slots", "ready"),
+    [
+        ([("a", "ready"), ("b", "ready")], True),
+        ([("a", "ready"), ("b", "degraded")], False),
+        ([("a", "disconnected")], False),
+        ([("a", "unready")], False),
+        ([("a", None)], False),
+        ([], False),
+    ],
+)
+def test_readyz_is_200_only_when_every_slot_is_ready(slots: list[tuple[str, str | None]], ready: bool) -> None:
+    agents = [_Slot(name, attached=state is not None, state=state or "ready") for name, state in slots]
+    sources = MetricSources(slots=lambda: agents)  # type: ignore[arg-type,return-value]
+    expected = {name: state or "detached" for name, state in slots}
+    assert readiness(agents) == (ready, expected)  # type: ignore[arg-type]
+    head, body = _answer(b"/readyz", sources).split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.0 200 OK" if ready else b"HTTP/1.0 503 Service Unavailable")
+    assert json.loads(body) == {"ready": ready, "slots": expected}
+    assert _answer(b"/healthz", sources).startswith(b"HTTP/1.0 200 OK")
+    assert _answer(b"/nothing", sources).startswith(b"HTTP/1.0 404")

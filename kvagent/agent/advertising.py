@@ -1,0 +1,175 @@
+"""The attachment advertisement of one slot: registered only while the attachment is ready.
+
+The coordinator asks the withdrawal supervisor to withdraw the ad when the attachment leaves ready, or when
+its ``ready_at_outbound_cursor`` moves while ready (so withdrawals never wait on discovery).  The
+:class:`AttachmentAdKeeper` registers it again, with the current cursor, once the open attachment is ready
+and its ad is missing.  It registers under the slot's lifecycle lock, so it never advertises a generation
+that a detach or quarantine has closed; lifecycle calls :meth:`~AttachmentAdKeeper.interrupt` a registration
+that discovery keeps waiting before they take the lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import structlog
+import trio
+
+from kvagent.coordinator.task import StatusCell
+from kvagent.discovery.ads import attachment_advertisement
+from kvagent.discovery.base import Discovery, DiscoveryRecord
+from kvagent.discovery.withdrawal import AttachmentRecordHolder
+from kvagent.model.ids import KvStateAgentIdentity
+from kvagent.model.status import Attachment
+
+__all__ = ["AD_RETRY_INITIAL", "AD_RETRY_MAX", "AttachmentAdKeeper"]
+
+log = structlog.get_logger(__name__)
+
+AD_RETRY_INITIAL = 0.1  # backoff after a failed registration, doubling up to AD_RETRY_MAX
+AD_RETRY_MAX = 5.0
+
+
+class AttachmentAdKeeper:
+    """Keeps the attachment ad registered exactly while the open attachment is ready (see module doc).
+
+    ``attached`` is the slot's current attachment (set by attach, cleared by detach); ``registered`` the
+    record this keeper, or attach, last registered successfully.
+    """
+
+    def __init__(
+        self,
+        *,
+        identity: KvStateAgentIdentity,
+        kv_state_endpoint: str,
+        recovery_url: str | None,
+        discovery: Discovery,
+        holder: AttachmentRecordHolder,
+        status: StatusCell,
+        lifecycle: trio.Lock,
+        request_withdrawal: Callable[[int], None],
+    ) -> None:
+        self._identity = identity
+        self._kv_state_endpoint = kv_state_endpoint
+        self._recovery_url = recovery_url
+        self._discovery = discovery
+        self._holder = holder
+        self._status = status
+        self._lifecycle = lifecycle
+        self._request_withdrawal = request_withdrawal
+        self.attached: Attachment | None = None
+        self.registered: DiscoveryRecord | None = None
+        self._closing = False
+        self._wakeup = trio.Event()  # set by lifecycle calls: look again
+        self._registration: trio.CancelScope | None = None
+
+    def record(self, attached: Attachment, ready_at_outbound_cursor: int) -> DiscoveryRecord:
+        return attachment_advertisement(
+            identity=self._identity,
+            attachment=attrs.evolve(attached, ready_at_outbound_cursor=ready_at_outbound_cursor),
+            kv_state_endpoint=self._kv_state_endpoint,
+            recovery_url=self._recovery_url,
+        )
+
+    def still_wanted(self, record: DiscoveryRecord, attached: Attachment) -> bool:
+        """``record`` is the ad of ``attached`` as it is now: ready, at the same cursor."""
+        status = self._status.get().attachment
+        return (
+            status is not None
+            and status.generation == attached.generation
+            and status.ready
+            and self.record(attached, status.ready_at_outbound_cursor) == record
+        )
+
+    def note_registered(self, record: DiscoveryRecord, attached: Attachment) -> None:
+        """``record`` was registered; if the attachment left ready (or moved) meanwhile, have it withdrawn."""
+        self._holder.set(record)
+        self.registered = record
+        if not self.still_wanted(record, attached):
+            self._request_withdrawal(attached.generation)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def interrupt(self) -> None:
+        """Cancel a registration in progress, so a lifecycle call never waits behind discovery."""
+        if self._registration is not None:
+            self._registration.cancel()
+
+    def close(self) -> None:
+        self._closing = True
+        self.interrupt()
+
+    def due(self) -> DiscoveryRecord | None:
+        """The ad to register now: the attachment is open and ready, and its ad is not registered."""
+        attached, status = self.attached, self._status.get().attachment
+        if self._closing or attached is None or status is None:
+            return None
+        if status.generation != attached.generation or not status.ready:
+            return None
+        record = self.record(attached, status.ready_at_outbound_cursor)
+        held = self._holder.record
+        if held is None:
+            return record
+        if held != record:
+            return None  # an older ad of this attachment is still being withdrawn (the coordinator asked)
+        return None if held is self.registered else record
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        delay = AD_RETRY_INITIAL
+        while True:
+            await self._wait_until_due()
+            outcome: bool | None = None
+            async with self._lifecycle:
+                record, attached = self.due(), self.attached  # again, now that lifecycle calls are excluded
+                if record is not None and attached is not None:
+                    outcome = await self._register(record, attached)
+            if outcome is False:
+                await trio.sleep(delay)
+                delay = min(delay * 2, AD_RETRY_MAX)
+            elif outcome:
+                delay = AD_RETRY_INITIAL
+
+    async def _wait_until_due(self) -> None:
+        while True:
+            if self._wakeup.is_set():
+                self._wakeup = trio.Event()
+            # Taken before looking, so a change in between sets one of them.
+            changes = (self._status.attachment_change(), self._holder.change(), self._wakeup)
+            if self.due() is not None:
+                return
+            await _wait_any(*changes)
+
+    async def _register(self, record: DiscoveryRecord, attached: Attachment) -> bool | None:
+        """True once registered, False if discovery failed, None if a lifecycle call interrupted it."""
+        generation = attached.generation
+        with trio.CancelScope() as scope:
+            self._registration = scope
+            try:
+                await self._discovery.register(record)
+            except Exception as exc:
+                log.warning("attachment_ad_registration_failed", generation=generation, error=str(exc))
+            else:
+                log.info("attachment_ad_registered", generation=generation, record_id=record.record_id)
+                self.note_registered(record, attached)
+                return True
+            finally:
+                self._registration = None
+        # Failed or interrupted, it may have been registered all the same: every withdrawal targets it, and
+        # the keeper registers it again while the attachment stays ready.
+        self._holder.set(record)
+        return None if scope.cancelled_caught else False
+
+
+async def _wait_any(*events: trio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait_one(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            nursery.start_soon(wait_one, event)
