@@ -170,7 +170,7 @@ class ListenerCounters:
     replay: ReplayClient | None = None
 
     def statistics(self) -> ListenerStatistics:
-        sync = _sync_counts(self.sync.statistics()) if self.sync is not None else {}
+        sync = _sync_counts(self.sync.statistics()) if self.sync is not None else dict.fromkeys(_SYNC_NAMES, 0)
         reader, replay = self.reader, self.replay
         held = (self.sync.held_bytes if self.sync is not None else 0) + (
             reader.inbox.nbytes if reader is not None else 0
@@ -189,6 +189,20 @@ class ListenerCounters:
             held_bytes=held,
             **sync,
         )
+
+
+_SYNC_NAMES = (
+    "gaps",
+    "repaired_batches",
+    "lost_batches",
+    "restarts_seen",
+    "duplicates",
+    "reorder_overflows",
+    "late",
+    "resets",
+    "degradations",
+    "replay_requests",
+)
 
 
 def _sync_counts(stats: SyncStatistics) -> dict[str, int]:

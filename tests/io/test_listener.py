@@ -17,7 +17,7 @@ from kvagent.coordinator.task import StatusCell, open_coordinator
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import IngressChunk, RouterEvent
 from kvagent.model.ids import KvStateAgentIdentity
-from kvagent.model.status import AgentStatus, Attachment
+from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
 from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
@@ -115,18 +115,20 @@ async def test_capture_is_admitted_in_order_with_the_batch_rank_checked() -> Non
         await h.coordinator.wait_for(lambda c: 67 in c.cursors())
         assert h.coordinator.cursors() == list(range(68))
         assert all(chunk.generation == 1 for chunk in h.coordinator.chunks)
-        assert h.stats.messages == 68 and h.stats.batches == 68 and h.stats.gaps == 0
+        stats = h.stats.statistics()
+        assert stats.messages == 68 and stats.batches == 68 and stats.gaps == 0
+        assert sum(chunk.raw_bytes for chunk in h.coordinator.chunks) == sum(len(f[2]) for f in LIVE)
     assert h.coordinator.quarantines == [], "cancelled from outside: no quarantine"
 
 
 def test_statistics_are_a_frozen_copy_of_the_counters() -> None:
-    counters = ListenerCounters(messages=3, batches=2, gaps=1, filtered={"ignored_event": 4}, unpublished_blocks=5)
+    counters = ListenerCounters(messages=3, batches=2, filtered={"ignored_event": 4}, unpublished_blocks=5)
     snapshot = counters.statistics()
     assert snapshot == ListenerStatistics(
         messages=3,
         batches=2,
         decode_errors=0,
-        gaps=1,
+        gaps=0,
         repaired_batches=0,
         lost_batches=0,
         restarts_seen=0,
@@ -417,13 +419,16 @@ async def test_an_oversized_payload_ends_the_listener(logs: Logs) -> None:
         await expect_termination(h, logs, "ZMQ payload exceeds 64 bytes")
 
 
-async def test_an_event_over_the_block_bound_ends_the_listener(logs: Logs) -> None:
+async def test_an_event_over_the_chunk_block_bound_is_split_not_quarantined() -> None:
     async with harness(block_size=1) as h:
         await h.start_listener()
         count = 8193
         event = block_stored(list(range(1, count + 1)), None, [1] * (count * 32), 32)
         await h.engine.publish_batch([event])
-        await expect_termination(h, logs, "one ingress event exceeds the block bound")
+        await h.coordinator.wait_for(lambda c: 0 in c.cursors())
+        blocks = [len(p.data.block_hashes) for chunk in h.coordinator.chunks for p in chunk.events]
+        assert blocks == [8192, 1] and h.coordinator.quarantines == []
+        assert not h.finished.is_set()
 
 
 async def test_a_closed_coordinator_ends_the_listener(logs: Logs) -> None:
@@ -431,20 +436,43 @@ async def test_a_closed_coordinator_ends_the_listener(logs: Logs) -> None:
         h.coordinator.closed = True
         await h.start_listener()
         await h.publish_live([0])
-        await expect_termination(h, logs, "state-agent ingress coordinator is closed")
+        await h.finished.wait()
+        # The terminal quarantine goes in order on the ingress channel, which is what is closed.
+        assert h.coordinator.quarantines == []
+        assert any(
+            entry["event"] == "listener_failed" and "state-agent ingress coordinator is closed" in entry["error"]
+            for entry in logs
+        ), logs
+        assert any(entry["event"] == "listener_quarantine_failed" for entry in logs), logs
 
 
-async def test_losing_readiness_stops_the_listener_and_quarantines() -> None:
+def set_state(h: Harness, state: str) -> None:
+    assert h.status is not None and h.attachment is not None
+    h.status.set(AgentStatus(IDENTITY, AttachmentStatus(1, h.attachment.worker, state == "ready", 0, state)))
+
+
+async def test_a_generation_no_longer_open_stops_the_listener_and_quarantines() -> None:
     async with harness() as h:
         await h.start_listener()
         await h.publish_live([0])
         await h.coordinator.wait_for(lambda c: 0 in c.cursors())
-        assert h.status is not None and h.attachment is not None
-        h.status.set(AgentStatus(IDENTITY, h.attachment.status().__class__(1, h.attachment.worker, False, 0)))
+        set_state(h, "unready")  # detaching or quarantined
         await h.publish_live([1])
         await h.finished.wait()
         assert h.coordinator.cursors() == [0]
         assert h.coordinator.quarantines == [(1, LISTENER_TERMINATED)]
+
+
+@pytest.mark.parametrize("state", ["degraded", "disconnected"])
+async def test_the_listener_runs_on_while_degraded_or_disconnected(state: str) -> None:
+    async with harness() as h:
+        await h.start_listener()
+        await h.publish_live([0])
+        await h.coordinator.wait_for(lambda c: 0 in c.cursors())
+        set_state(h, state)
+        await h.publish_live([1, 2])
+        await h.coordinator.wait_for(lambda c: 2 in c.cursors())
+        assert not h.finished.is_set() and h.coordinator.quarantines == []
 
 
 async def test_external_cancellation_does_not_quarantine() -> None:
