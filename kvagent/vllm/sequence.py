@@ -1,19 +1,660 @@
-"""The sans-IO sequence gate of one attachment's raw stream (the listener repairs the gaps it finds).
+"""Sans-IO synchronisation of one attachment's raw batch stream with the engine's history (issue #14).
 
-The engine's seq counts batches per publisher and per DP rank, starting at 0; it goes back to 0 when the
-engine restarts (no epoch, no clear). :class:`SequenceGate` classifies every seq with two watermarks
-(vllm-wire.md §9.2, llm-d-router PR #1887): the last seq *applied* and the last seq *seen live*. Keeping
-them apart lets live copies of a replayed range count as duplicates while a live seq going backwards still
-reads as an in-place restart.
+The engine numbers its batches 0, 1, 2, ... per process and starts again at 0 when it restarts, with no
+epoch (vllm-wire.md §4, §10).  :class:`SourceSync` decides, from the live seqs, the replay answers and the
+SUB monitor's connection events, which batches are applied in which order and what the attachment's state
+is (``ready`` only while the applied history is exactly the engine's, TRUST-SPEC.md).  A seq alone cannot
+tell a late batch from a restarted engine, so it keeps the payload digest of the last ``digest_memory``
+applied seqs: a live seq at or below the last applied one is a duplicate only if its bytes match; without a
+digest to compare, the replay socket is asked for the anchor (the last applied seq) and its bytes decide.
+
+The shell feeds events in and executes the actions (:meth:`SourceSync.take_actions`) in order; time comes
+in only through the ``now`` arguments.  The common case, a live seq equal to the last applied plus one with
+nothing held, is a few attribute updates and one :class:`Apply`.
+
+:class:`SequenceGate` is the previous, seq-only gate; it stays until the listener has moved to
+:class:`SourceSync`.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
+from typing import Generic
 
 import attrs
 
-__all__ = ["SeqDecision", "SequenceGate"]
+from kvagent.model.events import SourceState
+from kvagent.vllm.sync_actions import (
+    Action,
+    Apply,
+    CancelReplay,
+    M,
+    RequestReplay,
+    Signal,
+    SyncStatistics,
+)
+
+__all__ = [
+    "Action",
+    "Apply",
+    "CancelReplay",
+    "RequestReplay",
+    "SeqDecision",
+    "SequenceGate",
+    "Signal",
+    "SourceSync",
+    "SyncStatistics",
+]
+
+READY, DEGRADED, DISCONNECTED = SourceState.READY, SourceState.DEGRADED, SourceState.DISCONNECTED
+
+
+class _Purpose(enum.Enum):
+    """Why the outstanding replay request was made (decides what its first reply means)."""
+
+    BOOTSTRAP = "bootstrap"  # nothing applied yet: the engine's history from 0
+    NEW_ENGINE = "new engine"  # a confirmed new incarnation: its history from 0, after a reset
+    ANCHOR = "anchor"  # from the last applied seq, whose kept digest proves (or disproves) the engine
+    REPAIR = "repair"  # from the next expected seq (identity settled, or a hole re-requested)
+
+
+@attrs.define(slots=True)
+class _Counters:
+    gaps: int = 0
+    late: int = 0
+    duplicates: int = 0
+    stale_dropped: int = 0
+    lost_batches: int = 0
+    history_losses: int = 0
+    resets: int = 0
+    degradations: int = 0
+    restarts: int = 0
+    suspected_restarts: int = 0
+    ambiguous: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+    replay_requests: int = 0
+    replay_cancels: int = 0
+    replay_holes: int = 0
+    replay_attempts_without_progress: int = 0
+    replay_stray: int = 0
+    shed_batches: int = 0
+    shed_bytes: int = 0
+
+
+class SourceSync(Generic[M]):
+    """The source synchronisation state machine of one attachment (TRUST-SPEC.md, rules 1-8).
+
+    ``applied`` is the last applied seq of the current incarnation (-1: nothing since the start or the last
+    reset).  While ``_unanchored`` the next live batch is accepted whatever its seq (a start without
+    bootstrap, or after a reset that left no known place to continue).
+    """
+
+    def __init__(
+        self,
+        *,
+        has_replay: bool,
+        reorder_window: int = 8,
+        reorder_wait: float = 0.05,
+        max_attempts_without_progress: int = 3,
+        digest_memory: int = 4096,
+        cold_bootstrap: bool = True,
+    ) -> None:
+        if reorder_window < 0 or reorder_wait < 0 or max_attempts_without_progress < 1 or digest_memory < 1:
+            raise ValueError("reorder_window/wait >= 0, max_attempts_without_progress and digest_memory >= 1")
+        self._has_replay = has_replay
+        self._window = reorder_window
+        self._wait = reorder_wait
+        self._max_attempts = max_attempts_without_progress
+        self._capacity = digest_memory
+        self._bootstrap = has_replay and cold_bootstrap
+        self.deadline: float | None = None
+        self.held_bytes = 0
+        self._actions: list[Action[M]] = []
+        self._state = READY
+        self._applied = -1
+        self._applied_count = 0
+        self._repaired = 0
+        # The digest of seq s (if kept) is _ring_digest[s % capacity] when _ring_seq[s % capacity] == s.
+        self._ring_seq = [-1] * digest_memory
+        self._ring_digest = [0] * digest_memory
+        self._fast = False  # on_live may take the in-order shortcut (nothing held, pending or awaited)
+        self._held: dict[int, tuple[int, int, M]] = {}  # seq -> (digest, nbytes, message), seq > applied
+        self._hold_since: float | None = None
+        # Live batches received while the engine's identity is in question, in arrival order.
+        self._deferred: collections.deque[tuple[int, int, int, M]] = collections.deque()
+        self._deferring = False
+        self._unanchored = True
+        self._loss_base = 0  # while unanchored: the first seq whose absence counts as lost
+        self._ever_applied = False
+        self._new_engine_pending = False  # confirmed new incarnation, waiting for its replay from 0
+        self._disconnected = False
+        self._restore: SourceState | None = None  # the state to show once a reconnect is verified
+        self._await_identity = False  # reconnected without replay: the next live batch decides
+        self._trust_late = False
+        self._replay: _Purpose | None = None
+        self._replay_start = 0
+        self._strict = False  # the anchor must be answered exactly (restart suspected, or reconnected)
+        self._first_pending = False
+        self._progress = False
+        self._attempts = 0
+        self._refeed_after_reply = False
+        self._request_id = 0  # changes with every request and cancel
+        self._c = _Counters()
+
+    # -- inputs ------------------------------------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """Attach (rule 7): replay the engine's history from 0 first, if there is replay and bootstrap."""
+        if self._bootstrap:
+            self._unanchored = False
+            self._request(_Purpose.BOOTSTRAP)
+        self._settle(now)
+
+    def on_live(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        """A batch from the SUB socket (``digest`` of its payload frame, ``nbytes`` charged while held)."""
+        if self._fast and seq == self._applied + 1:
+            # The hot path (rule 1): nothing held, nothing pending; no allocation beyond the Apply.
+            self._applied = seq
+            slot = seq % self._capacity
+            self._ring_seq[slot] = seq
+            self._ring_digest[slot] = digest
+            self._applied_count += 1
+            self._actions.append(Apply(message, seq, False))
+            return
+        self._live(seq, digest, nbytes, message, now)
+        self._settle(now)
+
+    def on_replay_reply(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        """One data reply of the outstanding request, in the order received."""
+        if self._replay is None or seq < self._replay_start:
+            self._c.replay_stray += 1
+            return
+        if self._first_pending:
+            self._first_pending = False
+            request = self._request_id
+            self._first_reply(seq, digest, now)
+            if self._request_id != request:  # abandoned (a new engine), or nothing left to repair
+                self._settle(now)
+                return
+        expected = self._applied + 1
+        if seq > expected:  # a hole mid-answer: the ROUTER's send HWM dropped replies
+            self._c.replay_holes += 1
+            self._cancel()
+            self._retry(_Purpose.REPAIR, now)
+        elif seq == expected:
+            self._apply_reply(seq, digest, message, now)
+        # seq < expected: the anchor itself, or a batch already applied from a live copy.
+        if self._refeed_after_reply:
+            self._refeed_after_reply = False
+            self._refeed(now)
+        self._settle(now)
+
+    def on_replay_end(self, complete: bool, now: float) -> None:
+        """The outstanding request ended: its end marker (``complete``), or a timeout or error."""
+        purpose = self._replay
+        if purpose is None:
+            self._c.replay_stray += 1
+            return
+        self._replay = None
+        if complete and self._first_pending:
+            self._empty_answer(purpose, now)
+        elif complete and not self._held and not self._progress:
+            self._repair_done(now)  # only the anchor came back: nothing newer to repair
+        elif self._progress:
+            # Cut short (a timeout, an error), or ended: the send HWM may have dropped the answer's tail
+            # and let the end marker through, so ask again from the first missing seq until an answer
+            # reaches the held batches or comes back empty.
+            self._attempts = 0
+            self._request(_Purpose.REPAIR)
+        else:
+            self._attempt_failed(purpose, now)
+        self._settle(now)
+
+    def on_disconnected(self, now: float) -> None:
+        """The SUB monitor saw the engine's connection drop (rule 6)."""
+        if self._disconnected:
+            return
+        self._disconnected = True
+        self._c.disconnects += 1
+        if self._restore is None:
+            self._restore = self._state
+        self._state = DISCONNECTED
+        self._actions.append(Signal(state=DISCONNECTED, reason="engine disconnected"))
+        if self._replay is not None:
+            # The engine that would answer is gone or going; the reconnect asks again, and checks identity.
+            self._cancel()
+        self._settle(now)
+
+    def on_connected(self, now: float) -> None:
+        """The engine's connection is back (after :meth:`on_disconnected`; otherwise ignored)."""
+        if not self._disconnected:
+            return
+        self._disconnected = False
+        self._c.reconnects += 1
+        self._cancel()
+        if self._has_replay and self._new_engine_pending:
+            self._request(_Purpose.NEW_ENGINE)
+        elif not self._ever_applied:
+            # Nothing was ever applied: a cold start (rule 7); the first answer or batch decides the state.
+            if self._bootstrap:
+                self._unanchored = False
+                self._request(_Purpose.BOOTSTRAP)
+            else:
+                self._unanchored = True
+        elif self._unanchored:
+            pass  # after a reset with nowhere known to continue: the next live batch decides the state
+        elif self._has_replay:
+            self._deferring = True
+            self._request(_Purpose.ANCHOR, strict=True)
+        else:
+            self._await_identity = True
+        self._settle(now)
+
+    def on_timer(self, now: float) -> None:
+        """Called by the shell at or after :attr:`deadline` (the reorder wait ran out)."""
+        self._settle(now)
+
+    def shed(self, now: float) -> int:
+        """Drop every held live batch (byte pressure); they become a gap repaired later. Returns bytes."""
+        freed = self.held_bytes
+        self._c.shed_batches += len(self._held) + len(self._deferred)
+        self._c.shed_bytes += freed
+        self._held.clear()
+        self._deferred.clear()
+        self.held_bytes = 0
+        self._hold_since = None
+        self._settle(now)
+        return freed
+
+    def take_actions(self) -> list[Action[M]]:
+        """The actions emitted since the last call, in order."""
+        actions, self._actions = self._actions, []
+        return actions
+
+    def statistics(self) -> SyncStatistics:
+        c = self._c
+        return SyncStatistics(
+            state=self._state,
+            applied_seq=self._applied,
+            applied=self._applied_count,
+            repaired=self._repaired,
+            held=len(self._held) + len(self._deferred),
+            held_bytes=self.held_bytes,
+            **attrs.asdict(c),
+        )
+
+    # -- live batches ------------------------------------------------------------------------------------
+
+    def _live(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        if self._deferring:
+            self._defer(seq, digest, nbytes, message)
+            return
+        if self._unanchored:
+            self._accept_first(seq, digest, message)
+            return
+        applied = self._applied
+        if seq <= applied:
+            self._live_behind(seq, digest, nbytes, message, now)
+        elif seq in self._held:
+            if self._held[seq][0] == digest:
+                self._c.duplicates += 1
+            else:  # two different batches with one seq: a new engine caught up with the held one
+                self._new_engine_seen(seq, digest, nbytes, message, "engine restarted (seq reused)")
+        elif self._replay is not None or seq > applied + 1 or (self._disconnected and self._has_replay):
+            # Held: a gap, a replay in flight, or the engine's identity to be checked at the reconnect (a
+            # batch of a new connection received before its connect event must not pass as the old one's).
+            if not self._held and self._replay is None and seq > applied + 1:
+                self._c.gaps += 1
+            self._held[seq] = (digest, nbytes, message)
+            self.held_bytes += nbytes
+        else:
+            if self._await_identity:  # rule 6 without replay: the next seq proves the same engine
+                self._await_identity = False
+                self._show_restored()
+            if self._held:
+                self._c.late += 1
+            self._apply(seq, digest, message)
+            self._drain_held(now)
+
+    def _live_behind(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        """Rule 4: a live seq at or below the last applied one is a duplicate, a late batch or a restart."""
+        slot = seq % self._capacity
+        if self._ring_seq[slot] == seq:
+            if self._ring_digest[slot] == digest:
+                self._c.duplicates += 1
+            else:
+                self._new_engine_seen(seq, digest, nbytes, message, "engine restarted (batch bytes differ)")
+        elif self._trust_late:
+            self._c.duplicates += 1  # received before the anchor proved the same engine: a late batch
+        elif self._has_replay:
+            self._c.suspected_restarts += 1
+            self._cancel()
+            self._deferring = True
+            self._defer(seq, digest, nbytes, message)
+            if not self._disconnected:
+                self._request(_Purpose.ANCHOR, strict=True)
+        else:
+            self._new_engine_seen(seq, digest, nbytes, message, "engine restarted (seq went back)")
+
+    def _accept_first(self, seq: int, digest: int, message: M) -> None:
+        """The first batch after a start without bootstrap, or after a reset with no known continuation."""
+        self._unanchored = False
+        self._await_identity = False
+        lost = max(0, seq - self._loss_base)
+        # Nothing was applied since the start or the last reset, so from seq 0 the history is complete.
+        state = READY if seq == 0 else DEGRADED
+        self._signal(state, lost=lost, reason="joined mid-stream" if lost else "history complete from seq 0")
+        self._applied = seq - 1
+        self._apply(seq, digest, message)
+
+    def _defer(self, seq: int, digest: int, nbytes: int, message: M) -> None:
+        self._deferred.append((seq, digest, nbytes, message))
+        self.held_bytes += nbytes
+
+    def _refeed(self, now: float) -> None:
+        """Process the deferred live batches again, in arrival order, now that identity is settled."""
+        items, self._deferred = self._deferred, collections.deque()
+        for seq, digest, nbytes, message in items:
+            self.held_bytes -= nbytes
+            self._live(seq, digest, nbytes, message, now)
+
+    def _drain_held(self, now: float) -> None:
+        held = self._held
+        drained = False
+        while (seq := self._applied + 1) in held:
+            digest, nbytes, message = held.pop(seq)
+            self.held_bytes -= nbytes
+            self._apply(seq, digest, message)
+            drained = True
+        if drained and held:
+            self._hold_since = now  # progress: the next hole gets a full reorder wait
+
+    def _apply(self, seq: int, digest: int, message: M, replayed: bool = False) -> None:
+        self._applied = seq
+        slot = seq % self._capacity
+        self._ring_seq[slot] = seq
+        self._ring_digest[slot] = digest
+        self._applied_count += 1
+        self._ever_applied = True
+        self._actions.append(Apply(message, seq, replayed))
+
+    def _apply_reply(self, seq: int, digest: int, message: M, now: float) -> None:
+        had_held = bool(self._held)
+        live_copy = self._held.pop(seq, None)
+        if live_copy is not None:
+            self.held_bytes -= live_copy[1]
+            self._c.duplicates += 1
+        self._apply(seq, digest, message, replayed=True)
+        self._repaired += 1
+        self._progress = True
+        self._drain_held(now)
+        if had_held and not self._held:
+            # Contiguous up to (and through) the held batches: the live stream carries the rest.
+            self._cancel()
+            self._repair_done(now)
+
+    # -- replay ------------------------------------------------------------------------------------------
+
+    def _request(self, purpose: _Purpose, *, strict: bool = False) -> None:
+        if self._replay is not None:
+            raise RuntimeError("SourceSync: a replay request is already outstanding")
+        start = 0 if purpose in (_Purpose.BOOTSTRAP, _Purpose.NEW_ENGINE) else self._applied
+        if purpose is _Purpose.REPAIR:
+            start += 1
+        self._replay, self._replay_start, self._strict = purpose, start, strict
+        self._first_pending, self._progress = True, False
+        self._request_id += 1
+        self._c.replay_requests += 1
+        self._actions.append(RequestReplay(start))
+
+    def _cancel(self) -> None:
+        if self._replay is not None:
+            self._replay = None
+            self._request_id += 1
+            self._c.replay_cancels += 1
+            self._actions.append(CancelReplay())
+
+    def _first_reply(self, seq: int, digest: int, now: float) -> None:
+        """Interpret the first reply of an answer (which may abandon it, or end the repair)."""
+        purpose, start = self._replay, self._replay_start
+        if purpose is _Purpose.ANCHOR:
+            if seq == start:
+                slot = seq % self._capacity
+                if self._ring_seq[slot] == seq and self._ring_digest[slot] == digest:
+                    self._identity_confirmed(now)
+                else:
+                    self._new_engine_confirmed("engine restarted (replay anchor differs)")
+                return
+            if self._strict:
+                self._new_engine_confirmed("engine restarted (replay anchor missing)")
+                return
+            # The engine just evicted the anchor (first reply start + 1), or no longer holds the gap.
+            self._replay = _Purpose.REPAIR
+            if seq > start + 1:
+                self._lose_history(seq, "gap no longer in the engine's replay buffer")
+        elif purpose is _Purpose.REPAIR:
+            if seq > start:
+                self._lose_history(seq, "gap no longer in the engine's replay buffer")
+        elif purpose is _Purpose.BOOTSTRAP:
+            self._replay = _Purpose.REPAIR
+            lost = max(0, seq - self._loss_base)
+            state = READY if seq == 0 else DEGRADED
+            self._signal(state, lost=lost, reason="history before the replay buffer lost" if lost else "")
+            self._applied = seq - 1
+        else:  # NEW_ENGINE
+            self._replay = _Purpose.REPAIR
+            self._begin_incarnation(seq, "engine restarted")
+            self._refeed_after_reply = True
+
+    def _identity_confirmed(self, now: float) -> None:
+        """The anchor matched: the same engine. Deferred live batches are re-read; the answer repairs."""
+        self._replay = _Purpose.REPAIR
+        self._strict = False
+        self._deferring = False
+        self._trust_late = True
+        try:
+            self._refeed(now)
+        finally:
+            self._trust_late = False
+        if self._replay is not None and not self._held and self._restore is None:
+            self._cancel()  # a late batch was all it was: nothing to repair
+            self._repair_done(now)
+
+    def _empty_answer(self, purpose: _Purpose, now: float) -> None:
+        """The end marker came first: the engine holds nothing at or after the requested start."""
+        if purpose is _Purpose.NEW_ENGINE:
+            first = min((item[0] for item in self._deferred), default=0)
+            self._begin_incarnation(first, "engine restarted")
+            self._refeed(now)
+        elif purpose is _Purpose.ANCHOR and self._strict:
+            self._new_engine_confirmed("engine restarted (replay anchor missing)")
+        elif purpose is _Purpose.ANCHOR:
+            self._attempt_failed(purpose, now)
+        else:
+            if purpose is _Purpose.BOOTSTRAP and self._state is not READY:
+                self._signal(READY, reason="history complete from seq 0")
+            self._drain_held(now)
+            if self._held:
+                self._attempt_failed(purpose, now)
+            else:
+                self._repair_done(now)
+
+    def _retry(self, purpose: _Purpose, now: float) -> None:
+        """The next attempt after a cut answer: counted as without progress if it applied nothing."""
+        if self._progress:
+            self._attempts = 0
+            self._request(_Purpose.REPAIR)
+        else:
+            self._attempt_failed(purpose, now)
+
+    def _attempt_failed(self, purpose: _Purpose, now: float) -> None:
+        self._c.replay_attempts_without_progress += 1
+        self._attempts += 1
+        if self._attempts < self._max_attempts:
+            self._request(purpose, strict=self._strict)
+            return
+        self._attempts = 0
+        if purpose is _Purpose.BOOTSTRAP:
+            self._signal(DEGRADED, reason="replay unavailable: history unknown")
+            self._unanchored = True
+            self._refeed_held(now)
+        elif purpose is _Purpose.NEW_ENGINE or self._strict:
+            if self._strict:
+                self._c.ambiguous += 1
+            self._drop_stale()
+            self._deferring = False
+            first = min((item[0] for item in self._deferred), default=None)
+            if first is None:
+                self._lose_history(None, "engine identity unknown: replay unavailable")
+            else:
+                self._begin_incarnation(first, "engine identity unknown: replay unavailable", ambiguous=True)
+            self._refeed(now)
+        else:
+            self._lose_history(self._last_run_start(), "replay unavailable")
+            self._drain_held(now)
+
+    def _repair_done(self, now: float) -> None:
+        self._attempts = 0
+        if self._restore is not None and not self._disconnected:
+            self._show_restored()
+
+    # -- verdicts ----------------------------------------------------------------------------------------
+
+    def _new_engine_seen(self, seq: int, digest: int, nbytes: int, message: M, reason: str) -> None:
+        """Rule 5 from a live batch ``seq`` of a confirmed new engine."""
+        if seq == 0:
+            self._c.restarts += 1
+            self._drop_stale()
+            self._begin_incarnation(0, reason)
+            self._apply(0, digest, message)
+        elif self._has_replay:
+            self._new_engine_confirmed(reason)
+            self._defer(seq, digest, nbytes, message)
+        else:
+            self._c.restarts += 1
+            self._drop_stale()
+            self._begin_incarnation(seq, reason)
+            self._apply(seq, digest, message)
+
+    def _new_engine_confirmed(self, reason: str) -> None:
+        """A new incarnation: forget the old one's held batches, replay the new one's history from 0."""
+        self._c.restarts += 1
+        self._drop_stale()
+        self._deferring = True
+        self._new_engine_pending = True
+        if not self._disconnected:
+            self._request(_Purpose.NEW_ENGINE)
+
+    def _drop_stale(self) -> None:
+        self._cancel()
+        self._await_identity = False
+        self._c.stale_dropped += len(self._held)
+        for _digest, nbytes, _message in self._held.values():
+            self.held_bytes -= nbytes
+        self._held.clear()
+
+    def _begin_incarnation(self, first: int, reason: str, *, ambiguous: bool = False) -> None:
+        """Reset to a new incarnation whose history continues at ``first`` (complete if it is 0)."""
+        self._new_engine_pending = False
+        self._deferring = False
+        self._unanchored = False
+        self._forget_digests()
+        self._loss_base = 0
+        self._applied = first - 1
+        state = READY if first == 0 and not ambiguous else DEGRADED
+        self._signal(state, reset=True, lost=first, reason=reason)
+
+    def _lose_history(self, next_start: int | None, reason: str) -> None:
+        """History before ``next_start`` cannot be had: reset, DEGRADED, continue from there (or from the
+        next live batch if None)."""
+        self._c.history_losses += 1
+        base = self._loss_base if self._unanchored else self._applied + 1
+        lost = 0 if next_start is None else max(0, next_start - base)
+        self._await_identity = False
+        self._forget_digests()
+        if next_start is None:
+            self._unanchored = True
+            self._loss_base = base
+            self._applied = -1
+        else:
+            for seq in [seq for seq in self._held if seq < next_start]:
+                self.held_bytes -= self._held.pop(seq)[1]
+            self._applied = next_start - 1
+        self._signal(DEGRADED, reset=True, lost=lost, reason=reason)
+
+    def _refeed_held(self, now: float) -> None:
+        """Process the held batches again in seq order (after the sync became unanchored)."""
+        items = sorted(self._held.items())
+        self._held.clear()
+        for seq, (digest, nbytes, message) in items:
+            self.held_bytes -= nbytes
+            self._live(seq, digest, nbytes, message, now)
+
+    def _last_run_start(self) -> int | None:
+        """The first seq of the last contiguous run of held batches (None if nothing is held)."""
+        if not self._held:
+            return None
+        seq = max(self._held)
+        while seq - 1 in self._held:
+            seq -= 1
+        return seq
+
+    def _forget_digests(self) -> None:
+        self._ring_seq = [-1] * self._capacity
+
+    def _signal(self, state: SourceState | None, *, reset: bool = False, lost: int = 0, reason: str = "") -> None:
+        """Emit a Signal. While disconnected a new state is remembered for after the reconnect instead."""
+        if state is not None:
+            if self._disconnected:
+                self._restore, state = state, None
+            else:
+                self._restore = None
+                if state is self._state and not reset and not lost:
+                    return
+        if state is None and not reset and not lost:
+            return
+        if state is DEGRADED and self._state is not DEGRADED:
+            self._c.degradations += 1
+        if state is not None:
+            self._state = state
+        self._c.resets += reset
+        self._c.lost_batches += lost
+        self._actions.append(Signal(state=state, reset=reset, lost_batches=lost, reason=reason))
+
+    def _show_restored(self) -> None:
+        restore, self._restore = self._restore, None
+        if restore is not None and restore is not self._state:
+            self._signal(restore, reason="engine reconnected")
+
+    def _settle(self, now: float) -> None:
+        """After every input: start a repair the reorder window or wait calls for, set deadline and _fast."""
+        while self._held and self._replay is None and not self._deferring and not self._unanchored:
+            if self._has_replay and self._disconnected:
+                break  # the reconnect's identity check comes first
+            if self._hold_since is None:
+                self._hold_since = now
+            if len(self._held) <= self._window and now < self._hold_since + self._wait:
+                break
+            self._hold_since = now
+            if self._has_replay:
+                self._request(_Purpose.BOOTSTRAP if self._applied < 0 else _Purpose.ANCHOR)
+            else:
+                self._lose_history(min(self._held), "seq gap and no replay socket")
+                self._drain_held(now)
+        if not self._held:
+            self._hold_since = None
+        waiting = self._held and self._replay is None and not self._deferring
+        self.deadline = None if not waiting or self._hold_since is None else self._hold_since + self._wait
+        self._fast = not (
+            self._held
+            or self._deferred
+            or self._deferring
+            or self._replay is not None
+            or self._unanchored
+            or self._await_identity
+        )
 
 
 class SeqDecision(enum.Enum):
@@ -25,7 +666,7 @@ class SeqDecision(enum.Enum):
 
 @attrs.define
 class SequenceGate:
-    """Tracks one attachment's raw stream; ``applied == -1`` means "nothing yet, expecting seq 0"."""
+    """The previous seq-only gate (listener before issue #14); ``applied is None``: nothing yet."""
 
     applied: int | None = None
     live: int | None = None
