@@ -120,7 +120,7 @@ class ListenerStatistics:
         lost_batches: batches that can never be applied (reported to the coordinator as source loss).
         restarts_seen: confirmed new engine incarnations (in place, or found on reconnect).
         duplicates: live batches dropped because the same bytes were already applied.
-        reorder_overflows: repairs started because more than ``reorder_window`` batches were held.
+        reorder_overflows: held live batches dropped (shed) to stay within the byte bound.
         filtered: events dropped by normalization, by reason.
         unpublished_blocks: stored blocks normalization could not publish (block size or missing tokens).
         late: batches that arrived out of order and still applied in order (within the reorder window).
@@ -210,10 +210,10 @@ def _sync_counts(stats: SyncStatistics) -> dict[str, int]:
     return {
         "gaps": stats.gaps,
         "repaired_batches": stats.repaired,
-        "lost_batches": stats.lost,
+        "lost_batches": stats.lost_batches,
         "restarts_seen": stats.restarts,
         "duplicates": stats.duplicates,
-        "reorder_overflows": stats.reorder_overflows,
+        "reorder_overflows": stats.shed_batches,
         "late": stats.late,
         "resets": stats.resets,
         "degradations": stats.degradations,
