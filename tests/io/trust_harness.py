@@ -16,7 +16,7 @@ import zmq
 
 from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent.discovery.memory import MemoryDiscovery
-from kvagent.model.events import Cleared, ResidencyDomain, StorageTier, WorkerWithDpRank
+from kvagent.model.events import StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
 from kvagent.vllm.listener import ListenerOptions, ListenerStatistics
@@ -99,11 +99,9 @@ class TrustRig:
         return self.sentinels[0]
 
     def worker_resets(self) -> int:
-        """Worker reset barriers published after the attach barrier."""
-        barriers = [
-            e for e in self.sink.events if isinstance(e.data, Cleared) and e.residency_domain is ResidencyDomain.WORKER
-        ]
-        return len(barriers) - 1
+        """Worker reset barriers published for the listener's verdicts (not the attach barrier, not a
+        Cleared the engine itself sent with AllBlocksCleared)."""
+        return self.agent.statistics().coordinator.source_resets
 
     def listener(self) -> ListenerStatistics:
         stats = self.agent.statistics().listener
