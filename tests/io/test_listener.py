@@ -1,4 +1,5 @@
-"""The vLLM listener over real ZMQ sockets: admission, sequencing, gap repair and self-termination."""
+"""The vLLM listener over real ZMQ sockets: admission, source signals in order, gap repair, restarts, the
+byte bound and self-termination (against a recording coordinator, and once the real one)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import msgpack
 import pytest
 import structlog
 import trio
+import trio.testing
 
 from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.coordinator.task import StatusCell, open_coordinator
 from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.events import IngressChunk, RouterEvent
+from kvagent.model.events import IngressChunk, RouterEvent, SourceState
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
 from kvagent.testing import RecordingSink
@@ -35,6 +37,7 @@ from tests.support.vectors import load_live
 LIVE, REPLAY = load_live()
 TOPIC = LIVE[0][0].decode()
 WARM = ListenerOptions(cold_bootstrap=False)
+DEGRADED, READY = SourceState.DEGRADED, SourceState.READY
 GUARD = 10  # seconds: a hang guard only, never a synchronization device
 
 
@@ -150,15 +153,16 @@ async def test_a_dropped_live_range_is_repaired_from_the_replay_socket() -> None
         await h.start_listener(replay_endpoint=router.endpoint)
         await h.publish_live([*range(20), *range(30, 68)])
         await h.coordinator.wait_for(lambda c: 67 in c.cursors())
-        # A later live batch is processed after every live duplicate queued before it.
+        # A later live batch is processed after every live batch queued before it.
         await h.engine.publish_frames([LIVE[0][0], (68).to_bytes(8, "big"), LIVE[0][2]])
         await h.coordinator.wait_for(lambda c: 68 in c.cursors())
         assert h.coordinator.cursors() == list(range(69)), "every seq admitted exactly once, in order"
-        assert router.requests == [20]
-        assert h.coordinator.losses == []
-        assert h.stats.gaps == 1 and h.stats.lost_batches == 0
-        assert h.stats.repaired_batches == 48  # the replay carries 20..67; the live copies are duplicates
-        assert h.stats.duplicates == 38
+        # The request starts at the last applied seq: its bytes prove the replay comes from the same engine.
+        assert router.requests == [19]
+        assert h.coordinator.losses == [] and h.coordinator.signals == []
+        stats = h.stats.statistics()
+        assert stats.gaps == 1 and stats.lost_batches == 0
+        assert stats.repaired_batches == 10, "20..29 from the replay; the rest of its answer was cancelled"
     assert h.coordinator.quarantines == []
 
 
@@ -213,18 +217,24 @@ async def test_the_fake_engine_router_repairs_a_dropped_range_to_the_no_loss_sta
         assert resident and resident == resident_set(reference)
 
 
-async def test_a_replay_that_starts_too_late_reports_the_missing_batches() -> None:
+def degraded_with_reset(coordinator: RecordingCoordinator, lost: int) -> bool:
+    return [(x.state, x.reset, x.lost_batches) for x in coordinator.signals] == [(DEGRADED, True, lost)]
+
+
+async def test_a_replay_that_starts_too_late_loses_history_resets_and_degrades() -> None:
     async with harness() as h:
         router = await start_router(h, first_available=25)
         await h.start_listener(replay_endpoint=router.endpoint)
         await h.publish_live([*range(20), *range(30, 68)])
         await h.coordinator.wait_for(lambda c: 67 in c.cursors())
+        # Only contiguous history after the reset: what the engine still held (25..), then the live batches.
         assert h.coordinator.cursors() == [*range(20), *range(25, 68)]
         assert h.coordinator.losses == [(1, 5)]
-        assert h.stats.lost_batches == 5
+        assert degraded_with_reset(h.coordinator, 5)
+        assert h.stats.statistics().lost_batches == 5
 
 
-async def test_a_silent_replay_server_ends_in_loss_after_the_inactivity_timeout() -> None:
+async def test_a_silent_replay_server_loses_the_gap_after_its_attempts() -> None:
     async with harness() as h:
         router = await start_router(h, silent=True)
         await h.start_listener(
@@ -233,30 +243,34 @@ async def test_a_silent_replay_server_ends_in_loss_after_the_inactivity_timeout(
         await h.publish_live([*range(5), *range(10, 15)])
         start = trio.current_time()
         await h.coordinator.wait_for(lambda c: 14 in c.cursors())
-        assert trio.current_time() - start >= 0.3
-        assert router.requests == [5]
+        assert trio.current_time() - start >= 3 * 0.3
+        assert router.requests == [4, 4, 4], "three attempts without progress"
         assert h.coordinator.losses == [(1, 5)]
+        assert degraded_with_reset(h.coordinator, 5)
         assert h.coordinator.cursors() == [*range(5), *range(10, 15)]
 
 
-async def test_replay_holes_are_reported_and_the_rest_applied() -> None:
+async def test_a_hole_mid_answer_is_asked_again_and_a_lasting_one_is_lost() -> None:
     async with harness() as h:
-        router = await start_router(h, drop_seqs=frozenset({12, 13}))
+        router = await start_router(h, drop_seqs=frozenset({12, 13}))  # HWM drops, on every answer
         await h.start_listener(replay_endpoint=router.endpoint)
         await h.publish_live([*range(10), 20])
-        await h.coordinator.wait_for(lambda c: 67 in c.cursors())
-        assert h.coordinator.cursors() == [*range(12), *range(14, 68)]
+        await h.coordinator.wait_for(lambda c: 20 in c.cursors())
+        assert router.requests == [9, 12], "the hole is asked again; its answer starts past it: lost"
+        assert h.coordinator.cursors() == [*range(12), *range(14, 21)]
         assert h.coordinator.losses == [(1, 2)]
+        assert degraded_with_reset(h.coordinator, 2)
 
 
-async def test_without_a_replay_endpoint_a_gap_is_reported_as_loss() -> None:
+async def test_without_a_replay_endpoint_a_gap_is_lost_with_a_reset() -> None:
     async with harness() as h:
         await h.start_listener()
         await h.publish_live([0, 1, 5, 6])
         await h.coordinator.wait_for(lambda c: 6 in c.cursors())
         assert h.coordinator.cursors() == [0, 1, 5, 6]
         assert h.coordinator.losses == [(1, 3)]
-        assert h.stats.gaps == 1 and h.stats.lost_batches == 3
+        assert degraded_with_reset(h.coordinator, 3)
+        assert h.stats.statistics().gaps == 1 and h.stats.statistics().lost_batches == 3
 
 
 async def test_live_batches_behind_a_gap_are_applied_only_after_the_replay() -> None:
@@ -267,28 +281,36 @@ async def test_live_batches_behind_a_gap_are_applied_only_after_the_replay() -> 
         await h.publish_live([0, 1, 5])
         await router.wait_for_requests(1)
         await h.publish_live([6, 7])
+        await trio.testing.wait_all_tasks_blocked()
         assert h.coordinator.cursors() == [0, 1], "nothing past the gap is applied while the replay runs"
         release.set()
-        await h.coordinator.wait_for(lambda c: 67 in c.cursors())
+        await h.coordinator.wait_for(lambda c: 7 in c.cursors())
         await h.engine.publish_frames([LIVE[0][0], (68).to_bytes(8, "big"), LIVE[0][2]])
         await h.coordinator.wait_for(lambda c: 68 in c.cursors())
         assert h.coordinator.cursors() == list(range(69))
-        assert router.requests == [2]
-        assert h.stats.duplicates == 3 and h.coordinator.losses == []
+        assert router.requests == [1, 7]
+        assert h.coordinator.losses == [] and h.coordinator.signals == []
 
 
-async def test_a_full_reorder_buffer_abandons_the_replay() -> None:
+async def test_held_live_batches_are_never_held_past_the_byte_bound() -> None:
     async with harness() as h:
         router = await start_router(h, silent=True)
-        options = ListenerOptions(cold_bootstrap=False, replay_timeout=GUARD, reorder_capacity=3)
+        options = ListenerOptions(
+            cold_bootstrap=False, replay_timeout=GUARD, max_payload_bytes=2048, ingress_bytes=8 * 2048
+        )
         await h.start_listener(replay_endpoint=router.endpoint, options=options)
         await h.publish_live([0, 1, 5])
-        await router.wait_for_requests(1)
-        await h.publish_live([6, 7, 8, 9])
-        await h.coordinator.wait_for(lambda c: 9 in c.cursors())
-        assert h.stats.reorder_overflows == 1
-        assert h.coordinator.losses == [(1, 3)]
-        assert h.coordinator.cursors() == [0, 1, 5, 6, 7, 8, 9]
+        await router.wait_for_requests(1)  # the repair waits on a silent server: later batches are held
+        bound = options.ingress_bytes // 2
+        most = 0
+        for seq in range(6, 68):
+            await h.publish_live([seq])
+            await trio.testing.wait_all_tasks_blocked()
+            most = max(most, h.stats.statistics().held_bytes)
+        stats = h.stats.statistics()
+        assert stats.sheds >= 1 and stats.reorder_overflows > 0
+        assert most <= bound + 2048, "at most one batch past the bound, then shed"
+        assert h.coordinator.cursors() == [0, 1]
 
 
 # -- cold attach ----------------------------------------------------------------------------------------
@@ -318,6 +340,8 @@ async def test_cold_attach_with_evicted_history_applies_the_rest_and_reports_los
         assert router.requests == [0]
         assert h.coordinator.cursors() == list(range(10, 68))
         assert h.coordinator.losses == [(1, 10)]
+        # Degraded, but nothing was held before: no reset is needed.
+        assert [(x.state, x.reset, x.lost_batches) for x in h.coordinator.signals] == [(DEGRADED, False, 10)]
 
 
 # -- restarts, duplicates ---------------------------------------------------------------------------------
@@ -333,7 +357,10 @@ async def test_an_in_place_restart_passes_through_once() -> None:
             await h.engine.publish_batch([block_stored([n + 7], None, [n] * 32, 32)])
         await h.coordinator.wait_for(lambda c: len(c.cursors()) == 5)
         assert h.coordinator.cursors() == [0, 1, 2, 0, 1]
-        assert h.stats.restarts_seen == 1 and h.coordinator.losses == []
+        assert h.stats.statistics().restarts_seen == 1 and h.coordinator.losses == []
+        # Seq 0 again with other bytes: a new engine, whose history from 0 is complete.
+        assert [(x.state, x.reset) for x in h.coordinator.signals] == [(READY, True)]
+        assert h.coordinator.items.index(h.coordinator.signals[0]) == 3, "the reset comes before its seq 0"
 
 
 async def restart_missing_its_first_batches(h: Harness) -> None:
@@ -353,8 +380,9 @@ async def test_a_restart_seen_mid_stream_is_repaired_from_zero_of_the_new_incarn
         await restart_missing_its_first_batches(h)
         await h.coordinator.wait_for(lambda c: len(c.cursors()) == 7)
         assert h.coordinator.cursors() == [0, 1, 2, 3, 0, 1, 2]
-        assert h.stats.restarts_seen == 1 and h.coordinator.losses == []
-        assert h.engine.replay_requests == 1
+        assert h.stats.statistics().restarts_seen == 1 and h.coordinator.losses == []
+        assert [(x.state, x.reset) for x in h.coordinator.signals] == [(READY, True)]
+        assert h.engine.replay_starts == [0], "the new engine's history, from 0"
 
 
 async def test_a_restart_seen_mid_stream_without_replay_reports_the_missed_batches() -> None:
@@ -363,7 +391,8 @@ async def test_a_restart_seen_mid_stream_without_replay_reports_the_missed_batch
         await restart_missing_its_first_batches(h)
         await h.coordinator.wait_for(lambda c: len(c.cursors()) == 5)
         assert h.coordinator.cursors() == [0, 1, 2, 3, 2]
-        assert h.stats.restarts_seen == 1 and h.coordinator.losses == [(1, 2)]
+        assert h.stats.statistics().restarts_seen == 1 and h.coordinator.losses == [(1, 2)]
+        assert degraded_with_reset(h.coordinator, 2)
 
 
 async def test_a_repeated_seq_is_dropped() -> None:
@@ -372,7 +401,8 @@ async def test_a_repeated_seq_is_dropped() -> None:
         await h.publish_live([0, 1, 1, 2])
         await h.coordinator.wait_for(lambda c: 2 in c.cursors())
         assert h.coordinator.cursors() == [0, 1, 2]
-        assert h.stats.duplicates == 1
+        assert h.stats.statistics().duplicates == 1, "the same seq with the same bytes"
+        assert h.coordinator.signals == []
 
 
 # -- self-termination -----------------------------------------------------------------------------------
@@ -409,7 +439,7 @@ async def test_an_undecodable_batch_ends_the_listener(logs: Logs) -> None:
         await h.start_listener()
         await h.engine.publish_frames([TOPIC.encode(), (0).to_bytes(8, "big"), b"\xc1"])
         await expect_termination(h, logs, "failed to decode framework KV event batch")
-        assert h.stats.decode_errors == 1
+        assert h.stats.statistics().decode_errors == 1
 
 
 async def test_an_oversized_payload_ends_the_listener(logs: Logs) -> None:
