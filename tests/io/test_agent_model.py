@@ -171,8 +171,10 @@ async def scenario(operations: list[tuple[Any, ...]]) -> None:
                 await engine.send_payload(batch(events))
                 await flush()
             elif op[0] == "gap":
-                engine.seq += op[1]  # the engine's publisher lost batches: lossy, the stream continues
+                engine.seq += op[1]  # the engine's publisher lost batches; without a replay socket: history lost
+                worker_refs.clear()  # the listener resets Worker residency and degrades before the next batch
                 await flush()
+                assert in_state("degraded", agent.status())
             elif op[0] == "resync":
                 await verdicts(
                     SourceSignal(generation, state=SourceState.DEGRADED, reset=True, lost_batches=1),
