@@ -1,4 +1,4 @@
-"""Fault tests through the real agent: engine restarts in place, sink failures, discovery outages."""
+"""Fault tests through the real agent: engine restarts on the same endpoint, sink failures, discovery outages."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ async def test_engine_restarted_on_the_same_endpoint_resets_worker_state_once() 
             assert worker_blocks(agent) == {100, 101, 102}
             endpoint = engine.endpoint
             engine.close()
+            # A dead engine is not a ready engine: the SUB's monitor saw the connection drop.
+            await agent.status_cell.wait_for(
+                lambda s: s.attachment is not None and s.attachment.state == "disconnected"
+            )
 
             # The same endpoint, a new process: seq starts at 0 again, no AllBlocksCleared.
             restarted = await XpubEngine.rebind(context, endpoint)
@@ -58,7 +62,10 @@ async def test_engine_restarted_on_the_same_endpoint_resets_worker_state_once() 
             assert worker_blocks(agent) == {200}
             # CacheOwner residency belongs to the slot and survives the engine restart.
             assert (OWNER, StorageTier.HOST_PINNED, 900) in agent.index.resident_blocks()
-            assert agent.statistics().coordinator.restarts == 1
+            # The listener saw seq 0 again with other bytes: a new engine, reset before its first batch.
+            assert agent.statistics().coordinator.source_resets == 1
+            listener = agent.statistics().listener
+            assert listener is not None and listener.restarts_seen == 1 and listener.lost_batches == 0
             status = agent.status()
             assert status.attachment is not None and status.attachment.ready
             restarted.close()

@@ -33,6 +33,7 @@ class RecordingReplaySink:
         self.topics: set[bytes] = set()
         self.ends: list[tuple[int, bool, str]] = []
         self.room = True
+        self.full_after: int | None = None  # close the room once this many replies arrived
         self._changed = trio.Event()
         self._room_opened = trio.Event()
 
@@ -43,6 +44,8 @@ class RecordingReplaySink:
     def on_reply(self, request: int, reply: ReplayReply) -> None:
         self.replies.append((request, reply.seq))
         self.topics.add(reply.topic)
+        if len(self.replies) == self.full_after:
+            self.room = False
         self._notify()
 
     def on_end(self, request: int, complete: bool, reason: str) -> None:
@@ -150,12 +153,12 @@ async def test_the_client_reads_no_further_while_the_sink_is_full() -> None:
             router = ReplayRouter(REPLAY)
             await nursery.start(router.run)
             async with replay_client(router.endpoint) as (client, sink):
+                sink.full_after = 3
                 request = client.request(0)
                 await sink.wait_for(lambda s: len(s.replies) == 3)
-                sink.room = False
-                await sink.wait_for(lambda s: len(s.replies) == 4)  # the reply it was already waiting for
+                await router.wait_for_requests(1)
                 await trio.testing.wait_all_tasks_blocked()
-                assert len(sink.replies) == 4 and sink.ends == []
+                assert len(sink.replies) == 3 and sink.ends == [], "no reply is taken while the sink is full"
                 sink.open_room()
                 await sink.wait_for(lambda s: bool(s.ends))
                 assert sink.seqs(request) == list(range(68)) and sink.ends == [(request, True, "")]
