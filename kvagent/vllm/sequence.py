@@ -235,16 +235,18 @@ class SourceSync(Generic[M]):
         self._c.reconnects += 1
         self._cancel()
         if self._has_replay and self._new_engine_pending:
+            # Which engine sent what the lost connection delivered cannot be told: the replay has it all.
+            self._drop_stale()
             self._request(_Purpose.NEW_ENGINE)
-        elif not self._ever_applied:
-            # Nothing was ever applied: a cold start (rule 7); the first answer or batch decides the state.
-            if self._bootstrap:
+        elif not self._ever_applied or self._unanchored:
+            # Nothing to check the engine against: what the lost connection delivered may be another
+            # engine's. A cold start (rule 7) or, after a reset, the next batch decides.
+            self._drop_stale()
+            if not self._ever_applied and self._bootstrap:
                 self._unanchored = False
                 self._request(_Purpose.BOOTSTRAP)
-            else:
+            elif not self._ever_applied:
                 self._unanchored = True
-        elif self._unanchored:
-            pass  # after a reset with nowhere known to continue: the next live batch decides the state
         elif self._has_replay:
             self._deferring = True
             self._request(_Purpose.ANCHOR, strict=True)
@@ -291,7 +293,8 @@ class SourceSync(Generic[M]):
         if self._deferring:
             self._defer(seq, digest, nbytes, message)
             return
-        if self._unanchored:
+        held_for_reconnect = self._disconnected and self._has_replay
+        if self._unanchored and not held_for_reconnect:
             self._accept_first(seq, digest, message)
             return
         applied = self._applied
@@ -302,7 +305,7 @@ class SourceSync(Generic[M]):
                 self._c.duplicates += 1
             else:  # two different batches with one seq: a new engine caught up with the held one
                 self._new_engine_seen(seq, digest, nbytes, message, "engine restarted (seq reused)")
-        elif self._replay is not None or seq > applied + 1 or (self._disconnected and self._has_replay):
+        elif self._replay is not None or seq > applied + 1 or held_for_reconnect:
             # Held: a gap, a replay in flight, or the engine's identity to be checked at the reconnect (a
             # batch of a new connection received before its connect event must not pass as the old one's).
             if not self._held and self._replay is None and seq > applied + 1:
@@ -336,7 +339,11 @@ class SourceSync(Generic[M]):
             if not self._disconnected:
                 self._request(_Purpose.ANCHOR, strict=True)
         else:
-            self._new_engine_seen(seq, digest, nbytes, message, "engine restarted (seq went back)")
+            # A restart, or a batch so late its digest is forgotten: nothing can tell without replay. Reset and
+            # continue from the next batch, without this one (if it is a late one, it is stale).
+            self._c.suspected_restarts += 1
+            self._drop_stale()
+            self._lose_history(None, "seq went back: engine restarted or a batch arrived late")
 
     def _accept_first(self, seq: int, digest: int, message: M) -> None:
         """The first batch after a start without bootstrap, or after a reset with no known continuation."""
@@ -442,7 +449,7 @@ class SourceSync(Generic[M]):
             lost = max(0, seq - self._loss_base)
             state = READY if seq == 0 else DEGRADED
             self._signal(state, lost=lost, reason="history before the replay buffer lost" if lost else "")
-            self._applied = seq - 1
+            self._skip_to(seq)
         else:  # NEW_ENGINE
             self._replay = _Purpose.REPAIR
             self._begin_incarnation(seq, "engine restarted")
@@ -491,6 +498,8 @@ class SourceSync(Generic[M]):
 
     def _attempt_failed(self, purpose: _Purpose, now: float) -> None:
         self._c.replay_attempts_without_progress += 1
+        if purpose is _Purpose.BOOTSTRAP and self._applied >= 0:
+            purpose = _Purpose.REPAIR  # the empty answer anchored the history at 0 and some was applied
         self._attempts += 1
         if self._attempts < self._max_attempts:
             self._request(purpose, strict=self._strict)
@@ -500,17 +509,21 @@ class SourceSync(Generic[M]):
             self._signal(DEGRADED, reason="replay unavailable: history unknown")
             self._unanchored = True
             self._refeed_held(now)
-        elif purpose is _Purpose.NEW_ENGINE or self._strict:
-            if self._strict:
-                self._c.ambiguous += 1
-            self._drop_stale()
-            self._deferring = False
+        elif purpose is _Purpose.NEW_ENGINE:
+            # The batches deferred since the request are the new engine's: continue from the oldest.
             first = min((item[0] for item in self._deferred), default=None)
             if first is None:
-                self._lose_history(None, "engine identity unknown: replay unavailable")
+                self._new_engine_pending = self._deferring = False
+                self._lose_history(None, "engine restarted; replay unavailable")
             else:
-                self._begin_incarnation(first, "engine identity unknown: replay unavailable", ambiguous=True)
+                self._begin_incarnation(first, "engine restarted; replay unavailable")
             self._refeed(now)
+        elif self._strict:
+            # Same engine or a new one: nobody can tell. Reset, and start over from the next live batch.
+            self._c.ambiguous += 1
+            self._drop_stale()
+            self._deferring = False
+            self._lose_history(None, "engine identity unknown: replay unavailable")
         else:
             self._lose_history(self._last_run_start(), "replay unavailable")
             self._drain_held(now)
@@ -530,8 +543,7 @@ class SourceSync(Generic[M]):
             self._begin_incarnation(0, reason)
             self._apply(0, digest, message)
         elif self._has_replay:
-            self._new_engine_confirmed(reason)
-            self._defer(seq, digest, nbytes, message)
+            self._new_engine_confirmed(reason)  # this batch comes again in the replay from 0
         else:
             self._c.restarts += 1
             self._drop_stale()
@@ -539,7 +551,9 @@ class SourceSync(Generic[M]):
             self._apply(seq, digest, message)
 
     def _new_engine_confirmed(self, reason: str) -> None:
-        """A new incarnation: forget the old one's held batches, replay the new one's history from 0."""
+        """A new incarnation: drop every batch held or deferred so far (which engine sent one received
+        around a reconnect cannot be told) and replay the new one's history from 0; the batches received
+        from now on are the new engine's and wait for its first reply."""
         self._c.restarts += 1
         self._drop_stale()
         self._deferring = True
@@ -550,12 +564,13 @@ class SourceSync(Generic[M]):
     def _drop_stale(self) -> None:
         self._cancel()
         self._await_identity = False
-        self._c.stale_dropped += len(self._held)
-        for _digest, nbytes, _message in self._held.values():
-            self.held_bytes -= nbytes
+        self._c.stale_dropped += len(self._held) + len(self._deferred)
         self._held.clear()
+        self._deferred.clear()
+        self.held_bytes = 0
+        self._hold_since = None
 
-    def _begin_incarnation(self, first: int, reason: str, *, ambiguous: bool = False) -> None:
+    def _begin_incarnation(self, first: int, reason: str) -> None:
         """Reset to a new incarnation whose history continues at ``first`` (complete if it is 0)."""
         self._new_engine_pending = False
         self._deferring = False
@@ -563,7 +578,7 @@ class SourceSync(Generic[M]):
         self._forget_digests()
         self._loss_base = 0
         self._applied = first - 1
-        state = READY if first == 0 and not ambiguous else DEGRADED
+        state = READY if first == 0 else DEGRADED
         self._signal(state, reset=True, lost=first, reason=reason)
 
     def _lose_history(self, next_start: int | None, reason: str) -> None:
@@ -579,10 +594,14 @@ class SourceSync(Generic[M]):
             self._loss_base = base
             self._applied = -1
         else:
-            for seq in [seq for seq in self._held if seq < next_start]:
-                self.held_bytes -= self._held.pop(seq)[1]
-            self._applied = next_start - 1
+            self._skip_to(next_start)
         self._signal(DEGRADED, reset=True, lost=lost, reason=reason)
+
+    def _skip_to(self, seq: int) -> None:
+        """Continue the history at ``seq``: held batches before it can no longer be applied in order."""
+        for held in [held for held in self._held if held < seq]:
+            self.held_bytes -= self._held.pop(held)[1]
+        self._applied = seq - 1
 
     def _refeed_held(self, now: float) -> None:
         """Process the held batches again in seq order (after the sync became unanchored)."""
@@ -645,7 +664,8 @@ class SourceSync(Generic[M]):
                 self._drain_held(now)
         if not self._held:
             self._hold_since = None
-        waiting = self._held and self._replay is None and not self._deferring
+        waiting = self._held and self._replay is None and not self._deferring and not self._unanchored
+        waiting = waiting and not (self._has_replay and self._disconnected)
         self.deadline = None if not waiting or self._hold_since is None else self._hold_since + self._wait
         self._fast = not (
             self._held
@@ -654,6 +674,8 @@ class SourceSync(Generic[M]):
             or self._replay is not None
             or self._unanchored
             or self._await_identity
+            or self._disconnected
+            or self._applied < 0  # the first apply goes the slow way (it records _ever_applied)
         )
 
 

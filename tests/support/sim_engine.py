@@ -114,6 +114,9 @@ class SyncDriver:
     tail_delivery: float = 0.0  # chance that a frame past the HWM still gets through
     end_delivery: float = 1.0  # chance that the end marker gets through once the HWM was exceeded
     replay_alive: bool = True  # False: every request times out with no reply
+    # A killed engine answers nothing until the shell has seen its connection drop: the monitor reports a
+    # drop within milliseconds, a new engine takes seconds to start.
+    engine_dead: bool = False
     now: float = 0.0
     connected: bool = True
     index: set[int] = attrs.Factory(set)
@@ -155,7 +158,7 @@ class SyncDriver:
 
     def _answer(self, start: int) -> Answer:
         frames: collections.deque[SimBatch | Literal["end"]] = collections.deque()
-        if not self.replay_alive or not self.connected:
+        if not self.replay_alive or not self.connected or self.engine_dead:
             return Answer(frames)  # silence: the shell's idle timeout ends it
         replies = self.engine.replay(start)
         frames.extend(replies[: self.hwm])
@@ -189,7 +192,8 @@ class SyncDriver:
 
     def disconnect(self, *, queued_after: int = 0) -> None:
         """The connection drops; the monitor event lands ``queued_after`` batches before the queue's end."""
-        position = max(0, len(self.live) - queued_after)
+        markers = [i for i, item in enumerate(self.live) if not isinstance(item, SimBatch)]
+        position = max(markers[-1] + 1 if markers else 0, len(self.live) - queued_after)
         self.live.insert(position, DISCONNECT)
         self.connected = False
 
@@ -206,7 +210,9 @@ class SyncDriver:
             item for item in self.live if not isinstance(item, SimBatch) or item.incarnation == self.engine.incarnation
         )
         self.release_delayed()  # nothing of the old engine is delivered after the new one's batches
-        self.disconnect(queued_after=queued_after)
+        if self.connected:
+            self.disconnect(queued_after=queued_after)
+        self.engine_dead = DISCONNECT in self.live
         self.engine.restart()
         for _ in range(missed):
             self.engine.publish()
@@ -220,6 +226,7 @@ class SyncDriver:
             item = self.live.popleft()
             delivered += 1
             if item == DISCONNECT:
+                self.engine_dead = DISCONNECT in self.live  # the new engine answers once its drop is seen
                 self.sync.on_disconnected(self.now)
             elif item == CONNECT:
                 self.sync.on_connected(self.now)
@@ -260,7 +267,8 @@ class SyncDriver:
             self.execute()
 
     def quiesce(self, *, limit: int = 100_000) -> None:
-        """Deliver everything in flight, answer every request, run out every deadline."""
+        """Deliver everything in flight (delayed batches too), answer every request, run out every deadline."""
+        self.release_delayed()
         for _ in range(limit):
             if self.live:
                 self.deliver_live()
