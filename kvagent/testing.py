@@ -3,7 +3,9 @@
 - :class:`RecordingSink`: an :class:`~kvagent.publish.sinks.EventSink` that records what it is given and can
   be told to fail;
 - :class:`FakeVllmEngine`, :class:`SimulatedWorkload` and :func:`run_simulated_engine`: a fake vLLM engine
-  speaking the real KV event wire protocol, and a realistic workload to drive it.
+  speaking the real KV event wire protocol (with fault injection: drops, swaps, duplicates, restarts, a
+  killed and revived process, vLLM's replay HWM ``VLLM_REPLAY_HWM``), and a realistic workload to drive it;
+  ``FakeVllmEngine.truth`` (a :class:`ResidentTruth`) is what the engine really holds.
 
 Nothing in kvagent's production code imports this module.
 """
@@ -16,9 +18,22 @@ import trio
 
 from kvagent.model.errors import SinkError
 from kvagent.model.events import RouterEvent
-from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
+from kvagent.vllm.fake_engine import (
+    VLLM_REPLAY_HWM,
+    FakeVllmEngine,
+    ResidentTruth,
+    SimulatedWorkload,
+    run_simulated_engine,
+)
 
-__all__ = ["FakeVllmEngine", "RecordingSink", "SimulatedWorkload", "run_simulated_engine"]
+__all__ = [
+    "VLLM_REPLAY_HWM",
+    "FakeVllmEngine",
+    "RecordingSink",
+    "ResidentTruth",
+    "SimulatedWorkload",
+    "run_simulated_engine",
+]
 
 
 class RecordingSink:

@@ -177,8 +177,8 @@ class ReplayClient:
     async def _attempt_once(self, request: int, start: int) -> bool:
         """One request streamed into the sink; True when the end marker arrived."""
         timeouts = self.timeouts
-        await self._socket.send_multipart([b"", start.to_bytes(8, "big")])
         with trio.move_on_after(timeouts.total):
+            await self._socket.send_multipart([b"", start.to_bytes(8, "big")])
             timeout = timeouts.first_reply
             while True:
                 await self.sink.wait_for_room()
