@@ -429,10 +429,12 @@ class SourceSync(Generic[M]):
         if purpose is _Purpose.ANCHOR:
             if seq == start:
                 slot = seq % self._capacity
-                if self._ring_seq[slot] == seq and self._ring_digest[slot] == digest:
+                if self._ring_seq[slot] != seq or self._ring_digest[slot] != digest:
+                    self._new_engine_confirmed("engine restarted (replay anchor differs)")
+                elif self._strict:
                     self._identity_confirmed(now)
                 else:
-                    self._new_engine_confirmed("engine restarted (replay anchor differs)")
+                    self._replay = _Purpose.REPAIR
                 return
             if self._strict:
                 self._new_engine_confirmed("engine restarted (replay anchor missing)")
@@ -456,18 +458,19 @@ class SourceSync(Generic[M]):
             self._refeed_after_reply = True
 
     def _identity_confirmed(self, now: float) -> None:
-        """The anchor matched: the same engine. Deferred live batches are re-read; the answer repairs."""
-        self._replay = _Purpose.REPAIR
+        """The anchor matched: the same engine, so the suspect was a late batch. The deferred live batches
+        are read again; after a reconnect the answer goes on as the repair of what the SUB missed."""
         self._strict = False
         self._deferring = False
+        if self._restore is None:
+            self._cancel()  # no reconnect: anything still missing shows as a gap among the live batches
+        else:
+            self._replay = _Purpose.REPAIR
         self._trust_late = True
         try:
             self._refeed(now)
         finally:
             self._trust_late = False
-        if self._replay is not None and not self._held and self._restore is None:
-            self._cancel()  # a late batch was all it was: nothing to repair
-            self._repair_done(now)
 
     def _empty_answer(self, purpose: _Purpose, now: float) -> None:
         """The end marker came first: the engine holds nothing at or after the requested start."""
