@@ -22,7 +22,7 @@ from kvagent.vllm.sequence import (
     Signal,
     SourceSync,
 )
-from tests.support.sim_engine import SimEngine, SyncDriver
+from tests.support.sim_engine import SimBatch, SimEngine, SyncDriver
 
 READY, DEGRADED, DISCONNECTED = SourceState.READY, SourceState.DEGRADED, SourceState.DISCONNECTED
 NBYTES = 100
@@ -51,9 +51,24 @@ def applied(*seqs: int, replayed: bool = False) -> list[Action[str]]:
     return [Apply(f"{'R' if replayed else 'L'}{seq}", seq, replayed) for seq in seqs]
 
 
-def started(*, has_replay: bool = True, upto: int = -1, **options: float) -> SourceSync[str]:
+def started(
+    *,
+    has_replay: bool = True,
+    upto: int = -1,
+    reorder_window: int = 8,
+    reorder_wait: float = 0.05,
+    max_attempts_without_progress: int = 3,
+    digest_memory: int = 4096,
+) -> SourceSync[str]:
     """A sync without cold bootstrap whose seqs 0..upto were applied live."""
-    sync: SourceSync[str] = SourceSync(has_replay=has_replay, cold_bootstrap=False, **options)  # type: ignore[arg-type]
+    sync: SourceSync[str] = SourceSync(
+        has_replay=has_replay,
+        reorder_window=reorder_window,
+        reorder_wait=reorder_wait,
+        max_attempts_without_progress=max_attempts_without_progress,
+        digest_memory=digest_memory,
+        cold_bootstrap=False,
+    )
     sync.start(0.0)
     for seq in range(upto + 1):
         assert live(sync, seq) == applied(seq)
@@ -432,11 +447,13 @@ def test_constructor_refuses_nonsense() -> None:
 
 
 def simulated(
-    *, has_replay: bool = True, buffer: int = 10_000, seed: int = 14, **driver_options: float
+    *, has_replay: bool = True, hwm: int = 1000, tail_delivery: float = 0.0, end_delivery: float = 1.0
 ) -> SyncDriver:
-    rng = random.Random(seed)
-    sync: SourceSync[object] = SourceSync(has_replay=has_replay)
-    driver = SyncDriver(sync, SimEngine(rng, buffer_steps=buffer), rng, **driver_options)  # type: ignore[arg-type]
+    """A 10,000-deep replay buffer (vLLM's default), cold-started on an engine that published nothing."""
+    rng = random.Random(14)
+    sync: SourceSync[SimBatch] = SourceSync(has_replay=has_replay)
+    engine = SimEngine(rng, buffer_steps=10_000)
+    driver = SyncDriver(sync, engine, rng, hwm=hwm, tail_delivery=tail_delivery, end_delivery=end_delivery)
     sync.start(driver.now)
     driver.execute()
     driver.quiesce()
