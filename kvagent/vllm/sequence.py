@@ -10,7 +10,13 @@ digest to compare, the replay socket is asked for the anchor (the last applied s
 
 The shell feeds events in and executes the actions (:meth:`SourceSync.take_actions`) in order; time comes
 in only through the ``now`` arguments.  The common case, a live seq equal to the last applied plus one with
-nothing held, is a few attribute updates and one :class:`Apply`.
+nothing held, is a few attribute updates and one :class:`Apply`.  The state and its primitives live in
+:mod:`kvagent.vllm.sync_state`, the actions in :mod:`kvagent.vllm.sync_actions` (re-exported here).
+
+What the shell must guarantee (the SUB monitor and the SUB are separate sockets): ``on_disconnected`` comes
+before any batch of a later connection, and the old connection's queued batches come before
+``on_connected``.  Batches of the new connection may come before ``on_connected``: with replay, live batches
+are held from the disconnect until the reconnect's identity check.
 
 :class:`SequenceGate` is the previous, seq-only gate; it stays until the listener has moved to
 :class:`SourceSync`.
@@ -20,11 +26,9 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Generic
 
 import attrs
 
-from kvagent.model.events import SourceState
 from kvagent.vllm.sync_actions import (
     Action,
     Apply,
@@ -34,6 +38,7 @@ from kvagent.vllm.sync_actions import (
     Signal,
     SyncStatistics,
 )
+from kvagent.vllm.sync_state import DEGRADED, DISCONNECTED, READY, ReplayPurpose, SourceSyncBase
 
 __all__ = [
     "Action",
@@ -47,101 +52,14 @@ __all__ = [
     "SyncStatistics",
 ]
 
-READY, DEGRADED, DISCONNECTED = SourceState.READY, SourceState.DEGRADED, SourceState.DISCONNECTED
 
-
-class _Purpose(enum.Enum):
-    """Why the outstanding replay request was made (decides what its first reply means)."""
-
-    BOOTSTRAP = "bootstrap"  # nothing applied yet: the engine's history from 0
-    NEW_ENGINE = "new engine"  # a confirmed new incarnation: its history from 0, after a reset
-    ANCHOR = "anchor"  # from the last applied seq, whose kept digest proves (or disproves) the engine
-    REPAIR = "repair"  # from the next expected seq (identity settled, or a hole re-requested)
-
-
-@attrs.define(slots=True)
-class _Counters:
-    gaps: int = 0
-    late: int = 0
-    duplicates: int = 0
-    stale_dropped: int = 0
-    lost_batches: int = 0
-    history_losses: int = 0
-    resets: int = 0
-    degradations: int = 0
-    restarts: int = 0
-    suspected_restarts: int = 0
-    ambiguous: int = 0
-    disconnects: int = 0
-    reconnects: int = 0
-    replay_requests: int = 0
-    replay_cancels: int = 0
-    replay_holes: int = 0
-    replay_attempts_without_progress: int = 0
-    replay_stray: int = 0
-    shed_batches: int = 0
-    shed_bytes: int = 0
-
-
-class SourceSync(Generic[M]):
+class SourceSync(SourceSyncBase[M]):
     """The source synchronisation state machine of one attachment (TRUST-SPEC.md, rules 1-8).
 
-    ``applied`` is the last applied seq of the current incarnation (-1: nothing since the start or the last
-    reset).  While ``_unanchored`` the next live batch is accepted whatever its seq (a start without
-    bootstrap, or after a reset that left no known place to continue).
+    ``SourceSync(*, has_replay, reorder_window=8, reorder_wait=0.05, max_attempts_without_progress=3,
+    digest_memory=4096, cold_bootstrap=True)``; the state and its primitives are
+    :class:`~kvagent.vllm.sync_state.SourceSyncBase`'s, the rules are here.
     """
-
-    def __init__(
-        self,
-        *,
-        has_replay: bool,
-        reorder_window: int = 8,
-        reorder_wait: float = 0.05,
-        max_attempts_without_progress: int = 3,
-        digest_memory: int = 4096,
-        cold_bootstrap: bool = True,
-    ) -> None:
-        if reorder_window < 0 or reorder_wait < 0 or max_attempts_without_progress < 1 or digest_memory < 1:
-            raise ValueError("reorder_window/wait >= 0, max_attempts_without_progress and digest_memory >= 1")
-        self._has_replay = has_replay
-        self._window = reorder_window
-        self._wait = reorder_wait
-        self._max_attempts = max_attempts_without_progress
-        self._capacity = digest_memory
-        self._bootstrap = has_replay and cold_bootstrap
-        self.deadline: float | None = None
-        self.held_bytes = 0
-        self._actions: list[Action[M]] = []
-        self._state = READY
-        self._applied = -1
-        self._applied_count = 0
-        self._repaired = 0
-        # The digest of seq s (if kept) is _ring_digest[s % capacity] when _ring_seq[s % capacity] == s.
-        self._ring_seq = [-1] * digest_memory
-        self._ring_digest = [0] * digest_memory
-        self._fast = False  # on_live may take the in-order shortcut (nothing held, pending or awaited)
-        self._held: dict[int, tuple[int, int, M]] = {}  # seq -> (digest, nbytes, message), seq > applied
-        self._hold_since: float | None = None
-        # Live batches received while the engine's identity is in question, in arrival order.
-        self._deferred: collections.deque[tuple[int, int, int, M]] = collections.deque()
-        self._deferring = False
-        self._unanchored = True
-        self._loss_base = 0  # while unanchored: the first seq whose absence counts as lost
-        self._ever_applied = False
-        self._new_engine_pending = False  # confirmed new incarnation, waiting for its replay from 0
-        self._disconnected = False
-        self._restore: SourceState | None = None  # the state to show once a reconnect is verified
-        self._await_identity = False  # reconnected without replay: the next live batch decides
-        self._trust_late = False
-        self._replay: _Purpose | None = None
-        self._replay_start = 0
-        self._strict = False  # the anchor must be answered exactly (restart suspected, or reconnected)
-        self._first_pending = False
-        self._progress = False
-        self._attempts = 0
-        self._refeed_after_reply = False
-        self._request_id = 0  # changes with every request and cancel
-        self._c = _Counters()
 
     # -- inputs ------------------------------------------------------------------------------------------
 
@@ -149,7 +67,7 @@ class SourceSync(Generic[M]):
         """Attach (rule 7): replay the engine's history from 0 first, if there is replay and bootstrap."""
         if self._bootstrap:
             self._unanchored = False
-            self._request(_Purpose.BOOTSTRAP)
+            self._request(ReplayPurpose.BOOTSTRAP)
         self._settle(now)
 
     def on_live(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
@@ -182,7 +100,7 @@ class SourceSync(Generic[M]):
         if seq > expected:  # a hole mid-answer: the ROUTER's send HWM dropped replies
             self._c.replay_holes += 1
             self._cancel()
-            self._retry(_Purpose.REPAIR, now)
+            self._retry(ReplayPurpose.REPAIR, now)
         elif seq == expected:
             self._apply_reply(seq, digest, message, now)
         # seq < expected: the anchor itself, or a batch already applied from a live copy.
@@ -207,7 +125,7 @@ class SourceSync(Generic[M]):
             # and let the end marker through, so ask again from the first missing seq until an answer
             # reaches the held batches or comes back empty.
             self._attempts = 0
-            self._request(_Purpose.REPAIR)
+            self._request(ReplayPurpose.REPAIR)
         else:
             self._attempt_failed(purpose, now)
         self._settle(now)
@@ -237,19 +155,19 @@ class SourceSync(Generic[M]):
         if self._has_replay and self._new_engine_pending:
             # Which engine sent what the lost connection delivered cannot be told: the replay has it all.
             self._drop_stale()
-            self._request(_Purpose.NEW_ENGINE)
+            self._request(ReplayPurpose.NEW_ENGINE)
         elif not self._ever_applied or self._unanchored:
             # Nothing to check the engine against: what the lost connection delivered may be another
             # engine's. A cold start (rule 7) or, after a reset, the next batch decides.
             self._drop_stale()
             if not self._ever_applied and self._bootstrap:
                 self._unanchored = False
-                self._request(_Purpose.BOOTSTRAP)
+                self._request(ReplayPurpose.BOOTSTRAP)
             elif not self._ever_applied:
                 self._unanchored = True
         elif self._has_replay:
             self._deferring = True
-            self._request(_Purpose.ANCHOR, strict=True)
+            self._request(ReplayPurpose.ANCHOR, strict=True)
         else:
             self._await_identity = True
         self._settle(now)
@@ -269,23 +187,6 @@ class SourceSync(Generic[M]):
         self._hold_since = None
         self._settle(now)
         return freed
-
-    def take_actions(self) -> list[Action[M]]:
-        """The actions emitted since the last call, in order."""
-        actions, self._actions = self._actions, []
-        return actions
-
-    def statistics(self) -> SyncStatistics:
-        c = self._c
-        return SyncStatistics(
-            state=self._state,
-            applied_seq=self._applied,
-            applied=self._applied_count,
-            repaired=self._repaired,
-            held=len(self._held) + len(self._deferred),
-            held_bytes=self.held_bytes,
-            **attrs.asdict(c),
-        )
 
     # -- live batches ------------------------------------------------------------------------------------
 
@@ -337,7 +238,7 @@ class SourceSync(Generic[M]):
             self._deferring = True
             self._defer(seq, digest, nbytes, message)
             if not self._disconnected:
-                self._request(_Purpose.ANCHOR, strict=True)
+                self._request(ReplayPurpose.ANCHOR, strict=True)
         else:
             # A restart, or a batch so late its digest is forgotten: nothing can tell without replay. Reset and
             # continue from the next batch, without this one (if it is a late one, it is stale).
@@ -356,36 +257,12 @@ class SourceSync(Generic[M]):
         self._applied = seq - 1
         self._apply(seq, digest, message)
 
-    def _defer(self, seq: int, digest: int, nbytes: int, message: M) -> None:
-        self._deferred.append((seq, digest, nbytes, message))
-        self.held_bytes += nbytes
-
     def _refeed(self, now: float) -> None:
         """Process the deferred live batches again, in arrival order, now that identity is settled."""
         items, self._deferred = self._deferred, collections.deque()
         for seq, digest, nbytes, message in items:
             self.held_bytes -= nbytes
             self._live(seq, digest, nbytes, message, now)
-
-    def _drain_held(self, now: float) -> None:
-        held = self._held
-        drained = False
-        while (seq := self._applied + 1) in held:
-            digest, nbytes, message = held.pop(seq)
-            self.held_bytes -= nbytes
-            self._apply(seq, digest, message)
-            drained = True
-        if drained and held:
-            self._hold_since = now  # progress: the next hole gets a full reorder wait
-
-    def _apply(self, seq: int, digest: int, message: M, replayed: bool = False) -> None:
-        self._applied = seq
-        slot = seq % self._capacity
-        self._ring_seq[slot] = seq
-        self._ring_digest[slot] = digest
-        self._applied_count += 1
-        self._ever_applied = True
-        self._actions.append(Apply(message, seq, replayed))
 
     def _apply_reply(self, seq: int, digest: int, message: M, now: float) -> None:
         had_held = bool(self._held)
@@ -404,83 +281,68 @@ class SourceSync(Generic[M]):
 
     # -- replay ------------------------------------------------------------------------------------------
 
-    def _request(self, purpose: _Purpose, *, strict: bool = False) -> None:
-        if self._replay is not None:
-            raise RuntimeError("SourceSync: a replay request is already outstanding")
-        start = 0 if purpose in (_Purpose.BOOTSTRAP, _Purpose.NEW_ENGINE) else self._applied
-        if purpose is _Purpose.REPAIR:
-            start += 1
-        self._replay, self._replay_start, self._strict = purpose, start, strict
-        self._first_pending, self._progress = True, False
-        self._request_id += 1
-        self._c.replay_requests += 1
-        self._actions.append(RequestReplay(start))
-
-    def _cancel(self) -> None:
-        if self._replay is not None:
-            self._replay = None
-            self._request_id += 1
-            self._c.replay_cancels += 1
-            self._actions.append(CancelReplay())
-
     def _first_reply(self, seq: int, digest: int, now: float) -> None:
         """Interpret the first reply of an answer (which may abandon it, or end the repair)."""
         purpose, start = self._replay, self._replay_start
-        if purpose is _Purpose.ANCHOR:
+        if purpose is ReplayPurpose.ANCHOR:
             if seq == start:
                 slot = seq % self._capacity
-                if self._ring_seq[slot] == seq and self._ring_digest[slot] == digest:
+                if self._ring_seq[slot] != seq or self._ring_digest[slot] != digest:
+                    self._new_engine_confirmed("engine restarted (replay anchor differs)")
+                elif self._strict:
                     self._identity_confirmed(now)
                 else:
-                    self._new_engine_confirmed("engine restarted (replay anchor differs)")
+                    self._replay = ReplayPurpose.REPAIR
                 return
             if self._strict:
                 self._new_engine_confirmed("engine restarted (replay anchor missing)")
                 return
             # The engine just evicted the anchor (first reply start + 1), or no longer holds the gap.
-            self._replay = _Purpose.REPAIR
+            self._replay = ReplayPurpose.REPAIR
             if seq > start + 1:
                 self._lose_history(seq, "gap no longer in the engine's replay buffer")
-        elif purpose is _Purpose.REPAIR:
+        elif purpose is ReplayPurpose.REPAIR:
             if seq > start:
                 self._lose_history(seq, "gap no longer in the engine's replay buffer")
-        elif purpose is _Purpose.BOOTSTRAP:
-            self._replay = _Purpose.REPAIR
+        elif purpose is ReplayPurpose.BOOTSTRAP:
+            self._replay = ReplayPurpose.REPAIR
             lost = max(0, seq - self._loss_base)
             state = READY if seq == 0 else DEGRADED
-            self._signal(state, lost=lost, reason="history before the replay buffer lost" if lost else "")
+            reason = "history before the replay buffer lost" if lost else "history complete from seq 0"
+            self._signal(state, lost=lost, reason=reason)
             self._skip_to(seq)
         else:  # NEW_ENGINE
-            self._replay = _Purpose.REPAIR
+            self._replay = ReplayPurpose.REPAIR
             self._begin_incarnation(seq, "engine restarted")
             self._refeed_after_reply = True
 
     def _identity_confirmed(self, now: float) -> None:
-        """The anchor matched: the same engine. Deferred live batches are re-read; the answer repairs."""
-        self._replay = _Purpose.REPAIR
+        """The anchor matched: the same engine, so the suspect was a late batch. The deferred live batches
+        are read again; after a reconnect the answer goes on as the repair of what the SUB missed."""
         self._strict = False
         self._deferring = False
+        if self._restore is None:
+            self._cancel()  # no reconnect: anything still missing shows as a gap among the live batches
+        else:
+            self._replay = ReplayPurpose.REPAIR
         self._trust_late = True
         try:
             self._refeed(now)
         finally:
             self._trust_late = False
-        if self._replay is not None and not self._held and self._restore is None:
-            self._cancel()  # a late batch was all it was: nothing to repair
-            self._repair_done(now)
 
-    def _empty_answer(self, purpose: _Purpose, now: float) -> None:
+    def _empty_answer(self, purpose: ReplayPurpose, now: float) -> None:
         """The end marker came first: the engine holds nothing at or after the requested start."""
-        if purpose is _Purpose.NEW_ENGINE:
+        if purpose is ReplayPurpose.NEW_ENGINE:
             first = min((item[0] for item in self._deferred), default=0)
             self._begin_incarnation(first, "engine restarted")
             self._refeed(now)
-        elif purpose is _Purpose.ANCHOR and self._strict:
+        elif purpose is ReplayPurpose.ANCHOR and self._strict:
             self._new_engine_confirmed("engine restarted (replay anchor missing)")
-        elif purpose is _Purpose.ANCHOR:
+        elif purpose is ReplayPurpose.ANCHOR:
             self._attempt_failed(purpose, now)
         else:
-            if purpose is _Purpose.BOOTSTRAP and self._state is not READY:
+            if purpose is ReplayPurpose.BOOTSTRAP and self._state is not READY:
                 self._signal(READY, reason="history complete from seq 0")
             self._drain_held(now)
             if self._held:
@@ -488,28 +350,28 @@ class SourceSync(Generic[M]):
             else:
                 self._repair_done(now)
 
-    def _retry(self, purpose: _Purpose, now: float) -> None:
+    def _retry(self, purpose: ReplayPurpose, now: float) -> None:
         """The next attempt after a cut answer: counted as without progress if it applied nothing."""
         if self._progress:
             self._attempts = 0
-            self._request(_Purpose.REPAIR)
+            self._request(ReplayPurpose.REPAIR)
         else:
             self._attempt_failed(purpose, now)
 
-    def _attempt_failed(self, purpose: _Purpose, now: float) -> None:
+    def _attempt_failed(self, purpose: ReplayPurpose, now: float) -> None:
         self._c.replay_attempts_without_progress += 1
-        if purpose is _Purpose.BOOTSTRAP and self._applied >= 0:
-            purpose = _Purpose.REPAIR  # the empty answer anchored the history at 0 and some was applied
+        if purpose is ReplayPurpose.BOOTSTRAP and self._applied >= 0:
+            purpose = ReplayPurpose.REPAIR  # the empty answer anchored the history at 0 and some was applied
         self._attempts += 1
         if self._attempts < self._max_attempts:
             self._request(purpose, strict=self._strict)
             return
         self._attempts = 0
-        if purpose is _Purpose.BOOTSTRAP:
+        if purpose is ReplayPurpose.BOOTSTRAP:
             self._signal(DEGRADED, reason="replay unavailable: history unknown")
             self._unanchored = True
             self._refeed_held(now)
-        elif purpose is _Purpose.NEW_ENGINE:
+        elif purpose is ReplayPurpose.NEW_ENGINE:
             # The batches deferred since the request are the new engine's: continue from the oldest.
             first = min((item[0] for item in self._deferred), default=None)
             if first is None:
@@ -559,16 +421,7 @@ class SourceSync(Generic[M]):
         self._deferring = True
         self._new_engine_pending = True
         if not self._disconnected:
-            self._request(_Purpose.NEW_ENGINE)
-
-    def _drop_stale(self) -> None:
-        self._cancel()
-        self._await_identity = False
-        self._c.stale_dropped += len(self._held) + len(self._deferred)
-        self._held.clear()
-        self._deferred.clear()
-        self.held_bytes = 0
-        self._hold_since = None
+            self._request(ReplayPurpose.NEW_ENGINE)
 
     def _begin_incarnation(self, first: int, reason: str) -> None:
         """Reset to a new incarnation whose history continues at ``first`` (complete if it is 0)."""
@@ -597,12 +450,6 @@ class SourceSync(Generic[M]):
             self._skip_to(next_start)
         self._signal(DEGRADED, reset=True, lost=lost, reason=reason)
 
-    def _skip_to(self, seq: int) -> None:
-        """Continue the history at ``seq``: held batches before it can no longer be applied in order."""
-        for held in [held for held in self._held if held < seq]:
-            self.held_bytes -= self._held.pop(held)[1]
-        self._applied = seq - 1
-
     def _refeed_held(self, now: float) -> None:
         """Process the held batches again in seq order (after the sync became unanchored)."""
         items = sorted(self._held.items())
@@ -610,42 +457,6 @@ class SourceSync(Generic[M]):
         for seq, (digest, nbytes, message) in items:
             self.held_bytes -= nbytes
             self._live(seq, digest, nbytes, message, now)
-
-    def _last_run_start(self) -> int | None:
-        """The first seq of the last contiguous run of held batches (None if nothing is held)."""
-        if not self._held:
-            return None
-        seq = max(self._held)
-        while seq - 1 in self._held:
-            seq -= 1
-        return seq
-
-    def _forget_digests(self) -> None:
-        self._ring_seq = [-1] * self._capacity
-
-    def _signal(self, state: SourceState | None, *, reset: bool = False, lost: int = 0, reason: str = "") -> None:
-        """Emit a Signal. While disconnected a new state is remembered for after the reconnect instead."""
-        if state is not None:
-            if self._disconnected:
-                self._restore, state = state, None
-            else:
-                self._restore = None
-                if state is self._state and not reset and not lost:
-                    return
-        if state is None and not reset and not lost:
-            return
-        if state is DEGRADED and self._state is not DEGRADED:
-            self._c.degradations += 1
-        if state is not None:
-            self._state = state
-        self._c.resets += reset
-        self._c.lost_batches += lost
-        self._actions.append(Signal(state=state, reset=reset, lost_batches=lost, reason=reason))
-
-    def _show_restored(self) -> None:
-        restore, self._restore = self._restore, None
-        if restore is not None and restore is not self._state:
-            self._signal(restore, reason="engine reconnected")
 
     def _settle(self, now: float) -> None:
         """After every input: start a repair the reorder window or wait calls for, set deadline and _fast."""
@@ -658,7 +469,7 @@ class SourceSync(Generic[M]):
                 break
             self._hold_since = now
             if self._has_replay:
-                self._request(_Purpose.BOOTSTRAP if self._applied < 0 else _Purpose.ANCHOR)
+                self._request(ReplayPurpose.BOOTSTRAP if self._applied < 0 else ReplayPurpose.ANCHOR)
             else:
                 self._lose_history(min(self._held), "seq gap and no replay socket")
                 self._drain_held(now)
