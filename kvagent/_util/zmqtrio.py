@@ -94,6 +94,10 @@ class TrioSocket:
             return False
         return True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self._closed:
             return

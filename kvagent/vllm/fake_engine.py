@@ -388,6 +388,9 @@ class FakeVllmEngine:
     async def _serve_replay(self, router: TrioSocket) -> None:
         while True:
             request = await router.recv_multipart()
+            if router.closed:
+                # kill() ran while this task was being resumed with the request: a dead engine answers nothing.
+                return
             if len(request) != 3 or request[1] != b"":
                 log.warning("fake_engine_invalid_replay_request", frames=len(request))
                 continue  # vLLM answers nothing at all
