@@ -31,7 +31,7 @@ operation = st.one_of(
     st.tuples(st.just("unbuffered"), st.integers(1, 3)),  # used-up seqs: never replayable
     st.tuples(st.just("swap"), st.just(0)),
     st.tuples(st.just("duplicate"), st.just(0)),
-    st.tuples(st.just("restart"), st.integers(0, 12)),  # a new engine whose first k batches went unseen
+    st.tuples(st.just("restart"), st.integers(0, 12)),  # a new engine whose first k batches go unseen live
     st.tuples(st.just("kill"), st.booleans()),  # revived as a new engine (True) or the same one
 )
 
@@ -82,7 +82,14 @@ async def step(rig: TrustRig, workload: PoolWorkload, op: tuple[str, Any]) -> No
     elif kind == "duplicate":
         await rig.publish(workload, 1, duplicate=True)
     elif kind == "restart":
-        engine.restart()
+        # A restarted vLLM rebinds its PUB, so the SUB's connection drops (vllm-wire.md §10); the new
+        # engine's first ``arg`` batches go unseen live, so its first seen seq is below, equal to or above
+        # the old last one. (An in-place restart WITHOUT a connection drop whose first seen seq is exactly
+        # the old last + 1 cannot be told from continuation without an epoch: see docs/reliability.md.)
+        engine.kill()
+        await rig.wait_state("disconnected")
+        await engine.revive(restart=True)
+        await engine.wait_for_subscriber()
         await rig.publish(workload, arg, drop_live=True)
     elif kind == "kill":
         engine.kill()
