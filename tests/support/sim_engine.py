@@ -113,7 +113,7 @@ class SyncDriver:
     hwm: int = 1000
     tail_delivery: float = 0.0  # chance that a frame past the HWM still gets through
     end_delivery: float = 1.0  # chance that the end marker gets through once the HWM was exceeded
-    replay_alive: bool = True  # False: every request times out with no reply
+    silence: float = 0.0  # chance that an answer never comes (the shell's idle timeout ends it)
     # A killed engine answers nothing until the shell has seen its connection drop: the monitor reports a
     # drop within milliseconds, a new engine takes seconds to start.
     engine_dead: bool = False
@@ -158,7 +158,7 @@ class SyncDriver:
 
     def _answer(self, start: int) -> Answer:
         frames: collections.deque[SimBatch | Literal["end"]] = collections.deque()
-        if not self.replay_alive or not self.connected or self.engine_dead:
+        if not self.connected or self.engine_dead or self.rng.random() < self.silence:
             return Answer(frames)  # silence: the shell's idle timeout ends it
         replies = self.engine.replay(start)
         frames.extend(replies[: self.hwm])

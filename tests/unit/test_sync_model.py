@@ -1,7 +1,7 @@
 """Model-based test of SourceSync: a simulated engine, a faulty network and a shell (tests/support/sim_engine.py).
 
 The engine publishes batches; the network drops, duplicates, swaps and delays them; replay answers are cut
-by a send HWM (holes mid-answer, a lost end marker) or time out; the engine restarts (its first batch seen
+by a send HWM (holes mid-answer, a lost end marker), never come, or time out; the engine restarts (its first batch seen
 below, equal to or above the old last seq) and its connection drops and comes back.  Checked while it runs:
 Applies are contiguous since the last reset (never a seq at or below the last applied), at most one replay
 is outstanding, ``held_bytes`` is exact.  Checked at every quiescent point (everything delivered, every
@@ -55,6 +55,7 @@ class SyncMachine(RuleBasedStateMachine):
         hwm=st.sampled_from([3, 12, 1000]),
         tail=st.sampled_from([0.0, 0.3]),
         end=st.sampled_from([0.0, 0.5, 1.0]),
+        silence=st.sampled_from([0.0, 0.0, 0.3]),
         before_attach=st.integers(0, 12),
     )
     def attach(
@@ -68,6 +69,7 @@ class SyncMachine(RuleBasedStateMachine):
         hwm: int,
         tail: float,
         end: float,
+        silence: float,
         before_attach: int,
     ) -> None:
         rng = random.Random(seed)
@@ -83,7 +85,9 @@ class SyncMachine(RuleBasedStateMachine):
             digest_memory=memory,
             cold_bootstrap=bootstrap,
         )
-        self.driver = SyncDriver(self.sync, self.engine, rng, hwm=hwm, tail_delivery=tail, end_delivery=end)
+        self.driver = SyncDriver(
+            self.sync, self.engine, rng, hwm=hwm, tail_delivery=tail, end_delivery=end, silence=silence
+        )
         self.sync.start(self.driver.now)
         self.driver.execute()
 
@@ -208,7 +212,7 @@ class SyncMachine(RuleBasedStateMachine):
 
 SyncMachine.TestCase.settings = settings(
     max_examples=200,
-    stateful_step_count=40,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
