@@ -17,17 +17,11 @@ What the shell must guarantee (the SUB monitor and the SUB are separate sockets)
 before any batch of a later connection, and the old connection's queued batches come before
 ``on_connected``.  Batches of the new connection may come before ``on_connected``: with replay, live batches
 are held from the disconnect until the reconnect's identity check.
-
-:class:`SequenceGate` is the previous, seq-only gate; it stays until the listener has moved to
-:class:`SourceSync`.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
-
-import attrs
 
 from kvagent.vllm.sync_actions import (
     Action,
@@ -45,8 +39,6 @@ __all__ = [
     "Apply",
     "CancelReplay",
     "RequestReplay",
-    "SeqDecision",
-    "SequenceGate",
     "Signal",
     "SourceSync",
     "SyncStatistics",
@@ -488,44 +480,3 @@ class SourceSync(SourceSyncBase[M]):
             or self._disconnected
             or self._applied < 0  # the first apply goes the slow way (it records _ever_applied)
         )
-
-
-class SeqDecision(enum.Enum):
-    APPLY = "apply"
-    GAP = "gap"
-    DUPLICATE = "duplicate"
-    RESTART = "restart"
-
-
-@attrs.define
-class SequenceGate:
-    """The previous seq-only gate (listener before issue #14); ``applied is None``: nothing yet."""
-
-    applied: int | None = None
-    live: int | None = None
-
-    def expected(self) -> int | None:
-        return None if self.applied is None else self.applied + 1
-
-    def classify(self, seq: int) -> SeqDecision:
-        """A live seq, which is also recorded as the newest seen on the wire."""
-        previous_live, self.live = self.live, seq
-        if previous_live is not None and seq <= previous_live:
-            # Live seqs only go up within one publisher process; going back means it restarted.
-            return SeqDecision.DUPLICATE if seq == previous_live else SeqDecision.RESTART
-        return self.classify_replayed(seq)
-
-    def classify_replayed(self, seq: int) -> SeqDecision:
-        """A seq relative to what has been applied only (replies, or live copies of a replayed range)."""
-        if self.applied is None or seq == self.applied + 1:
-            return SeqDecision.APPLY
-        if seq <= self.applied:
-            return SeqDecision.DUPLICATE
-        return SeqDecision.GAP
-
-    def mark_applied(self, seq: int) -> None:
-        self.applied = seq
-
-    def expect(self, seq: int) -> None:
-        """Make ``seq`` the next expected one (after a bootstrap, or after giving up on a hole)."""
-        self.applied = seq - 1
