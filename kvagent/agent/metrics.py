@@ -153,6 +153,15 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
         _listener(lambda listener: listener.lost_batches),
     ),
     (
+        "late_batches",
+        "Raw batches that arrived out of order and were applied in order",
+        _listener(lambda listener: listener.late),
+    ),
+    ("engine_disconnects", "Engine connections dropped (SUB monitor)", _listener(lambda s: s.disconnects)),
+    ("replay_requests", "Replay requests sent to the engine", _listener(lambda s: s.replay_requests)),
+    ("ingest_sheds", "Times queued raw batches were shed to stay under the byte bound", _listener(lambda s: s.sheds)),
+    ("ingest_shed_bytes", "Raw payload bytes shed to stay under the byte bound", _listener(lambda s: s.shed_bytes)),
+    (
         "withdrawals",
         "Attachment advertisements withdrawn by the supervisor",
         lambda v: v.statistics.withdrawal.withdrawals,
