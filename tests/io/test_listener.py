@@ -303,10 +303,14 @@ async def test_held_live_batches_are_never_held_past_the_byte_bound() -> None:
         await router.wait_for_requests(1)  # the repair waits on a silent server: later batches are held
         bound = options.ingress_bytes // 2
         most = 0
-        for seq in range(6, 68):
+        # Published until the listener sheds (ZMQ delivers in its own thread, so how many batches it has
+        # received by a given moment varies); the held bytes are checked after every batch.
+        for seq in range(6, 4000):
             await h.publish_live([seq])
             await trio.testing.wait_all_tasks_blocked()
             most = max(most, h.stats.statistics().held_bytes)
+            if h.stats.statistics().sheds:
+                break
         stats = h.stats.statistics()
         assert stats.sheds >= 1 and stats.reorder_overflows > 0
         assert most <= bound + 2048, "at most one batch past the bound, then shed"
