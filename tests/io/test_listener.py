@@ -332,7 +332,10 @@ async def test_cold_attach_bootstraps_batches_published_before_the_listener_conn
             await h.engine.publish_batch([block_stored([1000 + n], None, [n] * 32, 32)])
         await h.coordinator.wait_for(lambda c: 7 in c.cursors())
         assert h.coordinator.cursors() == list(range(8))
-        assert h.engine.replay_requests == 1
+        # One bootstrap from 0; a complete answer that made progress is followed by one request for what
+        # comes next unless live batches 5.. were already held by then (vLLM's HWM can drop an answer's tail).
+        starts = h.engine.replay_starts
+        assert starts[0] == 0 and len(starts) <= 2 and all(start >= 5 for start in starts[1:]), starts
         assert h.coordinator.losses == []
 
 
