@@ -512,6 +512,39 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
+def split_live_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """A live message's ``(topic, seq, payload)``, the payload not decoded; seq ff*8 is the end marker's."""
+    if len(frames) != 3:
+        raise WireDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    topic, seq_frame, payload = frames
+    seq = decode_seq(seq_frame)
+    if seq_frame == REPLAY_END_SEQ:
+        raise WireDecodeError("sequence ff*8 is reserved for the replay end marker")
+    return topic, seq, payload
+
+
+def split_replay_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes] | None:
+    """A replay reply's ``(topic, seq, payload)`` as a DEALER sees it, or None for the end marker.
+
+    ``[b"", seq, payload]`` (vLLM <= 0.25, SGLang) has an empty topic. Following Dynamo, a data reply with an
+    empty payload and an end marker with a non-empty one are errors.
+    """
+    if len(frames) == 3 and frames[0] == b"":
+        topic, seq_frame, payload = b"", frames[1], frames[2]
+    elif len(frames) == 4 and frames[0] == b"":
+        topic, seq_frame, payload = frames[1], frames[2], frames[3]
+    else:
+        raise WireDecodeError(f"malformed replay reply: {len(frames)} frames")
+    if seq_frame == REPLAY_END_SEQ:
+        if payload:
+            raise WireDecodeError("replay end marker carries a non-empty payload")
+        return None
+    seq = decode_seq(seq_frame)
+    if not payload:
+        raise WireDecodeError(f"replay reply for seq {seq} has an empty payload")
+    return topic, seq, payload
+
+
 @overload
 def decode(
     frames: Sequence[bytes],
@@ -545,25 +578,11 @@ def decode(
     marker (seq ff*8, empty payload) gives None. Live, seq ff*8 is reserved for that marker.
     """
     if not replay:
-        if len(frames) != 3:
-            raise WireDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
-        topic, seq_frame, payload = frames
-        seq = decode_seq(seq_frame)
-        if seq_frame == REPLAY_END_SEQ:
-            raise WireDecodeError("sequence ff*8 is reserved for the replay end marker")
+        topic, seq, payload = split_live_frames(frames)
     else:
-        if len(frames) == 3 and frames[0] == b"":
-            topic, seq_frame, payload = b"", frames[1], frames[2]
-        elif len(frames) == 4 and frames[0] == b"":
-            topic, seq_frame, payload = frames[1], frames[2], frames[3]
-        else:
-            raise WireDecodeError(f"malformed replay reply: {len(frames)} frames")
-        if seq_frame == REPLAY_END_SEQ:
-            if payload:
-                raise WireDecodeError("replay end marker carries a non-empty payload")
+        reply = split_replay_frames(frames)
+        if reply is None:
             return None
-        seq = decode_seq(seq_frame)
-        if not payload:
-            raise WireDecodeError(f"replay reply for seq {seq} has an empty payload")
+        topic, seq, payload = reply
     batch = decode_payload(payload, max_payload_bytes=max_payload_bytes, accept_bytes_hashes=accept_bytes_hashes)
     return RawMessage(bytes(topic), seq, batch)

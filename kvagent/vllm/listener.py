@@ -41,7 +41,7 @@ from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, SourceSignal
 from kvagent.model.status import Attachment
-from kvagent.vllm.decode import REPLAY_END_SEQ, decode_payload, decode_seq
+from kvagent.vllm.decode import decode_payload, split_live_frames
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.reader import SLICE_SECONDS, Inbox, LinkItem, LiveItem, LiveReader, ReplayEndItem, ReplyItem
 from kvagent.vllm.replay import ReplayClient, ReplayTimeouts
@@ -328,12 +328,7 @@ class _Processor:
     def _on_live(self, frames: list[bytes], now: float) -> None:
         self.counters.messages += 1
         try:
-            if len(frames) != 3:
-                raise WireDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
-            topic, seq_frame, payload = frames
-            seq = decode_seq(seq_frame)
-            if seq_frame == REPLAY_END_SEQ:
-                raise WireDecodeError("sequence ff*8 is reserved for the replay end marker")
+            topic, seq, payload = split_live_frames(frames)
             if len(payload) > self.options.max_payload_bytes:
                 raise WireDecodeError(f"ZMQ payload exceeds {self.options.max_payload_bytes} bytes")
         except WireDecodeError as exc:

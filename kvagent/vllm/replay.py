@@ -27,7 +27,7 @@ import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import WireDecodeError
-from kvagent.vllm.decode import REPLAY_END_SEQ, decode_seq
+from kvagent.vllm.decode import split_replay_frames
 
 __all__ = ["ReplayClient", "ReplayReply", "ReplaySink", "ReplayTimeouts", "parse_replay_reply"]
 
@@ -61,19 +61,10 @@ def parse_replay_reply(frames: Sequence[bytes], *, max_payload_bytes: int) -> Re
     marker with a non-empty one, and a frame layout that is neither ``[b"", seq, payload]`` nor
     ``[b"", topic, seq, payload]``.
     """
-    if len(frames) == 3 and frames[0] == b"":
-        topic, seq_frame, payload = b"", frames[1], frames[2]
-    elif len(frames) == 4 and frames[0] == b"":
-        topic, seq_frame, payload = frames[1], frames[2], frames[3]
-    else:
-        raise WireDecodeError(f"malformed replay reply: {len(frames)} frames")
-    if seq_frame == REPLAY_END_SEQ:
-        if payload:
-            raise WireDecodeError("replay end marker carries a non-empty payload")
+    reply = split_replay_frames(frames)
+    if reply is None:
         return None
-    seq = decode_seq(seq_frame)
-    if not payload:
-        raise WireDecodeError(f"replay reply for seq {seq} has an empty payload")
+    topic, seq, payload = reply
     if len(payload) > max_payload_bytes:
         raise WireDecodeError(f"ZMQ payload exceeds {max_payload_bytes} bytes")
     return ReplayReply(seq, bytes(topic), payload)
