@@ -121,6 +121,14 @@ class ServerStatistics:
         request_errors: error responses by error code.
         request_seconds_sum: seconds spent answering requests, ``follow`` excluded (its duration is the
             lifetime of a stream, not the cost of a request).
+        handshakes_pending: connections accepted whose websocket handshake is not finished yet.
+        handshake_timeouts: connections closed because their handshake missed its deadline.
+        handshakes_dropped: connections closed in their handshake to make room under the pre-handshake
+            limit, or to free descriptors when ``accept`` ran out of them.
+        send_overruns: connections closed (1013 "overrun") because the peer did not take a frame within
+            the send deadline.
+        ping_timeouts: connections closed because the peer did not answer a ping in time.
+        accept_capacity_errors: ``accept`` calls that failed for lack of descriptors or memory.
     """
 
     connections_open: int
@@ -129,6 +137,12 @@ class ServerStatistics:
     requests: Mapping[str, int]
     request_errors: Mapping[str, int]
     request_seconds_sum: float
+    handshakes_pending: int = 0
+    handshake_timeouts: int = 0
+    handshakes_dropped: int = 0
+    send_overruns: int = 0
+    ping_timeouts: int = 0
+    accept_capacity_errors: int = 0
 
 
 # --- frames -----------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import attrs
 import structlog
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvagent.index.recovery_index import (
     DumpGroup,
@@ -79,6 +78,7 @@ from kvagent.recovery.protocol import (
     required_uint,
     single_frame_answer,
 )
+from kvagent.recovery.websocket import CLOSE_TRY_AGAIN_LATER, ConnectionClosed, MessageTooBig, WebSocket
 
 __all__ = [
     "CLOSE_TRY_AGAIN_LATER",
@@ -94,7 +94,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-CLOSE_TRY_AGAIN_LATER = 1013
 LIVE_BATCH_EVENTS = 1024  # events drained into one live batch (then split by frame size)
 
 
@@ -208,7 +207,7 @@ class AnswerWriter:
     fence still holds.  A ``follow`` writer is not (its backlog is the unfenced full view).
     """
 
-    ws: WebSocketConnection
+    ws: WebSocket
     encoding: Encoding
     request_id: int
     fencing: _Fencing | None = None
@@ -257,19 +256,19 @@ class AnswerWriter:
         return header
 
     async def _send_frames(self, frames: Iterable[str | bytes]) -> None:
-        # Frames are encoded lazily between sends, so a big answer never holds the event loop for more than
-        # one frame (ingest and other clients run in between).  A fenced answer's final frame (the one that
-        # completes it) goes out only if the fence still holds (5.3 post-check).
-        if self.fencing is None:
-            for frame in frames:
-                await self.ws.send_message(frame)
-            return
+        # Frames are encoded lazily, one per task step: a multi-frame answer yields between frames, so it
+        # never holds the event loop for more than one frame (ingest and the other connections take turns
+        # in between), while a one-frame answer is written in the step that computed it.  A fenced
+        # answer's final frame (the one that completes it) goes out only if the fence still holds (5.3
+        # post-check).
         iterator: Iterator[str | bytes] = iter(frames)
         pending = next(iterator)
         for frame in iterator:
             await self.ws.send_message(pending)
+            await trio.lowlevel.checkpoint()
             pending = frame
-        self.fencing.check()
+        if self.fencing is not None:
+            self.fencing.check()
         await self.ws.send_message(pending)
 
 
@@ -279,9 +278,7 @@ class AnswerWriter:
 class Session:
     """One websocket connection: reads requests until the peer leaves, answers each in its own encoding."""
 
-    def __init__(
-        self, ws: WebSocketConnection, config: SessionConfig, slot: str | None, header_token: str | None
-    ) -> None:
+    def __init__(self, ws: WebSocket, config: SessionConfig, slot: str | None, header_token: str | None) -> None:
         self.ws = ws
         self.config = config
         self.slot = slot
@@ -291,7 +288,19 @@ class Session:
     async def run(self) -> None:
         """Serve requests until the connection closes (ConnectionClosed escapes)."""
         while True:
-            await self._handle(await self.ws.get_message())
+            try:
+                message = await self.ws.get_message()
+            except MessageTooBig as exc:
+                await self._refuse_oversized(exc)
+                continue
+            await self._handle(message)
+
+    async def _refuse_oversized(self, exc: MessageTooBig) -> None:
+        # The frame was discarded as it arrived, so its id is unknown; the connection stays usable.
+        self.config.counters.count_request("invalid")
+        self.config.counters.count_error("bad_request")
+        encoding = Encoding.MSGPACK if exc.binary else Encoding.JSON
+        await self.ws.send_message(error_frame(encoding, None, "bad_request", str(exc)))
 
     async def _handle(self, message: str | bytes) -> None:
         """Answer one request frame; only ConnectionClosed (and cancellation) escapes."""
@@ -475,9 +484,7 @@ class Session:
                 await writer.send(
                     {"id": writer.request_id, "ok": True, "kind": "overrun", "last_sent": last_sent}
                 )
-                await self.ws.aclose(
-                    CLOSE_TRY_AGAIN_LATER, "follower fell behind; resume with from = last_sent"
-                )
+                self.ws.close(CLOSE_TRY_AGAIN_LATER, "follower fell behind; resume with from = last_sent")
                 return
             # Events at or below the backlog's cursor were already delivered by it (none are expected).
             events = [event for event in buffer.drain(LIVE_BATCH_EVENTS) if event.event_id > last_sent]

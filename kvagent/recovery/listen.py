@@ -1,0 +1,158 @@
+"""Accepting connections under pressure: fd exhaustion, and connections that never finish their handshake.
+
+``trio.serve_listeners`` logs every failed ``accept`` and retries after 100 ms; under an fd exhaustion that
+is thousands of log lines while nothing else can open a socket either.  :func:`accept_loop` logs one line
+when an episode starts and one when it ends, frees descriptors held by connections still in their
+handshake (``shed``) before backing off, and backs off exponentially up to :data:`BACKOFF_MAX`, so it
+recovers by itself within that once descriptors are free again.
+
+:class:`PendingHandshakes` bounds the connections not yet upgraded: each has a deadline, and when the table
+is full the oldest is dropped to make room (a slow or idle half-open socket loses to a client that is
+actually talking, which completes its handshake in milliseconds).
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+import socket
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import structlog
+import trio
+
+from kvagent.recovery.websocket import close_socket
+
+__all__ = [
+    "BACKOFF_MAX",
+    "CAPACITY_ERRNOS",
+    "PendingHandshakes",
+    "accept_loop",
+    "default_pending_limit",
+]
+
+log = structlog.get_logger(__name__)
+
+CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+BACKOFF_MIN = 0.005
+BACKOFF_MAX = 0.25
+SHED_FRACTION = 8  # on fd exhaustion, drop 1/8 of the pending handshakes (at least one)
+
+T = TypeVar("T")
+
+
+def default_pending_limit(configured: int | None = None) -> int:
+    """The pre-handshake limit: as configured, else 128, but never more than a quarter of RLIMIT_NOFILE.
+
+    The quarter leaves the descriptors that established connections, the ZMQ sockets and ``/metrics``
+    need even while half-open connections hold every pending slot.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = 128 if soft == resource.RLIM_INFINITY else max(8, soft // 4)
+    return cap if configured is None else configured
+
+
+class PendingHandshakes:
+    """Connections accepted but not yet upgraded: bounded in number, oldest dropped first."""
+
+    def __init__(self, limit: int, on_evict: Callable[[], None] | None = None) -> None:
+        if limit <= 0:
+            raise ValueError(f"the pre-handshake limit must be positive, got {limit}")
+        self.limit = limit
+        self._on_evict = on_evict  # counts each connection dropped to make room or to free descriptors
+        self._entries: OrderedDict[int, tuple[socket.socket, trio.CancelScope]] = OrderedDict()
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @contextmanager
+    def admit(self, sock: socket.socket, deadline: float) -> Iterator[trio.CancelScope]:
+        """Track ``sock`` for its handshake; the scope ends at ``deadline`` or when the entry is evicted."""
+        while len(self._entries) >= self.limit:
+            self._evict_oldest()
+        key = self._next_key
+        self._next_key += 1
+        with trio.CancelScope(deadline=deadline) as scope:
+            self._entries[key] = (sock, scope)
+            try:
+                yield scope
+            finally:
+                self._entries.pop(key, None)
+
+    def shed(self) -> int:
+        """Drop the oldest eighth (at least one) to free descriptors; how many were dropped."""
+        count = min(len(self._entries), max(1, len(self._entries) // SHED_FRACTION))
+        for _ in range(count):
+            self._evict_oldest()
+        return count
+
+    def close_all(self) -> None:
+        while self._entries:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        _, (sock, scope) = self._entries.popitem(last=False)
+        if self._on_evict is not None:
+            self._on_evict()
+        close_socket(sock)  # the descriptor is free now, not when the handler next runs
+        scope.cancel()
+
+
+class _Episode:
+    """One run of consecutive capacity failures of ``accept``."""
+
+    def __init__(self, name: str, exc: OSError) -> None:
+        self.started = trio.current_time()
+        self.failures = 0
+        log.warning(
+            "accept_out_of_descriptors",
+            listener=name,
+            error=errno.errorcode.get(exc.errno or 0, str(exc.errno)),
+        )
+
+
+async def accept_loop(
+    accept: Callable[[], Awaitable[T]],
+    handle: Callable[[T], Awaitable[None]],
+    nursery: trio.Nursery,
+    *,
+    name: str,
+    shed: Callable[[], int] | None = None,
+    on_capacity_error: Callable[[], None] | None = None,
+) -> None:
+    """Accept until the listener is closed, starting ``handle`` for each connection in ``nursery``."""
+    backoff = BACKOFF_MIN
+    episode: _Episode | None = None
+    while True:
+        try:
+            connection = await accept()
+        except trio.ClosedResourceError:
+            return
+        except OSError as exc:
+            if exc.errno not in CAPACITY_ERRNOS:
+                raise
+            if episode is None:
+                episode = _Episode(name, exc)
+            episode.failures += 1
+            if on_capacity_error is not None:
+                on_capacity_error()
+            if shed is not None and shed():
+                await trio.lowlevel.checkpoint()  # the shed handlers close and free their descriptors
+                continue
+            await trio.sleep(backoff)  # a back-off, not synchronization
+            backoff = min(2 * backoff, BACKOFF_MAX)
+            continue
+        if episode is not None:
+            log.info(
+                "accept_recovered",
+                listener=name,
+                failures=episode.failures,
+                seconds=round(trio.current_time() - episode.started, 3),
+            )
+            episode = None
+            backoff = BACKOFF_MIN
+        nursery.start_soon(handle, connection)
