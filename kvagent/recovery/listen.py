@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import resource
 import socket
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ __all__ = [
     "PendingHandshakes",
     "accept_loop",
     "default_pending_limit",
+    "shed_pending_handshakes",
 ]
 
 log = structlog.get_logger(__name__)
@@ -55,6 +57,15 @@ def default_pending_limit(configured: int | None = None) -> int:
     return cap if configured is None else configured
 
 
+_TABLES: weakref.WeakSet[PendingHandshakes] = weakref.WeakSet()
+
+
+def shed_pending_handshakes() -> int:
+    """Free descriptors held by half-open connections of every server in the process (any listener's
+    ``accept`` may be the one that runs out); how many connections were dropped."""
+    return sum(table.shed() for table in list(_TABLES))
+
+
 class PendingHandshakes:
     """Connections accepted but not yet upgraded: bounded in number, oldest dropped first."""
 
@@ -65,6 +76,7 @@ class PendingHandshakes:
         self._on_evict = on_evict  # counts each connection dropped to make room or to free descriptors
         self._entries: OrderedDict[int, tuple[socket.socket, trio.CancelScope]] = OrderedDict()
         self._next_key = 0
+        _TABLES.add(self)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -84,7 +96,7 @@ class PendingHandshakes:
                 self._entries.pop(key, None)
 
     def shed(self) -> int:
-        """Drop the oldest eighth (at least one) to free descriptors; how many were dropped."""
+        """Drop the oldest eighth (at least one, if any) to free descriptors; how many were dropped."""
         count = min(len(self._entries), max(1, len(self._entries) // SHED_FRACTION))
         for _ in range(count):
             self._evict_oldest()

@@ -27,9 +27,15 @@ import trio
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, RejectConnection, RejectData, Request
 
-from kvagent.recovery.listen import PendingHandshakes, accept_loop, default_pending_limit
+from kvagent.recovery.listen import (
+    PendingHandshakes,
+    accept_loop,
+    default_pending_limit,
+    shed_pending_handshakes,
+)
 from kvagent.recovery.protocol import ServerStatistics, SlotDirectory
 from kvagent.recovery.session import Session, SessionConfig
+from kvagent.recovery.turns import AnswerTurns
 from kvagent.recovery.websocket import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -62,7 +68,8 @@ class ServingOptions:
     """The server's bounds (docs/protocol.md, "Limits and deadlines").
 
     ``max_pending_handshakes`` None means :func:`~kvagent.recovery.listen.default_pending_limit`: 128, but
-    at most a quarter of the process's descriptor limit.
+    at most a quarter of the process's descriptor limit.  ``answer_turns`` and ``max_answer_wait`` are the
+    fair-turn bounds of :mod:`kvagent.recovery.turns`.
     """
 
     max_connections: int = 256
@@ -75,6 +82,8 @@ class ServingOptions:
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     shutdown_timeout: float = 10.0
+    answer_turns: int = 4
+    max_answer_wait: float = 5.0
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(ServingOptions):
@@ -228,7 +237,7 @@ class _Server:
                             self._handle,
                             nursery,
                             name="recovery",
-                            shed=self.pending.shed,
+                            shed=shed_pending_handshakes,
                             on_capacity_error=self.stats.count_accept_capacity_error,
                         )
                     )
@@ -294,18 +303,22 @@ class _Server:
         if _query_carries_token(target.query):
             # Query strings end up in proxy and access logs; refuse rather than accept a leaked token.
             log.warning("handshake_refused_token_in_query")
-            return await self._reject(
+            await self._reject(
                 sock, connection, 403, b"forbidden: send the token as Authorization: Bearer, not in the URL"
             )
+            return None
         known, slot = _slot_from_path(target.path)
         if not known or (slot is not None and self.registry.get(slot) is None):
-            return await self._reject(sock, connection, 404, b"unknown path: use /v1/slots or /v1/slots/<slot>")
+            await self._reject(sock, connection, 404, b"unknown path: use /v1/slots or /v1/slots/<slot>")
+            return None
         if self.stopping:
-            return await self._reject(sock, connection, 503, b"shutting down")
+            await self._reject(sock, connection, 503, b"shutting down")
+            return None
         try:
             self.limiter.acquire_on_behalf_of_nowait(sock)
         except trio.WouldBlock:
-            return await self._reject(sock, connection, 503, b"too many connections")
+            await self._reject(sock, connection, 503, b"too many connections")
+            return None
         try:
             await send_all(sock, connection.send(AcceptConnection()))
         except BaseException:
@@ -359,7 +372,9 @@ class _Server:
         """Ping, and drop a peer that stops answering; the ping goes out between frames of any answer."""
         while True:
             await trio.sleep(self.options.heartbeat_interval)
-            if not await ws.ping(self.options.heartbeat_timeout):
+            with trio.move_on_after(self.options.heartbeat_timeout) as waited:
+                await ws.ping()
+            if waited.cancelled_caught:
                 self.stats.ping_timeouts += 1
                 log.info("peer_ping_timeout")
                 ws.close(CLOSE_PING_TIMEOUT, "ping timeout", urgent=True)
@@ -395,7 +410,9 @@ async def serve_recovery(
             heartbeat_interval=heartbeat_interval,
         )
     stats = ServerStats() if stats is None else stats
-    server = _Server(registry, SessionConfig(registry, token, stats, follow_buffer_events), options, stats)
+    turns = AnswerTurns(options.answer_turns, options.max_answer_wait)
+    session = SessionConfig(registry, token, stats, follow_buffer_events, turns)
+    server = _Server(registry, session, options, stats)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:

@@ -78,6 +78,7 @@ from kvagent.recovery.protocol import (
     required_uint,
     single_frame_answer,
 )
+from kvagent.recovery.turns import AnswerTurns, Turn
 from kvagent.recovery.websocket import CLOSE_TRY_AGAIN_LATER, ConnectionClosed, MessageTooBig, WebSocket
 
 __all__ = [
@@ -115,6 +116,7 @@ class SessionConfig:
     token: str | None
     counters: RequestCounters
     follow_buffer_events: int
+    turns: AnswerTurns = attrs.field(factory=AnswerTurns)
 
 
 # --- follow state -----------------------------------------------------------------------------------
@@ -205,15 +207,39 @@ class AnswerWriter:
 
     A ``recover`` writer is fenced: its headers carry a receipt and its final frame goes out only if the
     fence still holds.  A ``follow`` writer is not (its backlog is the unfenced full view).
+
+    ``turn`` is the request's answer turn (:mod:`kvagent.recovery.turns`): frames are computed while it is
+    held, it is passed on between frames, and it is let go while the peer's queue has no room.
     """
 
     ws: WebSocket
     encoding: Encoding
     request_id: int
     fencing: _Fencing | None = None
+    turn: Turn | None = None
 
     async def send(self, value: Mapping[str, object]) -> None:
-        await self.ws.send_message(encode_frame(self.encoding, value))
+        await self._put(encode_frame(self.encoding, value))
+
+    async def _put(self, frame: str | bytes) -> None:
+        try:
+            self.ws.send_nowait(frame)
+            return
+        except trio.WouldBlock:
+            pass
+        # The peer reads slower than we answer: wait for room without holding a turn.
+        if self.turn is not None:
+            self.turn.release()
+        await self.ws.send_message(frame)
+        if self.turn is not None:
+            await self.turn.acquire()
+
+    async def pass_turn(self) -> None:
+        """Between two frames: let the others (and ingest) take theirs."""
+        if self.turn is not None:
+            await self.turn.pass_on()
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def range_answer(
         self, answer: RangeAnswer, ring: EncodedRing, *, supports_failed: bool
@@ -263,13 +289,13 @@ class AnswerWriter:
         # post-check).
         iterator: Iterator[str | bytes] = iter(frames)
         pending = next(iterator)
-        for frame in iterator:
-            await self.ws.send_message(pending)
-            await trio.lowlevel.checkpoint()
+        for frame in iterator:  # computing the next frame is this turn's work
+            await self._put(pending)
+            await self.pass_turn()
             pending = frame
         if self.fencing is not None:
             self.fencing.check()
-        await self.ws.send_message(pending)
+        await self._put(pending)
 
 
 # --- the session ------------------------------------------------------------------------------------
@@ -309,13 +335,16 @@ class Session:
         counters = self.config.counters
         op_label = "invalid"
         started = trio.current_time()
+        turn: Turn | None = None
         try:
-            encoding, value = decode_frame(message)
+            encoding, value = decode_frame(message)  # bounded by the frame size and nesting limits
             request_id, request = parse_request(value)
             op = request_op(request)
             op_label = op if op in KNOWN_OPS else "invalid"
             counters.count_request(op_label)
-            await self._dispatch(op, request, AnswerWriter(self.ws, encoding, request_id))
+            if op not in CONTROL_OPS:  # control ops wait on the slot's lifecycle, not on the event loop
+                turn = await self.config.turns.first()  # or refused as overloaded, with the request's id
+            await self._dispatch(op, request, AnswerWriter(self.ws, encoding, request_id, turn=turn))
         except KvAgentError as exc:
             log.info("request_failed", slot=self.slot, code=exc.code)
             counters.count_error(exc.code)
@@ -327,6 +356,8 @@ class Session:
             counters.count_error("internal")
             await self.ws.send_message(error_frame(encoding, request_id, "internal", "internal error"))
         finally:
+            if turn is not None:
+                turn.release()
             if op_label != "follow":
                 counters.count_request_seconds(trio.current_time() - started)
 
@@ -489,10 +520,20 @@ class Session:
             # Events at or below the backlog's cursor were already delivered by it (none are expected).
             events = [event for event in buffer.drain(LIVE_BATCH_EVENTS) if event.event_id > last_sent]
             if not events:
-                await buffer.wait()
+                await self._wait_live(writer, buffer)
                 continue
             await writer.live(events, ring)
             last_sent = events[-1].event_id
+
+    @staticmethod
+    async def _wait_live(writer: AnswerWriter, buffer: LiveBuffer) -> None:
+        """Wait for live events without holding a turn; take one again before encoding them."""
+        if writer.turn is None:
+            await buffer.wait()
+            return
+        writer.turn.release()
+        await buffer.wait()
+        await writer.turn.acquire()
 
 
 def _first_agent_error(group: BaseExceptionGroup[KvAgentError]) -> KvAgentError:

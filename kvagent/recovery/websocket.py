@@ -24,6 +24,7 @@ The socket is a plain non-blocking socket driven with ``trio.lowlevel.wait_reada
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -209,7 +210,7 @@ class WebSocket:
         self._inbound_send, self._inbound = trio.open_memory_channel[str | bytes | MessageTooBig](
             INBOUND_MESSAGES
         )
-        self._parts: list[str | bytes] = []
+        self._parts: list[str | bytes | bytearray] = []
         self._part_bytes = 0
         self._discarding = False
         # Outbound: control frames, queued messages, the frame being written.
@@ -264,10 +265,8 @@ class WebSocket:
             self._finish()
 
     async def _run_body(self, body: Callable[[], Awaitable[None]]) -> None:
-        try:
+        with contextlib.suppress(ConnectionClosed):
             await body()
-        except ConnectionClosed:
-            pass
         self.close(CLOSE_NORMAL)
 
     def close(self, code: int, reason: str | None = None, *, urgent: bool = False) -> None:
@@ -353,8 +352,9 @@ class WebSocket:
             except trio.WouldBlock:
                 await self._space.park()
 
-    async def ping(self, timeout: float) -> bool:
-        """Send a ping and wait for its pong; False when none came within ``timeout`` seconds."""
+    async def ping(self) -> None:
+        """Send a ping and wait for its pong (bound it at the call site); ConnectionClosed if the
+        connection ends first.  The ping goes out at the next frame boundary, ahead of queued messages."""
         if self._close_reason is not None:
             raise ConnectionClosed(self._close_reason)
         payload = os.urandom(4)
@@ -362,11 +362,9 @@ class WebSocket:
         self._pong_received = trio.Event()
         self._ping = self._ws.send(Ping(payload=payload))
         self._kick_writer()
-        with trio.move_on_after(timeout):
-            await self._pong_received.wait()
-        if self._finished.is_set():
+        await self._pong_received.wait()
+        if self._ping_payload is not None:  # woken by the end of the connection, not by the pong
             raise ConnectionClosed(self._close_reason or CloseReason(CLOSE_ABNORMAL))
-        return self._ping_payload is None
 
     def _kick_writer(self) -> None:
         """Write eagerly unless the writer is waiting for the socket; otherwise let it look again."""
@@ -547,7 +545,7 @@ class WebSocket:
         self._close_received.set()
         self._kick_writer()
 
-    async def _on_data(self, data: str | bytes, finished: bool) -> None:
+    async def _on_data(self, data: str | bytes | bytearray, finished: bool) -> None:
         if not self._discarding:
             self._parts.append(data)
             self._part_bytes += len(data)
@@ -566,7 +564,5 @@ class WebSocket:
         self._parts = []
         self._part_bytes = 0
         self._discarding = False
-        try:
-            await self._inbound_send.send(message)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass  # closing: requests are no longer read
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            await self._inbound_send.send(message)  # (when closing, requests are no longer read)

@@ -7,7 +7,7 @@ import json
 import msgpack
 import pytest
 import trio
-from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
+from trio_websocket import ConnectionRejected, open_websocket_url
 
 from kvagent.recovery.client import connect_slot
 from tests.support.recovery import FakeSlot, start_server
