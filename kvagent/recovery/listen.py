@@ -2,13 +2,14 @@
 
 ``trio.serve_listeners`` logs every failed ``accept`` and retries after 100 ms; under an fd exhaustion that
 is thousands of log lines while nothing else can open a socket either.  :func:`accept_loop` logs one line
-when an episode starts and one when it ends, frees descriptors held by connections still in their
-handshake (``shed``) before backing off, and backs off exponentially up to :data:`BACKOFF_MAX`, so it
-recovers by itself within that once descriptors are free again.
+when an episode starts and one when it is over (a quiet second later), frees descriptors held by
+connections still in their handshake (``shed``) before backing off, and backs off exponentially up to
+:data:`BACKOFF_MAX`, so it recovers by itself within that once descriptors are free again.
 
 :class:`PendingHandshakes` bounds the connections not yet upgraded: each has a deadline, and when the table
-is full the oldest is dropped to make room (a slow or idle half-open socket loses to a client that is
-actually talking, which completes its handshake in milliseconds).
+is full the oldest is dropped to make room once it has had a short protection period (a slow or idle
+half-open socket loses to a client that is actually talking, which completes its handshake in
+milliseconds).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
 BACKOFF_MIN = 0.005
 BACKOFF_MAX = 0.25
 SHED_FRACTION = 8  # on fd exhaustion, drop 1/8 of the pending handshakes (at least one)
+EPISODE_QUIET = 1.0  # seconds without a capacity failure that end an episode
 
 T = TypeVar("T")
 
@@ -67,33 +69,54 @@ def shed_pending_handshakes() -> int:
 
 
 class PendingHandshakes:
-    """Connections accepted but not yet upgraded: bounded in number, oldest dropped first."""
+    """Connections accepted but not yet upgraded: bounded in number, oldest dropped first.
 
-    def __init__(self, limit: int, on_evict: Callable[[], None] | None = None) -> None:
+    Each connection is protected for ``protect`` seconds after it was accepted: when every pending
+    connection is younger than that, :meth:`make_room` waits instead of dropping one.  A client gets at
+    least that long to send its upgrade request, and a flood that reconnects as fast as it is dropped
+    cannot churn the table faster than ``limit / protect`` connections a second.
+    """
+
+    def __init__(self, limit: int, on_evict: Callable[[], None] | None = None, protect: float = 0.25) -> None:
         if limit <= 0:
             raise ValueError(f"the pre-handshake limit must be positive, got {limit}")
         self.limit = limit
+        self.protect = protect
         self._on_evict = on_evict  # counts each connection dropped to make room or to free descriptors
-        self._entries: OrderedDict[int, tuple[socket.socket, trio.CancelScope]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[socket.socket, trio.CancelScope, float]] = OrderedDict()
         self._next_key = 0
+        self._left = trio.lowlevel.ParkingLot()  # a pending connection finished, failed or was dropped
         _TABLES.add(self)
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    async def make_room(self) -> None:
+        """Return once a new connection fits: drop the oldest once it is past its protection."""
+        while len(self._entries) >= self.limit:
+            _, _, admitted = next(iter(self._entries.values()))
+            wait = admitted + self.protect - trio.current_time()
+            if wait <= 0:
+                self._evict_oldest()
+                break
+            with trio.move_on_after(wait):
+                await self._left.park()
+        await trio.lowlevel.checkpoint()
+
     @contextmanager
     def admit(self, sock: socket.socket, deadline: float) -> Iterator[trio.CancelScope]:
         """Track ``sock`` for its handshake; the scope ends at ``deadline`` or when the entry is evicted."""
-        while len(self._entries) >= self.limit:
+        while len(self._entries) >= self.limit:  # another listener filled it since make_room()
             self._evict_oldest()
         key = self._next_key
         self._next_key += 1
         with trio.CancelScope(deadline=deadline) as scope:
-            self._entries[key] = (sock, scope)
+            self._entries[key] = (sock, scope, trio.current_time())
             try:
                 yield scope
             finally:
-                self._entries.pop(key, None)
+                if self._entries.pop(key, None) is not None:
+                    self._left.unpark_all()
 
     def shed(self) -> int:
         """Drop the oldest eighth (at least one, if any) to free descriptors; how many were dropped."""
@@ -107,7 +130,7 @@ class PendingHandshakes:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        _, (sock, scope) = self._entries.popitem(last=False)
+        _, (sock, scope, _) = self._entries.popitem(last=False)
         if self._on_evict is not None:
             self._on_evict()
         close_socket(sock)  # the descriptor is free now, not when the handler next runs
@@ -115,15 +138,32 @@ class PendingHandshakes:
 
 
 class _Episode:
-    """One run of consecutive capacity failures of ``accept``."""
+    """Capacity failures of ``accept`` with less than :data:`EPISODE_QUIET` seconds between them.
+
+    Shedding lets the next accept succeed, so failures come and go within an attack; they are one episode
+    (one warning, one recovery line) until accept has gone a quiet period without failing.
+    """
 
     def __init__(self, name: str, exc: OSError) -> None:
-        self.started = trio.current_time()
+        self.name = name
+        self.started = self.last_failure = trio.current_time()
         self.failures = 0
         log.warning(
             "accept_out_of_descriptors",
             listener=name,
             error=errno.errorcode.get(exc.errno or 0, str(exc.errno)),
+        )
+
+    @property
+    def over(self) -> bool:
+        return trio.current_time() - self.last_failure >= EPISODE_QUIET
+
+    def end(self) -> None:
+        log.info(
+            "accept_recovered",
+            listener=self.name,
+            failures=self.failures,
+            seconds=round(self.last_failure - self.started, 3),
         )
 
 
@@ -135,11 +175,18 @@ async def accept_loop(
     name: str,
     shed: Callable[[], int] | None = None,
     on_capacity_error: Callable[[], None] | None = None,
+    room: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Accept until the listener is closed, starting ``handle`` for each connection in ``nursery``."""
+    """Accept until the listener is closed, starting ``handle`` for each connection in ``nursery``.
+
+    ``room`` (optional) is awaited before each accept: while it waits, new connections stay in the
+    kernel's listen queue.
+    """
     backoff = BACKOFF_MIN
     episode: _Episode | None = None
     while True:
+        if room is not None:
+            await room()
         try:
             connection = await accept()
         except trio.ClosedResourceError:
@@ -147,9 +194,13 @@ async def accept_loop(
         except OSError as exc:
             if exc.errno not in CAPACITY_ERRNOS:
                 raise
+            if episode is not None and episode.over:
+                episode.end()
+                episode = None
             if episode is None:
                 episode = _Episode(name, exc)
             episode.failures += 1
+            episode.last_failure = trio.current_time()
             if on_capacity_error is not None:
                 on_capacity_error()
             if shed is not None and shed():
@@ -158,13 +209,8 @@ async def accept_loop(
             await trio.sleep(backoff)  # a back-off, not synchronization
             backoff = min(2 * backoff, BACKOFF_MAX)
             continue
-        if episode is not None:
-            log.info(
-                "accept_recovered",
-                listener=name,
-                failures=episode.failures,
-                seconds=round(trio.current_time() - episode.started, 3),
-            )
+        backoff = BACKOFF_MIN
+        if episode is not None and episode.over:
+            episode.end()
             episode = None
-            backoff = BACKOFF_MIN
         nursery.start_soon(handle, connection)

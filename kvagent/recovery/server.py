@@ -133,6 +133,9 @@ class ServerStats:
     def count_accept_capacity_error(self) -> None:
         self.accept_capacity_errors += 1
 
+    def count_send_overrun(self) -> None:
+        self.send_overruns += 1
+
     def count_handshake_dropped(self) -> None:
         self.handshakes_dropped += 1
 
@@ -239,6 +242,7 @@ class _Server:
                             name="recovery",
                             shed=shed_pending_handshakes,
                             on_capacity_error=self.stats.count_accept_capacity_error,
+                            room=self.pending.make_room,
                         )
                     )
                 task_status.started()
@@ -335,7 +339,11 @@ class _Server:
     async def _serve(self, sock: socket.socket, admitted: _Admitted) -> None:
         options = self.options
         ws = WebSocket(
-            sock, admitted.connection, max_message_size=options.max_message_size, limits=options.send_limits
+            sock,
+            admitted.connection,
+            max_message_size=options.max_message_size,
+            limits=options.send_limits,
+            on_overrun=self.stats.count_send_overrun,
         )
         session = Session(ws, self.session, admitted.slot, admitted.token)
         self.connections.add(ws)
@@ -349,7 +357,6 @@ class _Server:
             self.connections.discard(ws)
             self.stats.connections_open -= 1
             if ws.overrun:
-                self.stats.send_overruns += 1
                 log.info("peer_overrun", slot=session.slot, send_deadline=options.send_deadline)
             if not self.connections:
                 self._idle.set()

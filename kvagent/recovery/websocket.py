@@ -200,9 +200,16 @@ class WebSocket:
     """One accepted connection.  :meth:`run` drives it; the session talks through the message methods."""
 
     def __init__(
-        self, sock: socket.socket, connection: WSConnection, *, max_message_size: int, limits: SendLimits
+        self,
+        sock: socket.socket,
+        connection: WSConnection,
+        *,
+        max_message_size: int,
+        limits: SendLimits,
+        on_overrun: Callable[[], None] | None = None,
     ) -> None:
         self._sock = sock
+        self._on_overrun = on_overrun
         self._ws = connection
         self._max_message_size = max_message_size
         self._limits = limits
@@ -471,6 +478,8 @@ class WebSocket:
         else:
             if self._close_reason is None:
                 self.overrun = True
+                if self._on_overrun is not None:
+                    self._on_overrun()
                 self.close(CLOSE_TRY_AGAIN_LATER, "overrun", urgent=True)
             else:  # a normal close stuck behind the peer's window: hurry it
                 self.close(self._close_reason.code, self._close_reason.reason, urgent=True)
