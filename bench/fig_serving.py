@@ -44,6 +44,14 @@ SERVER_START_TIMEOUT = 60.0
 DRAIN_TIMEOUT = 60.0
 
 
+def _machine_busy_seconds() -> float:
+    """CPU seconds spent by every process of the machine so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as stat:
@@ -167,11 +175,16 @@ def one_run(publisher: Publisher, clients: int, seconds: float, workdir: Path, l
         base = _cursor(server.url)
         publish_seconds = seconds + WARMUP + 3
         publisher.paced(INGEST_RATE, publish_seconds)
+        ours_before = _cpu_seconds(server.process.pid) + _cpu_seconds(publisher.pid or 0)
         cpu_before = _cpu_seconds(server.process.pid)
+        busy_before = _machine_busy_seconds()
         started = time.monotonic()
         tally = _run_clients(server.url, clients, seconds, lite)
         elapsed = time.monotonic() - started
         server_cpu = (_cpu_seconds(server.process.pid) - cpu_before) / elapsed
+        ours = _cpu_seconds(server.process.pid) + _cpu_seconds(publisher.pid or 0) - ours_before
+        # Whatever else ran on the machine meanwhile (other users of the shared cores), in cores.
+        other_cpu = (_machine_busy_seconds() - busy_before - ours - tally["client_cpu_seconds"]) / elapsed
         sent, first, last = publisher.wait_sent()
         target = base + sent * EVENTS_PER_BATCH
         cursor = _wait_cursor(server.url, target)
@@ -183,6 +196,7 @@ def one_run(publisher: Publisher, clients: int, seconds: float, workdir: Path, l
         publish_rate=sent * EVENTS_PER_BATCH / max(last - first, 1e-9),
         events_lost=max(0, target - cursor),
         server_cpu_share=server_cpu,
+        other_cpu_cores=max(0.0, other_cpu),
         client_cpu_share=tally["client_cpu_seconds"] / seconds,
     )
     return tally
@@ -207,6 +221,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "closed_by_code": run["closed"],
         "events_lost": run["events_lost"],
         "server_cpu_share": run["server_cpu_share"],
+        "other_cpu_cores": run["other_cpu_cores"],
         "client_cpu_share": run["client_cpu_share"],
         "publish_rate": run["publish_rate"],
     }
@@ -253,7 +268,8 @@ def _rows(result: FigureResult, clients: int, runs: list[dict[str, Any]], client
         target = "every request answered or refused"
     note = (f"median of {len(runs)}; issued {med('issued'):.0f}, refused {refused} (max), "
             f"hanging/closed {unanswered} (max), lost {max(run['events_lost'] for run in runs)} events; "
-            f"server CPU {100 * (med('server_cpu_share') or 0):.0f}%, clients {100 * (med('client_cpu_share') or 0):.0f}%")
+            f"server CPU {100 * (med('server_cpu_share') or 0):.0f}%, clients {100 * (med('client_cpu_share') or 0):.0f}%, "
+            f"other processes {med('other_cpu_cores') or 0:.2f} cores")
     label = f"{clients} clients" + ("" if client_kind == "lite" else " (reference client)")
     result.rows += [
         Row(f"recover p50, {label}", med("p50_ms"), "ms", higher_is_better=False,

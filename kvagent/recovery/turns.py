@@ -64,6 +64,12 @@ class AnswerTurns:
     async def first(self) -> Turn:
         """A turn for a new request, or KvAgentError(overloaded) after ``max_wait`` seconds in line."""
         turn = Turn(self)
+        try:
+            self.limiter.acquire_on_behalf_of_nowait(turn)  # the usual case: no deadline to set up
+            turn.held = True
+            return turn
+        except trio.WouldBlock:
+            pass
         with trio.move_on_after(self.max_wait):
             await turn.acquire()
         if not turn.held:

@@ -486,7 +486,8 @@ class WebSocket:
             self._frame_started = trio.current_time()  # the frame in flight now waits for the abort time
 
     async def _await_close_reply(self) -> None:
-        with trio.move_on_at(self._abort_at):
+        # Our close frame is out: the peer gets the close grace to answer it, whatever was waited before.
+        with trio.move_on_at(min(self._abort_at, trio.current_time() + self._limits.close_grace)):
             await self._close_received.wait()
         self._finish()
 
