@@ -208,15 +208,16 @@ class AnswerWriter:
     A ``recover`` writer is fenced: its headers carry a receipt and its final frame goes out only if the
     fence still holds.  A ``follow`` writer is not (its backlog is the unfenced full view).
 
-    ``turn`` is the request's answer turn (:mod:`kvagent.recovery.turns`): frames are computed while it is
-    held, it is passed on between frames, and it is let go while the peer's queue has no room.
+    ``turn`` is the request's answer turn (:mod:`kvagent.recovery.turns`): a light answer writes its first
+    frame without it; every later frame (and all of a heavy answer) is computed while it is held; it is
+    let go while the peer's queue has no room.
     """
 
     ws: WebSocket
     encoding: Encoding
     request_id: int
+    turn: Turn
     fencing: _Fencing | None = None
-    turn: Turn | None = None
 
     async def send(self, value: Mapping[str, object]) -> None:
         await self._put(encode_frame(self.encoding, value))
@@ -228,18 +229,15 @@ class AnswerWriter:
         except trio.WouldBlock:
             pass
         # The peer reads slower than we answer: wait for room without holding a turn.
-        if self.turn is not None:
-            self.turn.release()
+        held = self.turn.held
+        self.turn.release()
         await self.ws.send_message(frame)
-        if self.turn is not None:
+        if held:
             await self.turn.acquire()
 
     async def pass_turn(self) -> None:
-        """Between two frames: let the others (and ingest) take theirs."""
-        if self.turn is not None:
-            await self.turn.pass_on()
-        else:
-            await trio.lowlevel.checkpoint()
+        """Between two frames: let the others (and ingest) take theirs; the next frame is heavy work."""
+        await self.turn.pass_on()
 
     async def range_answer(
         self, answer: RangeAnswer, ring: EncodedRing, *, supports_failed: bool
@@ -335,16 +333,14 @@ class Session:
         counters = self.config.counters
         op_label = "invalid"
         started = trio.current_time()
-        turn: Turn | None = None
+        turn = self.config.turns.turn()
         try:
             encoding, value = decode_frame(message)  # bounded by the frame size and nesting limits
             request_id, request = parse_request(value)
             op = request_op(request)
             op_label = op if op in KNOWN_OPS else "invalid"
             counters.count_request(op_label)
-            if op not in CONTROL_OPS:  # control ops wait on the slot's lifecycle, not on the event loop
-                turn = await self.config.turns.first()  # or refused as overloaded, with the request's id
-            await self._dispatch(op, request, AnswerWriter(self.ws, encoding, request_id, turn=turn))
+            await self._dispatch(op, request, AnswerWriter(self.ws, encoding, request_id, turn))
         except KvAgentError as exc:
             log.info("request_failed", slot=self.slot, code=exc.code)
             counters.count_error(exc.code)
@@ -356,8 +352,7 @@ class Session:
             counters.count_error("internal")
             await self.ws.send_message(error_frame(encoding, request_id, "internal", "internal error"))
         finally:
-            if turn is not None:
-                turn.release()
+            turn.release()
             if op_label != "follow":
                 counters.count_request_seconds(trio.current_time() - started)
 
@@ -444,6 +439,11 @@ class Session:
         fence = parse_fence(request)
         before = surface.status()
         check_recovery_fence(before, fence, surface.slot_rank)
+        if _is_dump(surface.index, start, end) and await self.config.turns.admit(writer.turn):
+            # Heavy work waited for its turn (or was refused as overloaded): the wait was a schedule
+            # point, so the status the answer vouches for is read again.
+            before = surface.status()
+            check_recovery_fence(before, fence, surface.slot_rank)
         result = surface.index.range_or_snapshot(start, end)
         fencing = _Fencing(surface, before, fence)
         writer = attrs.evolve(writer, fencing=fencing)
@@ -465,6 +465,8 @@ class Session:
         surface = self._surface()
         from_cursor = optional_uint(request, "from")
         dump_format = parse_dump_format(request)
+        if _is_dump(surface.index, None if from_cursor is None else from_cursor + 1, None):
+            await self.config.turns.admit(writer.turn)  # heavy: or refused as overloaded
         follow = open_follow(surface.index, from_cursor, self.config.follow_buffer_events)
         self._following = True
         failure: KvAgentError | None = None
@@ -527,13 +529,18 @@ class Session:
 
     @staticmethod
     async def _wait_live(writer: AnswerWriter, buffer: LiveBuffer) -> None:
-        """Wait for live events without holding a turn; take one again before encoding them."""
-        if writer.turn is None:
-            await buffer.wait()
-            return
+        """Wait for live events without holding a turn (a live frame is light work)."""
         writer.turn.release()
         await buffer.wait()
-        await writer.turn.acquire()
+
+
+def _is_dump(index: RecoveryIndex, start: int | None, end: int | None) -> bool:
+    """Whether ``range_or_snapshot(start, end)`` answers with a tree dump (its first check, without the
+    dump): heavy work that must wait for a turn."""
+    if start is not None and end is not None and end < start:
+        return False
+    oldest = index.oldest_buffered_id()
+    return start is None or oldest is None or start < oldest
 
 
 def _first_agent_error(group: BaseExceptionGroup[KvAgentError]) -> KvAgentError:
