@@ -192,3 +192,19 @@ async def test_deeply_nested_requests_are_bad_requests_without_a_traceback(
     assert refusal["error"] == {"code": "bad_request", "message": "request nests arrays/maps too deeply"}
     assert status["id"] == 2 and status["ok"] is True  # the connection stayed usable
     assert not [entry for entry in logs if entry.get("exc_info") or entry["log_level"] in ("error", "exception")]
+
+
+def test_serve_options_for_the_websocket_bounds() -> None:
+    from kvagent.cli.main import build_parser, serve_config_from_args
+    from kvagent.model.errors import ConfigError
+
+    args = ["serve", "--slot", "a", "--handshake-timeout", "1.5", "--max-pending-handshakes", "32"]
+    args += ["--send-deadline", "3", "--outbound-queue-bytes", "65536", "--shutdown-timeout", "4"]
+    config = serve_config_from_args(build_parser().parse_args(args))
+    assert (config.handshake_timeout, config.max_pending_handshakes, config.send_deadline) == (1.5, 32, 3.0)
+    assert (config.outbound_queue_bytes, config.shutdown_timeout) == (65536, 4.0)
+    defaults = serve_config_from_args(build_parser().parse_args(["serve", "--slot", "a"]))
+    assert defaults.max_pending_handshakes is None  # derived from the descriptor limit at start
+    with pytest.raises(ConfigError) as bad:
+        serve_config_from_args(build_parser().parse_args(["serve", "--slot", "a", "--send-deadline", "0"]))
+    assert "send_deadline" in str(bad.value)
