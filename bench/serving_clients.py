@@ -200,7 +200,12 @@ async def _client_loop(
             async with _connect(url, lite) as client:
                 while trio.current_time() < deadline:
                     await trio.sleep_until(next_start)  # the offered load's schedule, not synchronization
-                    next_start = max(next_start + interval, trio.current_time())
+                    # Each client keeps its own phase: a late answer skips the slots it missed instead of
+                    # moving the schedule to "now", which would line every late client up on the same
+                    # instant and turn a steady load into bursts of simultaneous requests.
+                    next_start += interval
+                    while next_start < trio.current_time():
+                        next_start += interval
                     record = warm <= trio.current_time() < deadline
                     if not await _one_request(client, backlog, tally, record):
                         break
