@@ -8,11 +8,11 @@ import sys
 import time
 from types import ModuleType
 
-from bench import fig_cpu, fig_dump, fig_ingest, fig_memory, fig_recover
+from bench import fig_cpu, fig_dump, fig_ingest, fig_memory, fig_recover, fig_serving
 from bench.harness import RESULTS_DIR, FigureResult, run_figure, table
 
 FIGURES: dict[str, ModuleType] = {
-    module.NAME: module for module in (fig_ingest, fig_dump, fig_memory, fig_recover, fig_cpu)
+    module.NAME: module for module in (fig_ingest, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving)
 }
 
 

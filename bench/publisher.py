@@ -97,6 +97,10 @@ class Publisher:
         reply: tuple[Any, ...] = self._conn.recv()
         return reply
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def request_subscriber_wait(self) -> None:
         self._conn.send(("wait_subscriber",))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 
 import attrs
 import structlog
@@ -24,6 +25,7 @@ from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
+from kvagent.recovery.listen import accept_loop, shed_pending_handshakes
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
 
@@ -37,6 +39,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+SCRAPE_TIMEOUT = 5.0  # a scrape connection that has not sent its request by then is closed
 
 # Every value of ``AgentStatus.state``: the attachment states, and "detached" for a slot without one.
 SLOT_STATES = (*ATTACHMENT_STATES, DETACHED)
@@ -366,21 +370,33 @@ async def serve_metrics(
     port: int = 0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A minimal HTTP/1.0 server for ``GET /metrics``, ``/healthz`` and ``/readyz``."""
+    """A minimal HTTP/1.0 server for ``GET /metrics``, ``/healthz`` and ``/readyz``.
+
+    Its accept loop is the recovery server's (:func:`kvagent.recovery.listen.accept_loop`): when the process
+    runs out of descriptors it logs once per episode, frees the ones held by half-open websocket
+    handshakes and retries, so a scrape still gets through while the websocket port is under attack.
+    """
 
     async def handle(stream: trio.SocketStream) -> None:
         try:
-            with trio.move_on_after(5):
+            with trio.move_on_after(SCRAPE_TIMEOUT):
                 await _answer_scrape(stream, sources)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
             log.exception("metrics_request_failed")
         finally:
-            await stream.aclose()
+            with trio.move_on_after(1, shield=True):
+                await stream.aclose()
 
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, handle, listeners)
+        for listener in listeners:
+            nursery.start_soon(
+                partial(
+                    accept_loop, listener.accept, handle, nursery, name="metrics", shed=shed_pending_handshakes
+                )
+            )
+        log.info("metrics_listening", host=host, port=bound_port)
         task_status.started(bound_port)

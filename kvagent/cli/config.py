@@ -97,6 +97,11 @@ class ServeConfig:
     status_interval: float = 5.0
     shutdown_timeout: float = 10.0
     rcvhwm: int = 1000  # the listener fits it lower still once it sees large messages (its byte bound)
+    # The websocket server's bounds (docs/protocol.md, "Limits and deadlines").
+    handshake_timeout: float = 5.0
+    max_pending_handshakes: int | None = None  # None: 128, at most a quarter of the fd limit
+    send_deadline: float = 10.0
+    outbound_queue_bytes: int = 1 << 20
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :func:`structure_serve_config` turns back into an equal config."""
@@ -322,8 +327,18 @@ def validate_serve_config(config: ServeConfig) -> None:
         errors.append(f"discovery: {exc}")
     if config.log_format not in ("text", "json"):
         errors.append(f"log_format: must be 'text' or 'json', got {config.log_format!r}")
-    for key in ("max_connections", "max_message_bytes", "status_interval", "shutdown_timeout"):
+    for key in (
+        "max_connections",
+        "max_message_bytes",
+        "status_interval",
+        "shutdown_timeout",
+        "handshake_timeout",
+        "send_deadline",
+        "outbound_queue_bytes",
+    ):
         _check(errors, key, _positive(getattr(config, key)))
+    if config.max_pending_handshakes is not None:
+        _check(errors, "max_pending_handshakes", _positive(config.max_pending_handshakes))
     _check(errors, "rcvhwm", _range(config.rcvhwm, 0, (1 << 31) - 1))
     if errors:
         _raise(tuple(errors))

@@ -54,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here")
     serve.add_argument("--log-format", choices=["text", "json"])
     serve.add_argument("--max-connections", type=int)
+    serve.add_argument(
+        "--handshake-timeout", type=float, help="seconds a connection may take to finish its websocket handshake"
+    )
+    serve.add_argument(
+        "--max-pending-handshakes",
+        type=int,
+        help="connections still in their handshake (oldest dropped first; default 128, at most fd limit / 4)",
+    )
+    serve.add_argument(
+        "--send-deadline",
+        type=float,
+        help="seconds a client may leave a frame unaccepted before it is closed with 1013 overrun",
+    )
+    serve.add_argument("--outbound-queue-bytes", type=int, help="per-connection bound of queued answer bytes")
+    serve.add_argument("--shutdown-timeout", type=float, help="seconds to close every client with 1001")
     serve.add_argument("--status-interval", type=float, help="seconds between console status lines")
     serve.add_argument(
         "--simulate",
@@ -128,8 +143,17 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         value = getattr(args, option)
         if value is not None:
             data[option] = value
-    if args.max_connections is not None:
-        data["max_connections"] = args.max_connections
+    for option in (
+        "max_connections",
+        "handshake_timeout",
+        "max_pending_handshakes",
+        "send_deadline",
+        "outbound_queue_bytes",
+        "shutdown_timeout",
+    ):
+        value = getattr(args, option)
+        if value is not None:
+            data[option] = value
     if args.status_interval is not None:
         data["status_interval"] = args.status_interval
     if not data.get("slots"):

@@ -27,7 +27,7 @@ from kvagent.model.events import IngressProtocol
 from kvagent.model.ids import derive_worker_id
 from kvagent.publish.sinks import EventSink
 from kvagent.publish.zmq_plane import ZmqEventPlane
-from kvagent.recovery.server import ServerStats, serve_recovery
+from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
 from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
@@ -165,17 +165,17 @@ async def _start_servers(
     """Start the recovery server (and the metrics endpoint if configured); the recovery base URL."""
     listen_host, listen_port = _split_host_port(config.listen)
     server_stats = ServerStats()
+    options = ServingOptions(
+        max_connections=config.max_connections,
+        max_message_size=config.max_message_bytes,
+        max_pending_handshakes=config.max_pending_handshakes,
+        handshake_timeout=config.handshake_timeout,
+        send_deadline=config.send_deadline,
+        outbound_queue_bytes=config.outbound_queue_bytes,
+        shutdown_timeout=config.shutdown_timeout,
+    )
     server = await nursery.start(
-        partial(
-            serve_recovery,
-            host,
-            host=listen_host,
-            port=listen_port,
-            token=token,
-            max_connections=config.max_connections,
-            max_message_size=config.max_message_bytes,
-            stats=server_stats,
-        )
+        partial(serve_recovery, host, host=listen_host, port=listen_port, token=token, options=options, stats=server_stats)
     )
     if config.metrics:
         sources = MetricSources(

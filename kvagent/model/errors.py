@@ -37,6 +37,7 @@ ERROR_CODES = frozenset(
         "too_large",
         "internal",
         "conflict",
+        "overloaded",
     }
 )
 

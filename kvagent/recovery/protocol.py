@@ -47,6 +47,7 @@ __all__ = [
     "request_op",
     "single_frame_answer",
     "MAX_FRAME_BYTES",
+    "NESTED_TOO_DEEPLY",
     "CACHE_OWNER_INCREMENTAL_UNSUPPORTED",
     "CHANGED_DURING_RECOVERY",
     "Encoding",
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 MAX_FRAME_BYTES = 1 << 20  # trio-websocket's default receive limit: every frame we send must fit it
+NESTED_TOO_DEEPLY = "request nests arrays/maps too deeply"
 
 CACHE_OWNER_INCREMENTAL_UNSUPPORTED = (
     "CacheOwner-only incremental recovery is unsupported; request a full state-agent snapshot"
@@ -121,6 +123,14 @@ class ServerStatistics:
         request_errors: error responses by error code.
         request_seconds_sum: seconds spent answering requests, ``follow`` excluded (its duration is the
             lifetime of a stream, not the cost of a request).
+        handshakes_pending: connections accepted whose websocket handshake is not finished yet.
+        handshake_timeouts: connections closed because their handshake missed its deadline.
+        handshakes_dropped: connections closed in their handshake to make room under the pre-handshake
+            limit, or to free descriptors when ``accept`` ran out of them.
+        send_overruns: connections closed (1013 "overrun") because the peer did not take a frame within
+            the send deadline.
+        ping_timeouts: connections closed because the peer did not answer a ping in time.
+        accept_capacity_errors: ``accept`` calls that failed for lack of descriptors or memory.
     """
 
     connections_open: int
@@ -129,6 +139,12 @@ class ServerStatistics:
     requests: Mapping[str, int]
     request_errors: Mapping[str, int]
     request_seconds_sum: float
+    handshakes_pending: int = 0
+    handshake_timeouts: int = 0
+    handshakes_dropped: int = 0
+    send_overruns: int = 0
+    ping_timeouts: int = 0
+    accept_capacity_errors: int = 0
 
 
 # --- frames -----------------------------------------------------------------------------------------
@@ -140,14 +156,24 @@ def frame_encoding(message: str | bytes) -> Encoding:
 
 
 def decode_frame(message: str | bytes) -> tuple[Encoding, object]:
-    """The frame's encoding and decoded value; KvAgentError(bad_request) when it does not parse."""
+    """The frame's encoding and decoded value; KvAgentError(bad_request) when it does not parse.
+
+    Nesting is bounded by the decoders themselves, in linear time: the JSON parser stops at the
+    interpreter's recursion limit (about 1000 levels) and msgpack at its decoder stack (1024 levels); both
+    become ``bad_request``.  (A bracket-counting pre-scan would need to skip strings, which a regex cannot
+    do in linear time on hostile input.)
+    """
     if isinstance(message, str):
         try:
             return Encoding.JSON, json.loads(message)
+        except RecursionError:
+            raise KvAgentError(NESTED_TOO_DEEPLY, code="bad_request") from None
         except ValueError:
             raise KvAgentError("request is not valid JSON", code="bad_request") from None
     try:
         return Encoding.MSGPACK, msgpack.unpackb(message, raw=False, strict_map_key=False)
+    except msgpack.StackError:
+        raise KvAgentError(NESTED_TOO_DEEPLY, code="bad_request") from None
     except Exception:  # msgpack raises several unrelated types for malformed input
         raise KvAgentError("request is not valid msgpack", code="bad_request") from None
 

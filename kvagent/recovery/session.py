@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import attrs
 import structlog
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvagent.index.recovery_index import (
     DumpGroup,
@@ -79,6 +78,8 @@ from kvagent.recovery.protocol import (
     required_uint,
     single_frame_answer,
 )
+from kvagent.recovery.turns import AnswerTurns, Turn
+from kvagent.recovery.websocket import CLOSE_TRY_AGAIN_LATER, ConnectionClosed, MessageTooBig, WebSocket
 
 __all__ = [
     "CLOSE_TRY_AGAIN_LATER",
@@ -94,7 +95,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-CLOSE_TRY_AGAIN_LATER = 1013
 LIVE_BATCH_EVENTS = 1024  # events drained into one live batch (then split by frame size)
 
 
@@ -116,6 +116,7 @@ class SessionConfig:
     token: str | None
     counters: RequestCounters
     follow_buffer_events: int
+    turns: AnswerTurns = attrs.field(factory=AnswerTurns)
 
 
 # --- follow state -----------------------------------------------------------------------------------
@@ -206,15 +207,37 @@ class AnswerWriter:
 
     A ``recover`` writer is fenced: its headers carry a receipt and its final frame goes out only if the
     fence still holds.  A ``follow`` writer is not (its backlog is the unfenced full view).
+
+    ``turn`` is the request's answer turn (:mod:`kvagent.recovery.turns`): a light answer writes its first
+    frame without it; every later frame (and all of a heavy answer) is computed while it is held; it is
+    let go while the peer's queue has no room.
     """
 
-    ws: WebSocketConnection
+    ws: WebSocket
     encoding: Encoding
     request_id: int
+    turn: Turn
     fencing: _Fencing | None = None
 
     async def send(self, value: Mapping[str, object]) -> None:
-        await self.ws.send_message(encode_frame(self.encoding, value))
+        await self._put(encode_frame(self.encoding, value))
+
+    async def _put(self, frame: str | bytes) -> None:
+        try:
+            self.ws.send_nowait(frame)
+            return
+        except trio.WouldBlock:
+            pass
+        # The peer reads slower than we answer: wait for room without holding a turn.
+        held = self.turn.held
+        self.turn.release()
+        await self.ws.send_message(frame)
+        if held:
+            await self.turn.acquire()
+
+    async def pass_turn(self) -> None:
+        """Between two frames: let the others (and ingest) take theirs; the next frame is heavy work."""
+        await self.turn.pass_on()
 
     async def range_answer(
         self, answer: RangeAnswer, ring: EncodedRing, *, supports_failed: bool
@@ -257,20 +280,20 @@ class AnswerWriter:
         return header
 
     async def _send_frames(self, frames: Iterable[str | bytes]) -> None:
-        # Frames are encoded lazily between sends, so a big answer never holds the event loop for more than
-        # one frame (ingest and other clients run in between).  A fenced answer's final frame (the one that
-        # completes it) goes out only if the fence still holds (5.3 post-check).
-        if self.fencing is None:
-            for frame in frames:
-                await self.ws.send_message(frame)
-            return
+        # Frames are encoded lazily, one per task step: a multi-frame answer yields between frames, so it
+        # never holds the event loop for more than one frame (ingest and the other connections take turns
+        # in between), while a one-frame answer is written in the step that computed it.  A fenced
+        # answer's final frame (the one that completes it) goes out only if the fence still holds (5.3
+        # post-check).
         iterator: Iterator[str | bytes] = iter(frames)
         pending = next(iterator)
-        for frame in iterator:
-            await self.ws.send_message(pending)
+        for frame in iterator:  # computing the next frame is this turn's work
+            await self._put(pending)
+            await self.pass_turn()
             pending = frame
-        self.fencing.check()
-        await self.ws.send_message(pending)
+        if self.fencing is not None:
+            self.fencing.check()
+        await self._put(pending)
 
 
 # --- the session ------------------------------------------------------------------------------------
@@ -279,9 +302,7 @@ class AnswerWriter:
 class Session:
     """One websocket connection: reads requests until the peer leaves, answers each in its own encoding."""
 
-    def __init__(
-        self, ws: WebSocketConnection, config: SessionConfig, slot: str | None, header_token: str | None
-    ) -> None:
+    def __init__(self, ws: WebSocket, config: SessionConfig, slot: str | None, header_token: str | None) -> None:
         self.ws = ws
         self.config = config
         self.slot = slot
@@ -291,7 +312,19 @@ class Session:
     async def run(self) -> None:
         """Serve requests until the connection closes (ConnectionClosed escapes)."""
         while True:
-            await self._handle(await self.ws.get_message())
+            try:
+                message = await self.ws.get_message()
+            except MessageTooBig as exc:
+                await self._refuse_oversized(exc)
+                continue
+            await self._handle(message)
+
+    async def _refuse_oversized(self, exc: MessageTooBig) -> None:
+        # The frame was discarded as it arrived, so its id is unknown; the connection stays usable.
+        self.config.counters.count_request("invalid")
+        self.config.counters.count_error("bad_request")
+        encoding = Encoding.MSGPACK if exc.binary else Encoding.JSON
+        await self.ws.send_message(error_frame(encoding, None, "bad_request", str(exc)))
 
     async def _handle(self, message: str | bytes) -> None:
         """Answer one request frame; only ConnectionClosed (and cancellation) escapes."""
@@ -300,13 +333,14 @@ class Session:
         counters = self.config.counters
         op_label = "invalid"
         started = trio.current_time()
+        turn = self.config.turns.turn()
         try:
-            encoding, value = decode_frame(message)
+            encoding, value = decode_frame(message)  # bounded by the frame size and nesting limits
             request_id, request = parse_request(value)
             op = request_op(request)
             op_label = op if op in KNOWN_OPS else "invalid"
             counters.count_request(op_label)
-            await self._dispatch(op, request, AnswerWriter(self.ws, encoding, request_id))
+            await self._dispatch(op, request, AnswerWriter(self.ws, encoding, request_id, turn))
         except KvAgentError as exc:
             log.info("request_failed", slot=self.slot, code=exc.code)
             counters.count_error(exc.code)
@@ -318,6 +352,7 @@ class Session:
             counters.count_error("internal")
             await self.ws.send_message(error_frame(encoding, request_id, "internal", "internal error"))
         finally:
+            turn.release()
             if op_label != "follow":
                 counters.count_request_seconds(trio.current_time() - started)
 
@@ -404,6 +439,11 @@ class Session:
         fence = parse_fence(request)
         before = surface.status()
         check_recovery_fence(before, fence, surface.slot_rank)
+        if _is_dump(surface.index, start, end) and await self.config.turns.admit(writer.turn):
+            # Heavy work waited for its turn (or was refused as overloaded): the wait was a schedule
+            # point, so the status the answer vouches for is read again.
+            before = surface.status()
+            check_recovery_fence(before, fence, surface.slot_rank)
         result = surface.index.range_or_snapshot(start, end)
         fencing = _Fencing(surface, before, fence)
         writer = attrs.evolve(writer, fencing=fencing)
@@ -425,6 +465,8 @@ class Session:
         surface = self._surface()
         from_cursor = optional_uint(request, "from")
         dump_format = parse_dump_format(request)
+        if _is_dump(surface.index, None if from_cursor is None else from_cursor + 1, None):
+            await self.config.turns.admit(writer.turn)  # heavy: or refused as overloaded
         follow = open_follow(surface.index, from_cursor, self.config.follow_buffer_events)
         self._following = True
         failure: KvAgentError | None = None
@@ -475,17 +517,30 @@ class Session:
                 await writer.send(
                     {"id": writer.request_id, "ok": True, "kind": "overrun", "last_sent": last_sent}
                 )
-                await self.ws.aclose(
-                    CLOSE_TRY_AGAIN_LATER, "follower fell behind; resume with from = last_sent"
-                )
+                self.ws.close(CLOSE_TRY_AGAIN_LATER, "follower fell behind; resume with from = last_sent")
                 return
             # Events at or below the backlog's cursor were already delivered by it (none are expected).
             events = [event for event in buffer.drain(LIVE_BATCH_EVENTS) if event.event_id > last_sent]
             if not events:
-                await buffer.wait()
+                await self._wait_live(writer, buffer)
                 continue
             await writer.live(events, ring)
             last_sent = events[-1].event_id
+
+    @staticmethod
+    async def _wait_live(writer: AnswerWriter, buffer: LiveBuffer) -> None:
+        """Wait for live events without holding a turn (a live frame is light work)."""
+        writer.turn.release()
+        await buffer.wait()
+
+
+def _is_dump(index: RecoveryIndex, start: int | None, end: int | None) -> bool:
+    """Whether ``range_or_snapshot(start, end)`` answers with a tree dump (its first check, without the
+    dump): heavy work that must wait for a turn."""
+    if start is not None and end is not None and end < start:
+        return False
+    oldest = index.oldest_buffered_id()
+    return start is None or oldest is None or start < oldest
 
 
 def _first_agent_error(group: BaseExceptionGroup[KvAgentError]) -> KvAgentError:

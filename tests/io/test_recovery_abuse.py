@@ -7,7 +7,7 @@ import json
 import msgpack
 import pytest
 import trio
-from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
+from trio_websocket import ConnectionRejected, open_websocket_url
 
 from kvagent.recovery.client import connect_slot
 from tests.support.recovery import FakeSlot, start_server
@@ -26,14 +26,25 @@ async def assert_served(url: str, slot: FakeSlot) -> None:
         assert await client.status() == slot.status()
 
 
-async def test_oversized_frame_closes_only_that_connection(nursery: trio.Nursery, slot: FakeSlot) -> None:
+@pytest.mark.parametrize("binary", [False, True])
+async def test_oversized_frame_is_refused_as_bad_request(
+    nursery: trio.Nursery, slot: FakeSlot, binary: bool
+) -> None:
+    """A request frame over max_message_size is discarded as it arrives and answered bad_request (id null);
+    the connection stays usable, like after any other error response."""
     url = await start_server(nursery, slot, max_message_size=4096)
+    request = {"id": 1, "op": "status", "pad": "x" * 200_000}
     with trio.fail_after(10):
         async with connect_slot(url, "a") as bystander, open_websocket_url(f"{url}/v1/slots/a") as ws:
-            await ws.send_message(json.dumps({"id": 1, "op": "status", "pad": "x" * 8192}))
-            with pytest.raises(ConnectionClosed) as closed:
-                await ws.get_message()
-            assert closed.value.reason is not None and closed.value.reason.code == 1009
+            await ws.send_message(msgpack.packb(request) if binary else json.dumps(request))
+            reply = await ws.get_message()
+            assert isinstance(reply, bytes) == binary, "the refusal uses the frame's encoding"
+            frame = msgpack.unpackb(reply) if isinstance(reply, bytes) else json.loads(reply)
+            assert frame["ok"] is False and frame["id"] is None
+            assert frame["error"]["code"] == "bad_request"
+            assert "4096" in frame["error"]["message"]
+            await ws.send_message(json.dumps({"id": 2, "op": "status"}))
+            assert json.loads(await ws.get_message())["id"] == 2
             assert await bystander.status() == slot.status()
         await assert_served(url, slot)
 

@@ -67,12 +67,20 @@ async def _read_lines(stream: Any, lines: LineLog, ready: trio.Event, found: lis
                 ready.set()
 
 
+# Runs ``kvagent serve`` under a descriptor limit (resource.setrlimit in the child, before anything opens).
+_WITH_NOFILE = (
+    "import resource, sys; limit = int(sys.argv.pop(1)); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)); "
+    "from kvagent.cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 @asynccontextmanager
-async def serve(tmp: Path, *args: str) -> AsyncIterator[ServeProcess]:
+async def serve(tmp: Path, *args: str, nofile: int | None = None) -> AsyncIterator[ServeProcess]:
+    launcher = ["-m", "kvagent.cli.main"] if nofile is None else ["-c", _WITH_NOFILE, str(nofile)]
     command = [
         sys.executable,
-        "-m",
-        "kvagent.cli.main",
+        *launcher,
         "serve",
         "--listen",
         "127.0.0.1:0",

@@ -1,0 +1,36 @@
+"""A clean stop of ``kvagent serve`` closes every websocket client with 1001 "going away"."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+from trio_websocket import ConnectionClosed
+
+from tests.support.agent import XpubEngine, batch, gpu_store
+from tests.support.serve import client, follow_until, serve
+
+
+async def test_sigterm_closes_idle_and_following_clients_with_1001(
+    tmp_path: Path, fake_engine: XpubEngine
+) -> None:
+    with trio.fail_after(60):
+        async with serve(
+            tmp_path, "--slot", f"s0={fake_engine.endpoint}", "--block-size", "32", "--shutdown-timeout", "5"
+        ) as agent:
+            await fake_engine.wait_subscribed()
+            async with client(agent.url) as idle, client(agent.url) as follower:
+                await fake_engine.send_payload(batch([gpu_store([0xFEED])]))
+                await follow_until(follower, 0xFEED, None)  # following live from here on
+                assert (await idle.request("status"))["ok"] is True
+                agent.process.send_signal(signal.SIGTERM)
+                for peer in (idle, follower):
+                    with pytest.raises(ConnectionClosed) as closed:
+                        while True:
+                            await peer.ws.get_message()
+                    assert closed.value.reason is not None
+                    assert (closed.value.reason.code, closed.value.reason.reason) == (1001, "going away")
+            returncode = await agent.process.wait()
+            assert returncode == 0, "\n".join(agent.stderr_lines)
