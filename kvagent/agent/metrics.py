@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvagent._util.listen import accept_loop, shed_pending_handshakes
 from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
-from kvagent.recovery.listen import accept_loop, shed_pending_handshakes
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
 
@@ -89,7 +89,11 @@ def _generation(view: _SlotView) -> float:
 
 # Per-slot families (label ``slot``): name (after ``kvagent_``), help, and how to read it from one view.
 _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
-    ("events_in", "Placement events received from the listener", lambda v: v.statistics.coordinator.events_in),
+    (
+        "events_in",
+        "Placement events received from the listener",
+        lambda v: v.statistics.coordinator.events_in,
+    ),
     (
         "events_published",
         "Outbound events handed to the sinks",
@@ -144,7 +148,11 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
     ),
     ("ingress_chunks", "Ingress chunks handled", lambda v: v.statistics.coordinator.ingress_chunks),
     ("messages", "Raw ZMQ messages received", _listener(lambda listener: listener.messages)),
-    ("decode_errors", "Raw messages that failed to decode", _listener(lambda listener: listener.decode_errors)),
+    (
+        "decode_errors",
+        "Raw messages that failed to decode",
+        _listener(lambda listener: listener.decode_errors),
+    ),
     ("gaps", "Raw sequence gaps seen", _listener(lambda listener: listener.gaps)),
     (
         "repaired_batches",
@@ -163,8 +171,16 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
     ),
     ("engine_disconnects", "Engine connections dropped (SUB monitor)", _listener(lambda s: s.disconnects)),
     ("replay_requests", "Replay requests sent to the engine", _listener(lambda s: s.replay_requests)),
-    ("ingest_sheds", "Times queued raw batches were shed to stay under the byte bound", _listener(lambda s: s.sheds)),
-    ("ingest_shed_bytes", "Raw payload bytes shed to stay under the byte bound", _listener(lambda s: s.shed_bytes)),
+    (
+        "ingest_sheds",
+        "Times queued raw batches were shed to stay under the byte bound",
+        _listener(lambda s: s.sheds),
+    ),
+    (
+        "ingest_shed_bytes",
+        "Raw payload bytes shed to stay under the byte bound",
+        _listener(lambda s: s.shed_bytes),
+    ),
     (
         "withdrawals",
         "Attachment advertisements withdrawn by the supervisor",
@@ -241,7 +257,9 @@ def _slot_families(views: list[_SlotView]) -> Iterator[Metric]:
     yield state
 
 
-def _labelled(name: str, doc: str, label: str, counts: Mapping[str, int] | Mapping[int, int]) -> CounterMetricFamily:
+def _labelled(
+    name: str, doc: str, label: str, counts: Mapping[str, int] | Mapping[int, int]
+) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=[label])
     for key, count in sorted(counts.items(), key=lambda item: str(item[0])):
         family.add_metric([str(key)], count)
@@ -255,7 +273,14 @@ def _counters(prefix: str, table: Iterable[tuple[str, str, float]]) -> Iterator[
 
 def _server_families(server: ServerStatistics) -> Iterator[Metric]:
     yield GaugeMetricFamily(
-        "kvagent_recovery_connections_open", "Open recovery websocket connections", value=server.connections_open
+        "kvagent_recovery_connections_open",
+        "Open recovery websocket connections",
+        value=server.connections_open,
+    )
+    yield GaugeMetricFamily(
+        "kvagent_recovery_handshakes_pending",
+        "Accepted connections whose websocket handshake is not finished",
+        value=server.handshakes_pending,
     )
     yield from _counters(
         "recovery",
@@ -265,6 +290,27 @@ def _server_families(server: ServerStatistics) -> Iterator[Metric]:
                 "request_seconds",
                 "Seconds spent answering recovery requests (follow excluded)",
                 server.request_seconds_sum,
+            ),
+            (
+                "handshake_timeouts",
+                "Connections closed for missing the handshake deadline",
+                server.handshake_timeouts,
+            ),
+            (
+                "handshakes_dropped",
+                "Connections dropped in their handshake (pre-handshake limit or descriptor exhaustion)",
+                server.handshakes_dropped,
+            ),
+            (
+                "send_overruns",
+                "Connections closed 1013 overrun (a frame not taken within the send deadline)",
+                server.send_overruns,
+            ),
+            ("ping_timeouts", "Connections closed for not answering a ping in time", server.ping_timeouts),
+            (
+                "accept_capacity_errors",
+                "accept() calls that failed for lack of descriptors or memory",
+                server.accept_capacity_errors,
             ),
         ),
     )
@@ -372,7 +418,7 @@ async def serve_metrics(
 ) -> None:
     """A minimal HTTP/1.0 server for ``GET /metrics``, ``/healthz`` and ``/readyz``.
 
-    Its accept loop is the recovery server's (:func:`kvagent.recovery.listen.accept_loop`): when the process
+    Its accept loop is the recovery server's (:func:`kvagent._util.listen.accept_loop`): when the process
     runs out of descriptors it logs once per episode, frees the ones held by half-open websocket
     handshakes and retries, so a scrape still gets through while the websocket port is under attack.
     """
@@ -395,7 +441,12 @@ async def serve_metrics(
         for listener in listeners:
             nursery.start_soon(
                 partial(
-                    accept_loop, listener.accept, handle, nursery, name="metrics", shed=shed_pending_handshakes
+                    accept_loop,
+                    listener.accept,
+                    handle,
+                    nursery,
+                    name="metrics",
+                    shed=shed_pending_handshakes,
                 )
             )
         log.info("metrics_listening", host=host, port=bound_port)

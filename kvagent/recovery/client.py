@@ -240,7 +240,9 @@ class RecoveryClient:
             raw.pop(key, None)
         return RecoverResult(str(raw.get("kind")), events, raw, tuple(wire) if keep_wire else (), dump, blobs)
 
-    async def follow(self, from_: int | None = None, *, dump_format: str = "events") -> AsyncIterator[FollowItem]:
+    async def follow(
+        self, from_: int | None = None, *, dump_format: str = "events"
+    ) -> AsyncIterator[FollowItem]:
         """Backlog frames, then live frames, until the server ends the stream.
 
         Raises FollowOverrun on overrun and RecoveryClientError("too_new") when ``from_`` is ahead of the

@@ -168,7 +168,9 @@ def legacy_dump_parts(
         columns = group.columns
         live, has_parent = columns.masks()
         rows = BlockRows(columns.hashes, columns.parents, columns.tokens, has_parent, live, columns.mm)
-        encoder = OneBlockRows(encoding, group.worker_id, group.tier, group.domain, group.dp_rank, group.source)
+        encoder = OneBlockRows(
+            encoding, group.worker_id, group.tier, group.domain, group.dp_rank, group.source
+        )
         for first in range(0, len(live), chunk_rows):
             parts, event_id = encoder.encode(rows, first, min(len(live), first + chunk_rows), event_id)
             yield from parts
@@ -184,7 +186,9 @@ def _le_bytes(column: array[int], first: int, end: int) -> bytes:
     return piece.tobytes()
 
 
-def _piece(encoding: Encoding, group: DumpGroup, first: int, end: int, first_event_id: int) -> dict[str, object]:
+def _piece(
+    encoding: Encoding, group: DumpGroup, first: int, end: int, first_event_id: int
+) -> dict[str, object]:
     columns = group.columns
     blobs: dict[str, bytes] = {
         "block_hashes": _le_bytes(columns.hashes, first, end),

@@ -1,6 +1,6 @@
 """The websocket recovery & control endpoint (protocol v1, docs/protocol.md): every slot of the process.
 
-This module is the shell around the sessions: accepting (:mod:`kvagent.recovery.listen`: fd exhaustion and
+This module is the shell around the sessions: accepting (:mod:`kvagent._util.listen`: fd exhaustion and
 the pre-handshake limit), the handshake (its deadline, the path, token placement), the connection limiter,
 the heartbeat, each connection's lifecycle and the shutdown.  The connection's send path is
 :mod:`kvagent.recovery.websocket`'s; what a connection says is :mod:`kvagent.recovery.session`'s.
@@ -27,9 +27,10 @@ import trio
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, RejectConnection, RejectData, Request
 
-from kvagent.recovery.listen import (
+from kvagent._util.listen import (
     PendingHandshakes,
     accept_loop,
+    close_socket,
     default_pending_limit,
     shed_pending_handshakes,
 )
@@ -44,7 +45,6 @@ from kvagent.recovery.websocket import (
     HandshakeFailed,
     SendLimits,
     WebSocket,
-    close_socket,
     read_request,
     send_all,
 )
@@ -67,7 +67,7 @@ class RecoveryServerInfo:
 class ServingOptions:
     """The server's bounds (docs/protocol.md, "Limits and deadlines").
 
-    ``max_pending_handshakes`` None means :func:`~kvagent.recovery.listen.default_pending_limit`: 128, but
+    ``max_pending_handshakes`` None means :func:`~kvagent._util.listen.default_pending_limit`: 128, but
     at most a quarter of the process's descriptor limit.  ``answer_turns`` and ``max_answer_wait`` are the
     fair-turn bounds of :mod:`kvagent.recovery.turns`.
     """
@@ -226,9 +226,7 @@ class _Server:
         self._listeners: list[trio.SocketListener] = []
         self._idle = trio.Event()
 
-    async def run(
-        self, listeners: list[trio.SocketListener], *, task_status: trio.TaskStatus[None]
-    ) -> None:
+    async def run(self, listeners: list[trio.SocketListener], *, task_status: trio.TaskStatus[None]) -> None:
         self._listeners = listeners
         with self._scope:
             async with trio.open_nursery() as nursery:
@@ -302,7 +300,9 @@ class _Server:
             return None
         return admitted
 
-    async def _answer(self, sock: socket.socket, connection: WSConnection, request: Request) -> _Admitted | None:
+    async def _answer(
+        self, sock: socket.socket, connection: WSConnection, request: Request
+    ) -> _Admitted | None:
         target = urlsplit(request.target)
         if _query_carries_token(target.query):
             # Query strings end up in proxy and access logs; refuse rather than accept a leaked token.

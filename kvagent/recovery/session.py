@@ -302,7 +302,9 @@ class AnswerWriter:
 class Session:
     """One websocket connection: reads requests until the peer leaves, answers each in its own encoding."""
 
-    def __init__(self, ws: WebSocket, config: SessionConfig, slot: str | None, header_token: str | None) -> None:
+    def __init__(
+        self, ws: WebSocket, config: SessionConfig, slot: str | None, header_token: str | None
+    ) -> None:
         self.ws = ws
         self.config = config
         self.slot = slot

@@ -99,7 +99,8 @@ class AnswerTurns:
         if not turn.held:
             self.waited_too_long += 1
             raise KvAgentError(
-                f"server overloaded: no answer slot within {self.max_wait:g} s; retry later", code="overloaded"
+                f"server overloaded: no answer slot within {self.max_wait:g} s; retry later",
+                code="overloaded",
             )
         return True
 

@@ -45,6 +45,8 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
+from kvagent._util.listen import close_socket
+
 __all__ = [
     "CLOSE_ABNORMAL",
     "CLOSE_GOING_AWAY",
@@ -59,7 +61,6 @@ __all__ = [
     "MessageTooBig",
     "SendLimits",
     "WebSocket",
-    "close_socket",
     "read_request",
     "send_all",
 ]
@@ -134,13 +135,6 @@ def frame_header(opcode: int, length: int, fin: bool) -> bytes:
 
 
 # --- the socket -------------------------------------------------------------------------------------
-
-
-def close_socket(sock: socket.socket) -> None:
-    """Close now (idempotent); a task waiting on the socket wakes with ClosedResourceError."""
-    if sock.fileno() != -1:
-        trio.lowlevel.notify_closing(sock)
-        sock.close()
 
 
 async def send_all(sock: socket.socket, data: bytes) -> None:

@@ -16,9 +16,9 @@ import structlog
 import trio
 import trio.testing
 
+from kvagent._util.listen import BACKOFF_MAX, EPISODE_QUIET, accept_loop, default_pending_limit
 from kvagent.model.errors import KvAgentError
 from kvagent.recovery.client import connect_slot
-from kvagent.recovery.listen import BACKOFF_MAX, EPISODE_QUIET, accept_loop, default_pending_limit
 from kvagent.recovery.server import ServerStats, ServingOptions
 from kvagent.recovery.turns import AnswerTurns
 from tests.support.rawws import OP_BINARY, OP_TEXT, RawPeer, masked_frame, parse_frames

@@ -76,19 +76,39 @@ class _Slot:
         return SlotStatistics(
             coordinator=COORDINATOR,
             listener=LISTENER if self.attached else None,
-            withdrawal=WithdrawalStatistics(withdrawals=20, retries=21, stale_noops=22, required_withdrawals=23),
+            withdrawal=WithdrawalStatistics(
+                withdrawals=20, retries=21, stale_noops=22, required_withdrawals=23
+            ),
         )
 
 
 def _scrape() -> set[str]:
     sources = MetricSources(
         slots=lambda: [_Slot("b", attached=True), _Slot("a", attached=False)],  # type: ignore[list-item]
-        server=lambda: ServerStatistics(1, 2, {503: 4}, {"status": 5}, {"internal": 6}, 1.5),
+        server=lambda: ServerStatistics(
+            1,
+            2,
+            {503: 4},
+            {"status": 5},
+            {"internal": 6},
+            1.5,
+            handshakes_pending=7,
+            handshake_timeouts=8,
+            handshakes_dropped=9,
+            send_overruns=10,
+            ping_timeouts=11,
+            accept_capacity_errors=12,
+        ),
         event_plane=lambda: EventPlaneStatistics(
             subscriptions=1, messages_sent=30, events_sent=31, dropped_messages=32, dropped_events=33
         ),
         etcd=lambda: EtcdStatistics(
-            keepalives=40, keepalive_failures=41, lease_losses=42, regrants=43, reregistrations=44, recoveries=45
+            keepalives=40,
+            keepalive_failures=41,
+            lease_losses=42,
+            regrants=43,
+            reregistrations=44,
+            recoveries=45,
         ),
     )
     return {line for line in render_metrics(sources).decode().splitlines() if not line.startswith("#")}
@@ -125,6 +145,12 @@ def test_each_snapshot_field_lands_in_its_family() -> None:
         'kvagent_recovery_requests_total{op="status"} 5.0',
         'kvagent_recovery_request_errors_total{code="internal"} 6.0',
         "kvagent_recovery_request_seconds_total 1.5",
+        "kvagent_recovery_handshakes_pending 7.0",
+        "kvagent_recovery_handshake_timeouts_total 8.0",
+        "kvagent_recovery_handshakes_dropped_total 9.0",
+        "kvagent_recovery_send_overruns_total 10.0",
+        "kvagent_recovery_ping_timeouts_total 11.0",
+        "kvagent_recovery_accept_capacity_errors_total 12.0",
         "kvagent_event_plane_events_sent_total 31.0",
         "kvagent_event_plane_dropped_events_total 33.0",
         "kvagent_etcd_keepalive_failures_total 41.0",
@@ -172,7 +198,9 @@ def test_attachment_state_is_one_hot(state: str) -> None:
         ([], False),
     ],
 )
-def test_readyz_is_200_only_when_every_slot_is_ready(slots: list[tuple[str, str | None]], ready: bool) -> None:
+def test_readyz_is_200_only_when_every_slot_is_ready(
+    slots: list[tuple[str, str | None]], ready: bool
+) -> None:
     agents = [_Slot(name, attached=state is not None, state=state or "ready") for name, state in slots]
     sources = MetricSources(slots=lambda: agents)  # type: ignore[arg-type,return-value]
     expected = {name: state or "detached" for name, state in slots}

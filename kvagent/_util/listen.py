@@ -26,13 +26,12 @@ from typing import TypeVar
 import structlog
 import trio
 
-from kvagent.recovery.websocket import close_socket
-
 __all__ = [
     "BACKOFF_MAX",
     "CAPACITY_ERRNOS",
     "PendingHandshakes",
     "accept_loop",
+    "close_socket",
     "default_pending_limit",
     "shed_pending_handshakes",
 ]
@@ -214,3 +213,10 @@ async def accept_loop(
             episode.end()
             episode = None
         nursery.start_soon(handle, connection)
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Close now (idempotent); a task waiting on the socket wakes with ClosedResourceError."""
+    if sock.fileno() != -1:
+        trio.lowlevel.notify_closing(sock)
+        sock.close()
