@@ -217,6 +217,7 @@ class _Server:
         self.options = options
         self.stats = stats
         self.limiter = trio.CapacityLimiter(options.max_connections)
+        self._holding: set[socket.socket] = set()  # sockets holding a place in ``limiter``
         self.pending = PendingHandshakes(
             default_pending_limit(options.max_pending_handshakes), stats.count_handshake_dropped
         )
@@ -267,11 +268,21 @@ class _Server:
                 try:
                     await self._serve(sock, admitted)
                 finally:
-                    self.limiter.release_on_behalf_of(sock)
+                    self._release_slot(sock)
         except Exception:
             log.exception("connection_handler_failed")
         finally:
             close_socket(sock)
+
+    def _release_slot(self, sock: socket.socket) -> None:
+        """Give the connection's place back, once: when the peer's close arrives or the connection ends.
+
+        Released before the close reply is sent, so a client that has finished its close handshake
+        never finds its own place still taken.
+        """
+        if sock in self._holding:
+            self._holding.discard(sock)
+            self.limiter.release_on_behalf_of(sock)
 
     async def _handshake(self, sock: socket.socket) -> _Admitted | None:
         """Read and answer the upgrade request within the handshake deadline; None when not upgraded."""
@@ -296,7 +307,7 @@ class _Server:
             if scope.cancelled_caught and trio.current_time() >= deadline:
                 self.stats.handshake_timeouts += 1
             if admitted is not None:
-                self.limiter.release_on_behalf_of(sock)
+                self._release_slot(sock)
             return None
         return admitted
 
@@ -323,10 +334,11 @@ class _Server:
         except trio.WouldBlock:
             await self._reject(sock, connection, 503, b"too many connections")
             return None
+        self._holding.add(sock)
         try:
             await send_all(sock, connection.send(AcceptConnection()))
         except BaseException:
-            self.limiter.release_on_behalf_of(sock)
+            self._release_slot(sock)
             raise
         return _Admitted(connection, slot, _bearer_token(request))
 
@@ -344,6 +356,7 @@ class _Server:
             max_message_size=options.max_message_size,
             limits=options.send_limits,
             on_overrun=self.stats.count_send_overrun,
+            on_peer_close=partial(self._release_slot, sock),
         )
         session = Session(ws, self.session, admitted.slot, admitted.token)
         self.connections.add(ws)

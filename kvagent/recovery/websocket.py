@@ -201,9 +201,11 @@ class WebSocket:
         max_message_size: int,
         limits: SendLimits,
         on_overrun: Callable[[], None] | None = None,
+        on_peer_close: Callable[[], None] | None = None,
     ) -> None:
         self._sock = sock
         self._on_overrun = on_overrun
+        self._on_peer_close = on_peer_close
         self._ws = connection
         self._max_message_size = max_message_size
         self._limits = limits
@@ -538,6 +540,8 @@ class WebSocket:
             # The peer started the close (or broke the protocol: wsproto reports that as a close with
             # the error's code): answer at once, dropping whatever was still queued.
             self._close_reason = CloseReason(event.code, event.reason or None)
+            if self._on_peer_close is not None:
+                self._on_peer_close()  # before the reply: the peer's close completes only after it
             try:
                 self._close_frame = self._ws.send(event.response())
             except LocalProtocolError:
