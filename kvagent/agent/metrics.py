@@ -1,27 +1,22 @@
-"""Prometheus metrics: every component's ``statistics()`` snapshot, rendered in this one place.
+"""Prometheus metrics and readiness: every component's ``statistics()`` snapshot, rendered in this one place.
 
 The hot paths only increment plain private counters; nothing here runs per event. When ``/metrics`` is
 scraped, the collector takes one frozen snapshot per component (each slot's :class:`SlotStatistics`, the
-recovery server's, the event plane's, the etcd backend's) and maps its fields to metric families.
-
-The same small HTTP server answers ``/healthz`` (200 while the process serves) and ``/readyz`` (200 only if
-every slot has an attachment in state ``ready``, 503 otherwise; the JSON body lists each slot's state).
+recovery server's, the event plane's, the etcd backend's, the HTTP surface's) and maps its fields to metric
+families.  :func:`readiness` is what ``/readyz`` answers.  The HTTP server itself is
+:mod:`kvagent.agent.http`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from functools import partial
 
 import attrs
-import structlog
-import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvagent._util.listen import accept_loop, shed_pending_handshakes
+from kvagent.agent.host import SlotState, SlotStateKind
 from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
@@ -31,19 +26,41 @@ from kvagent.vllm.listener import ListenerStatistics
 
 __all__ = [
     "SLOT_STATES",
+    "HttpStatistics",
     "MetricSources",
     "SlotMetricsCollector",
     "readiness",
     "render_metrics",
-    "serve_metrics",
 ]
-
-log = structlog.get_logger(__name__)
-
-SCRAPE_TIMEOUT = 5.0  # a scrape connection that has not sent its request by then is closed
 
 # Every value of ``AgentStatus.state``: the attachment states, and "detached" for a slot without one.
 SLOT_STATES = (*ATTACHMENT_STATES, DETACHED)
+
+
+@attrs.frozen(slots=True)
+class HttpStatistics:
+    """A snapshot of the HTTP surface's counters (:class:`kvagent.agent.http.HttpStats`).
+
+    Attributes:
+        connections_open: HTTP connections being served now.
+        connections_total: HTTP connections accepted (refused ones included).
+        connections_refused: connections answered 503 because ``max_connections`` were open.
+        requests: requests by route (``metrics``, ``healthz``, ``readyz``, ``slots``, ``status``, ``dump``,
+            ``other``), so a client cannot grow the label set with made-up paths.
+        responses: responses by HTTP status code.
+        request_timeouts: connections closed because their request did not arrive within the deadline.
+        send_timeouts: answers abandoned because the client did not take a piece within the send deadline.
+        dump_bytes: body bytes of ``/v1/slots/{slot}/dump`` answers sent.
+    """
+
+    connections_open: int = 0
+    connections_total: int = 0
+    connections_refused: int = 0
+    requests: Mapping[str, int] = attrs.field(factory=dict)
+    responses: Mapping[int, int] = attrs.field(factory=dict)
+    request_timeouts: int = 0
+    send_timeouts: int = 0
+    dump_bytes: int = 0
 
 
 @attrs.frozen
@@ -54,6 +71,10 @@ class MetricSources:
     server: Callable[[], ServerStatistics] | None = None
     event_plane: Callable[[], EventPlaneStatistics] | None = None
     etcd: Callable[[], EtcdStatistics] | None = None
+    http: Callable[[], HttpStatistics] | None = None
+    # The host's record of every slot it was asked to run (starting, failed, stopped ones included), so
+    # /readyz names a slot that is not running; None: only the running slots count.
+    slot_states: Callable[[], Mapping[str, SlotState]] | None = None
 
 
 @attrs.frozen
@@ -349,6 +370,24 @@ def _etcd_families(etcd: EtcdStatistics) -> Iterator[Metric]:
     )
 
 
+def _http_families(http: HttpStatistics) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "kvagent_http_connections_open", "Open HTTP connections", value=http.connections_open
+    )
+    yield from _counters(
+        "http",
+        (
+            ("connections", "Accepted HTTP connections", http.connections_total),
+            ("connections_refused", "HTTP connections refused (too many open)", http.connections_refused),
+            ("request_timeouts", "HTTP requests not received within the deadline", http.request_timeouts),
+            ("send_timeouts", "HTTP answers abandoned: the client stopped reading", http.send_timeouts),
+            ("dump_bytes", "Body bytes of HTTP tree dumps sent", http.dump_bytes),
+        ),
+    )
+    yield _labelled("kvagent_http_requests", "HTTP requests, by route", "route", http.requests)
+    yield _labelled("kvagent_http_responses", "HTTP responses, by status code", "status", http.responses)
+
+
 class SlotMetricsCollector(Collector):
     def __init__(self, sources: MetricSources) -> None:
         self._sources = sources
@@ -362,6 +401,8 @@ class SlotMetricsCollector(Collector):
             yield from _event_plane_families(self._sources.event_plane())
         if self._sources.etcd is not None:
             yield from _etcd_families(self._sources.etcd())
+        if self._sources.http is not None:
+            yield from _http_families(self._sources.http())
 
 
 def render_metrics(sources: MetricSources) -> bytes:
@@ -370,84 +411,38 @@ def render_metrics(sources: MetricSources) -> bytes:
     return generate_latest(prometheus_registry)
 
 
-def readiness(agents: Iterable[SlotAgent]) -> tuple[bool, dict[str, str]]:
-    """Whether every slot has a ready attachment (and there is a slot at all), and each slot's state."""
-    states = {agent.name: agent.status().state for agent in agents}
-    return bool(states) and all(state == "ready" for state in states.values()), dict(sorted(states.items()))
+# Why a slot in each state is not ready (what /readyz says of it).
+_NOT_READY_REASONS = {
+    DETACHED: "no engine is attached",
+    "unready": "the attachment is attaching, detaching or quarantined",
+    "degraded": "history was lost: the Worker state is a subset of the engine's until it resynchronises",
+    "disconnected": "the engine's connection dropped",
+}
 
 
-def _response(status: bytes, content_type: bytes, body: bytes) -> bytes:
-    return (
-        b"HTTP/1.0 " + status + b"\r\nContent-Type: " + content_type + b"\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
+def _slot_readiness(status: AgentStatus) -> dict[str, object]:
+    state = status.state
+    ready = state == "ready"
+    return {"ready": ready, "state": state, "reason": None if ready else _NOT_READY_REASONS[state]}
 
 
-def _answer(path: bytes, sources: MetricSources) -> bytes:
-    if path == b"/metrics":
-        return _response(b"200 OK", b"text/plain; version=0.0.4; charset=utf-8", render_metrics(sources))
-    if path == b"/healthz":
-        return _response(b"200 OK", b"text/plain; charset=utf-8", b"ok\n")
-    if path == b"/readyz":
-        ready, states = readiness(sources.slots())
-        body = json.dumps({"ready": ready, "slots": states}).encode()
-        return _response(b"200 OK" if ready else b"503 Service Unavailable", b"application/json", body)
-    return b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+def _host_readiness(state: SlotState) -> dict[str, object]:
+    reason = state.error if state.error else f"the slot is {state.kind.value}"
+    return {"ready": False, "state": state.kind.value, "reason": reason}
 
 
-async def _answer_scrape(stream: trio.SocketStream, sources: MetricSources) -> None:
-    request = b""
-    while b"\r\n\r\n" not in request and len(request) < 8192:
-        chunk = await stream.receive_some(4096)
-        if not chunk:
-            return
-        request += chunk
-    line = request.split(b"\r\n", 1)[0].split()
-    if len(line) >= 2 and line[0] == b"GET":
-        await stream.send_all(_answer(line[1].split(b"?")[0], sources))
-    else:
-        await stream.send_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+def readiness(
+    agents: Iterable[SlotAgent], slot_states: Mapping[str, SlotState] | None = None
+) -> tuple[bool, dict[str, object]]:
+    """Whether every slot is attached and ready (neither degraded nor disconnected), and the /readyz body.
 
-
-async def serve_metrics(
-    sources: MetricSources,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """A minimal HTTP/1.0 server for ``GET /metrics``, ``/healthz`` and ``/readyz``.
-
-    Its accept loop is the recovery server's (:func:`kvagent._util.listen.accept_loop`): when the process
-    runs out of descriptors it logs once per episode, frees the ones held by half-open websocket
-    handshakes and retries, so a scrape still gets through while the websocket port is under attack.
+    The body is ``{"ready": bool, "slots": {name: {"ready", "state", "reason"}}}``; ``reason`` is None for a
+    ready slot.  A slot the host knows but is not running (starting, failed, stopped) is not ready, with
+    its error as the reason.  No slot at all is not ready either: there is nothing to route to.
     """
-
-    async def handle(stream: trio.SocketStream) -> None:
-        try:
-            with trio.move_on_after(SCRAPE_TIMEOUT):
-                await _answer_scrape(stream, sources)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except Exception:
-            log.exception("metrics_request_failed")
-        finally:
-            with trio.move_on_after(1, shield=True):
-                await stream.aclose()
-
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    bound_port = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        for listener in listeners:
-            nursery.start_soon(
-                partial(
-                    accept_loop,
-                    listener.accept,
-                    handle,
-                    nursery,
-                    name="metrics",
-                    shed=shed_pending_handshakes,
-                )
-            )
-        log.info("metrics_listening", host=host, port=bound_port)
-        task_status.started(bound_port)
+    slots: dict[str, dict[str, object]] = {agent.name: _slot_readiness(agent.status()) for agent in agents}
+    for name, state in (slot_states or {}).items():
+        if name not in slots and state.kind is not SlotStateKind.RUNNING:
+            slots[name] = _host_readiness(state)
+    ready = bool(slots) and all(entry["ready"] for entry in slots.values())
+    return ready, {"ready": ready, "slots": dict(sorted(slots.items()))}

@@ -90,7 +90,8 @@ class ServeConfig:
     discovery: str = attrs.field(factory=_default_discovery)
     token_file: str | None = None
     publish: str | None = None
-    metrics: str | None = None
+    http: str | None = None  # the HTTP surface (metrics, health, readiness, status, dumps)
+    metrics: str | None = None  # the older name of ``http``, still accepted
     log_format: str = "text"
     max_connections: int = 256
     max_message_bytes: int = 1 << 20
@@ -102,6 +103,11 @@ class ServeConfig:
     max_pending_handshakes: int | None = None  # None: 128, at most a quarter of the fd limit
     send_deadline: float = 10.0
     outbound_queue_bytes: int = 1 << 20
+
+    @property
+    def http_listen(self) -> str | None:
+        """Where the HTTP surface listens: ``http``, or its older name ``metrics``."""
+        return self.http if self.http is not None else self.metrics
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :func:`structure_serve_config` turns back into an equal config."""
@@ -317,8 +323,12 @@ def validate_serve_config(config: ServeConfig) -> None:
             )
         seen.setdefault(slot.name, index)
     _check(errors, "listen", _host_port_problem(config.listen, wildcard=False))
-    if config.metrics is not None:
-        _check(errors, "metrics", _host_port_problem(config.metrics, wildcard=False))
+    for key in ("http", "metrics"):
+        value = getattr(config, key)
+        if value is not None:
+            _check(errors, key, _host_port_problem(value, wildcard=False))
+    if config.http is not None and config.metrics is not None and config.http != config.metrics:
+        errors.append("metrics: is the older name of http; set only http")
     if config.publish is not None:
         _check(errors, "publish", _endpoint_problem(config.publish, bind=True))
     try:

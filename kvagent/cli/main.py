@@ -51,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--discovery", help="memory | file:DIR | etcd://HOST:PORT[,HOST:PORT][/PREFIX]")
     serve.add_argument("--token-file", help="control token file (created with a fresh token if missing)")
     serve.add_argument("--publish", metavar="tcp://HOST:PORT", help="bind the outbound ZMQ event plane here")
-    serve.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here")
+    serve.add_argument(
+        "--http",
+        "--metrics",
+        dest="http",
+        metavar="HOST:PORT",
+        help="serve the HTTP surface here: /metrics, /healthz, /readyz, /v1/slots[/SLOT/status|dump] "
+        "(--metrics is the older name)",
+    )
     serve.add_argument("--log-format", choices=["text", "json"])
     serve.add_argument("--max-connections", type=int)
     serve.add_argument(
@@ -139,10 +146,12 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             {**s, "simulate": True} if isinstance(s, dict) and not s.get("engine") else s
             for s in data["slots"]
         ]
-    for option in ("listen", "discovery", "token_file", "publish", "metrics", "log_format"):
+    for option in ("listen", "discovery", "token_file", "publish", "http", "log_format"):
         value = getattr(args, option)
         if value is not None:
             data[option] = value
+    if args.http is not None:
+        data.pop("metrics", None)  # the file's older spelling of the same listener is overridden too
     for option in (
         "max_connections",
         "handshake_timeout",

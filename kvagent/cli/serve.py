@@ -1,4 +1,4 @@
-"""``kvagent serve``: the process nursery (recovery server, metrics, host of slot agents, simulator)."""
+"""``kvagent serve``: the process nursery (recovery server, HTTP surface, host of slot agents, simulator)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import zmq
 
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.host import Host, open_host
-from kvagent.agent.metrics import MetricSources, serve_metrics
+from kvagent.agent.http import serve_http
+from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
 from kvagent.cli.config import ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
@@ -162,7 +163,7 @@ async def _start_servers(
     discovery: Discovery,
     event_plane: ZmqEventPlane | None,
 ) -> str:
-    """Start the recovery server (and the metrics endpoint if configured); the recovery base URL."""
+    """Start the recovery server (and the HTTP surface if configured); the recovery base URL."""
     listen_host, listen_port = _split_host_port(config.listen)
     server_stats = ServerStats()
     options = ServingOptions(
@@ -177,15 +178,17 @@ async def _start_servers(
     server = await nursery.start(
         partial(serve_recovery, host, host=listen_host, port=listen_port, token=token, options=options, stats=server_stats)
     )
-    if config.metrics:
+    if config.http_listen:
         sources = MetricSources(
             slots=lambda: host.agents,
             server=server_stats.statistics,
             event_plane=None if event_plane is None else event_plane.statistics,
             etcd=discovery.statistics if isinstance(discovery, EtcdDiscovery) else None,
+            slot_states=lambda: host.states,
         )
-        metrics_host, metrics_port = _split_host_port(config.metrics)
-        await nursery.start(partial(serve_metrics, sources, host=metrics_host, port=metrics_port))
+        http_host, http_port = _split_host_port(config.http_listen)
+        bound = await nursery.start(partial(serve_http, sources, host=http_host, port=http_port))
+        print(f"kvagent: HTTP surface on http://{http_host}:{bound}", file=sys.stderr, flush=True)
     return f"ws://{listen_host}:{server.port}"
 
 

@@ -10,12 +10,15 @@ and the compact dump decoded again (docs/protocol.md).  Sans-IO.
 - :func:`columns_frames`: the compact ``"dump_format": "columns"`` dump: raw little-endian u64 columns per
   (owner, tier) group, cut into frames of at most MAX_FRAME_BYTES; :func:`dump_columns_from_wire` reads
   one of its pieces back into :class:`DumpColumns`.
+- :func:`dump_document`: the same per-event dump as ONE JSON object or msgpack map (the HTTP surface's
+  ``/v1/slots/{slot}/dump``), produced lazily in pieces so a million blocks are never one buffer.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import sys
 import weakref
 from array import array
@@ -23,6 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import cast
 
 import attrs
+import msgpack
 
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot, RecoveryIndex
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, FLAG_ROOT
@@ -56,6 +60,7 @@ __all__ = [
     "EncodedRing",
     "columns_frames",
     "dump_columns_from_wire",
+    "dump_document",
     "encoded_ring",
     "filter_snapshot",
     "legacy_dump_parts",
@@ -163,6 +168,46 @@ def legacy_dump_parts(
     encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int = 4096
 ) -> Iterator[str | bytes]:
     """Each dump event encoded as in an ``events`` list (ids from 0), lazily, ``chunk_rows`` at a time."""
+    for parts in _dump_part_runs(encoding, groups, chunk_rows):
+        yield from parts
+
+
+def dump_document(
+    encoding: Encoding,
+    header: Mapping[str, object],
+    groups: Sequence[DumpGroup],
+    *,
+    chunk_rows: int = 512,
+) -> Iterator[bytes]:
+    """``{**header, "events": [...]}`` as one document, in pieces of ``chunk_rows`` events.
+
+    The events are exactly :func:`legacy_dump_parts`' (what the websocket dump frames carry, ids from
+    0).  The msgpack array header needs the count up front: it is the groups' live rows.  Each piece is
+    encoded when it is asked for, so the caller holds one piece at a time (about 100 KiB).
+    """
+    if encoding is Encoding.JSON:
+        head = json.dumps(dict(header), separators=(",", ":"))
+        yield (head[:-1] + (',"events":[' if len(header) else '"events":[')).encode()
+        separator = ""
+        for parts in _dump_part_runs(encoding, groups, chunk_rows):
+            yield (separator + ",".join(cast("list[str]", parts))).encode()
+            separator = ","
+        yield b"]}"
+        return
+    packer = msgpack.Packer(use_bin_type=True)
+    pieces = [packer.pack_map_header(len(header) + 1)]
+    for key, value in header.items():
+        pieces += (packer.pack(key), packer.pack(value))
+    pieces += (packer.pack("events"), packer.pack_array_header(sum(g.columns.live for g in groups)))
+    yield b"".join(pieces)
+    for parts in _dump_part_runs(encoding, groups, chunk_rows):
+        yield b"".join(cast("list[bytes]", parts))
+
+
+def _dump_part_runs(
+    encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int
+) -> Iterator[Sequence[str | bytes]]:
+    """:func:`legacy_dump_parts`' events, a run of at most ``chunk_rows`` rows at a time (none empty)."""
     event_id = 0
     for group in groups:
         columns = group.columns
@@ -173,7 +218,8 @@ def legacy_dump_parts(
         )
         for first in range(0, len(live), chunk_rows):
             parts, event_id = encoder.encode(rows, first, min(len(live), first + chunk_rows), event_id)
-            yield from parts
+            if parts:
+                yield parts
 
 
 # --- the compact columns dump -----------------------------------------------------------------------

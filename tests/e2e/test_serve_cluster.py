@@ -98,5 +98,6 @@ async def test_metrics_endpoint_counters_move(tmp_path: Path, fake_engine: XpubE
             async with httpx.AsyncClient() as http:
                 ready = await http.get(f"http://127.0.0.1:{port}/readyz")
                 health = await http.get(f"http://127.0.0.1:{port}/healthz")
-            assert (ready.status_code, ready.json()) == (200, {"ready": True, "slots": {"s0": "ready"}})
+            slot_ready = {"ready": True, "state": "ready", "reason": None}
+            assert (ready.status_code, ready.json()) == (200, {"ready": True, "slots": {"s0": slot_ready}})
             assert health.status_code == 200

@@ -16,7 +16,8 @@ import trio.testing
 
 from kvagent import SlotAgent
 from kvagent.agent.host import SlotRegistry
-from kvagent.agent.metrics import MetricSources, serve_metrics
+from kvagent.agent.http import serve_http
+from kvagent.agent.metrics import MetricSources
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, SourceSignal, SourceState
@@ -236,21 +237,28 @@ async def test_websocket_quarantine_returns_while_discovery_hangs() -> None:
 async def test_readyz_follows_the_attachment_state_and_healthz_answers() -> None:
     with trio.fail_after(TIMEOUT):
         async with running_agent() as (agent, _discovery, _sink, context), trio.open_nursery() as nursery:
-            port = await nursery.start(partial(serve_metrics, MetricSources(slots=lambda: [agent])))
+            port = await nursery.start(partial(serve_http, MetricSources(slots=lambda: [agent])))
             base = f"http://127.0.0.1:{port}"
             async with httpx.AsyncClient(base_url=base) as http:
                 response = await http.get("/readyz")
                 assert response.status_code == 503
-                assert response.json() == {"ready": False, "slots": {"s0": "detached"}}
+                detached = {"ready": False, "state": "detached", "reason": "no engine is attached"}
+                assert response.json() == {"ready": False, "slots": {"s0": detached}}
                 engine = XpubEngine(context)
                 generation = await attach(agent, engine)
                 response = await http.get("/readyz")
                 assert response.status_code == 200
-                assert response.json() == {"ready": True, "slots": {"s0": "ready"}}
+                ready = {"ready": True, "state": "ready", "reason": None}
+                assert response.json() == {"ready": True, "slots": {"s0": ready}}
                 signal(agent, generation, state=DISCONNECTED)
                 await agent.status_cell.wait_for(lambda status: status.state == "disconnected")
                 response = await http.get("/readyz")
-                assert (response.status_code, response.json()["slots"]) == (503, {"s0": "disconnected"})
+                assert response.status_code == 503
+                assert response.json()["slots"]["s0"] == {
+                    "ready": False,
+                    "state": "disconnected",
+                    "reason": "the engine's connection dropped",
+                }
                 assert (await http.get("/healthz")).status_code == 200
                 metrics = (await http.get("/metrics")).text
                 assert 'kvagent_attachment_state{slot="s0",state="disconnected"} 1.0' in metrics

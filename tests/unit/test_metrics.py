@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvagent.agent.metrics import MetricSources, _answer, readiness, render_metrics
+from kvagent.agent.host import SlotState, SlotStateKind
+from kvagent.agent.http import _parse_request, answer_request
+from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
 from kvagent.agent.slot import SlotStatistics
 from kvagent.coordinator.machine import CoordinatorStatistics
 from kvagent.discovery.etcd import EtcdStatistics
@@ -110,6 +112,16 @@ def _scrape() -> set[str]:
             reregistrations=44,
             recoveries=45,
         ),
+        http=lambda: HttpStatistics(
+            connections_open=50,
+            connections_total=51,
+            connections_refused=52,
+            requests={"dump": 53},
+            responses={503: 54},
+            request_timeouts=55,
+            send_timeouts=56,
+            dump_bytes=57,
+        ),
     )
     return {line for line in render_metrics(sources).decode().splitlines() if not line.startswith("#")}
 
@@ -155,6 +167,14 @@ def test_each_snapshot_field_lands_in_its_family() -> None:
         "kvagent_event_plane_dropped_events_total 33.0",
         "kvagent_etcd_keepalive_failures_total 41.0",
         "kvagent_etcd_recoveries_total 45.0",
+        "kvagent_http_connections_open 50.0",
+        "kvagent_http_connections_total 51.0",
+        "kvagent_http_connections_refused_total 52.0",
+        'kvagent_http_requests_total{route="dump"} 53.0',
+        'kvagent_http_responses_total{status="503"} 54.0',
+        "kvagent_http_request_timeouts_total 55.0",
+        "kvagent_http_send_timeouts_total 56.0",
+        "kvagent_http_dump_bytes_total 57.0",
     }
     assert expected <= samples, sorted(expected - samples)
 
@@ -187,6 +207,21 @@ def test_attachment_state_is_one_hot(state: str) -> None:
     assert f'kvagent_attachment_ready{{slot="b"}} {float(state == "ready")}' in samples
 
 
+REASONS = {
+    "degraded": "history was lost: the Worker state is a subset of the engine's until it resynchronises",
+    "disconnected": "the engine's connection dropped",
+    "unready": "the attachment is attaching, detaching or quarantined",
+    "detached": "no engine is attached",
+}
+
+
+def _get(sources: MetricSources, path: bytes, method: bytes = b"GET") -> tuple[int, bytes]:
+    request = _parse_request(method + b" " + path + b" HTTP/1.1\r\nHost: x")
+    assert request is not None
+    response = answer_request(sources, request)
+    return response.status, response.body
+
+
 @pytest.mark.parametrize(
     ("slots", "ready"),
     [
@@ -203,10 +238,37 @@ def test_readyz_is_200_only_when_every_slot_is_ready(
 ) -> None:
     agents = [_Slot(name, attached=state is not None, state=state or "ready") for name, state in slots]
     sources = MetricSources(slots=lambda: agents)  # type: ignore[arg-type,return-value]
-    expected = {name: state or "detached" for name, state in slots}
+    expected = {
+        "ready": ready,
+        "slots": {
+            name: {
+                "ready": state == "ready",
+                "state": state or "detached",
+                "reason": REASONS.get(state or "detached"),
+            }
+            for name, state in slots
+        },
+    }
     assert readiness(agents) == (ready, expected)  # type: ignore[arg-type]
-    head, body = _answer(b"/readyz", sources).split(b"\r\n\r\n", 1)
-    assert head.startswith(b"HTTP/1.0 200 OK" if ready else b"HTTP/1.0 503 Service Unavailable")
-    assert json.loads(body) == {"ready": ready, "slots": expected}
-    assert _answer(b"/healthz", sources).startswith(b"HTTP/1.0 200 OK")
-    assert _answer(b"/nothing", sources).startswith(b"HTTP/1.0 404")
+    status, body = _get(sources, b"/readyz")
+    assert status == (200 if ready else 503)
+    assert json.loads(body) == expected
+    assert _get(sources, b"/healthz")[0] == 200
+    assert _get(sources, b"/nothing")[0] == 404
+    assert _get(sources, b"/readyz", b"POST")[0] == 405
+
+
+def test_readyz_names_a_slot_the_host_could_not_run() -> None:
+    agents = [_Slot("a", attached=True)]
+    states = {
+        "a": SlotState(SlotStateKind.RUNNING),
+        "b": SlotState(SlotStateKind.FAILED, "engine endpoint refused"),
+        "c": SlotState(SlotStateKind.STARTING),
+    }
+    ready, body = readiness(agents, states)  # type: ignore[arg-type]
+    assert not ready
+    assert body["slots"] == {
+        "a": {"ready": True, "state": "ready", "reason": None},
+        "b": {"ready": False, "state": "failed", "reason": "engine endpoint refused"},
+        "c": {"ready": False, "state": "starting", "reason": "the slot is starting"},
+    }

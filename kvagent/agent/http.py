@@ -1,0 +1,385 @@
+"""The HTTP surface (``kvagent serve --http HOST:PORT``): metrics, health, readiness, slot status and dumps.
+
+Routes (GET only; anything else is 405, an unknown path or slot 404, both with a JSON body)::
+
+    /metrics                    Prometheus text (kvagent.agent.metrics)
+    /healthz                    200 while the process serves
+    /readyz                     200 iff every slot is attached and ready, else 503; JSON names each slot
+    /v1/slots                   JSON list: each slot's name, state, readiness and status
+    /v1/slots/{slot}/status     the websocket ``status`` op's status object
+    /v1/slots/{slot}/dump       the tree dump as one JSON document (msgpack with Accept: application/msgpack)
+
+``{slot}`` is percent-decoded.  Each connection carries one request (``Connection: close``).  The dump is
+the websocket dump's content (the same events, ids from 0, the same header fields), taken at one point of
+the slot's outbound stream (``last_event_id``: the index's snapshot is a copy of its columns, about 25
+bytes a block) and encoded piece by piece as the client takes it: HTTP/1.1 clients get it chunked (a
+truncated answer lacks the final chunk), HTTP/1.0 ones until the close.
+
+Bounds: the request head (``max_request_bytes``, else 431) must arrive within ``request_timeout``; a client
+that leaves a piece of an answer untaken for ``send_deadline`` loses its connection; at most
+``max_connections`` connections are served (more get 503) and at most ``max_dumps`` dumps stream at once
+(more get 503 with Retry-After).  Accepting is :func:`kvagent._util.listen.accept_loop`'s, which survives
+descriptor exhaustion, so a scrape still gets through while the websocket port is under attack.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from functools import partial
+from urllib.parse import unquote, urlsplit
+
+import attrs
+import structlog
+import trio
+
+from kvagent._util.listen import accept_loop, shed_pending_handshakes
+from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
+from kvagent.agent.slot import SlotAgent
+from kvagent.model.events import RESET_ALL
+from kvagent.recovery.dump import dump_document, snapshot_header
+from kvagent.wire.router_event import Encoding
+
+__all__ = ["HttpOptions", "HttpStats", "Response", "answer_request", "serve_http"]
+
+log = structlog.get_logger(__name__)
+
+JSON = b"application/json"
+MSGPACK = b"application/msgpack"
+_MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}
+ROUTES = ("metrics", "healthz", "readyz", "slots", "status", "dump", "other")
+
+
+@attrs.frozen(slots=True)
+class HttpOptions:
+    """The HTTP surface's bounds (docs/http.md)."""
+
+    max_connections: int = 64
+    max_request_bytes: int = 8192
+    request_timeout: float = 5.0
+    send_deadline: float = 10.0
+    max_dumps: int = 2
+
+    def __attrs_post_init__(self) -> None:
+        for field in attrs.fields(HttpOptions):
+            if getattr(self, field.name) <= 0:
+                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+
+
+class HttpStats:
+    """Plain counters bumped in place; :meth:`statistics` snapshots them for ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.connections_open = 0
+        self.connections_total = 0
+        self.connections_refused = 0
+        self.requests: dict[str, int] = {}
+        self.responses: dict[int, int] = {}
+        self.request_timeouts = 0
+        self.send_timeouts = 0
+        self.dump_bytes = 0
+        self.dumps_streaming = 0
+
+    def count(self, route: str, status: int) -> None:
+        self.requests[route] = self.requests.get(route, 0) + 1
+        self.responses[status] = self.responses.get(status, 0) + 1
+
+    def statistics(self) -> HttpStatistics:
+        return HttpStatistics(
+            connections_open=self.connections_open,
+            connections_total=self.connections_total,
+            connections_refused=self.connections_refused,
+            requests=dict(self.requests),
+            responses=dict(self.responses),
+            request_timeouts=self.request_timeouts,
+            send_timeouts=self.send_timeouts,
+            dump_bytes=self.dump_bytes,
+        )
+
+
+@attrs.frozen(slots=True)
+class Response:
+    """An answer: a whole body, or (``stream``) pieces produced as the client takes them."""
+
+    status: int
+    content_type: bytes
+    body: bytes = b""
+    stream: Iterable[bytes] | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    route: str = "other"
+
+
+def _json(status: int, value: object, route: str = "other", **headers: bytes) -> Response:
+    body = json.dumps(value, separators=(",", ":")).encode()
+    extra = tuple((name.replace("_", "-").encode(), text) for name, text in headers.items())
+    return Response(status, JSON, body, headers=extra, route=route)
+
+
+def _error(status: int, code: str, message: str, route: str = "other", **headers: bytes) -> Response:
+    return _json(status, {"error": {"code": code, "message": message}}, route, **headers)
+
+
+@attrs.frozen(slots=True)
+class _Request:
+    method: bytes
+    target: bytes
+    version: bytes
+    headers: Mapping[bytes, bytes]
+
+    def wants_msgpack(self) -> bool:
+        accept = self.headers.get(b"accept", b"").lower()
+        return any(kind in accept for kind in _MSGPACK_TYPES)
+
+
+def _parse_request(head: bytes) -> _Request | None:
+    """The request line and headers (names lower-cased); None when the line is malformed."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split()
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        return None
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return _Request(parts[0], parts[1], parts[2], headers)
+
+
+# --- routes -------------------------------------------------------------------------------------------
+
+
+def _slot_entry(agent: SlotAgent) -> dict[str, object]:
+    status = agent.status()
+    return {
+        "name": agent.name,
+        "state": status.state,
+        "ready": status.state == "ready",
+        "status": status.to_json(),
+    }
+
+
+def _dump(agent: SlotAgent, msgpack_wanted: bool) -> Response:
+    """The slot's tree dump at one point of its stream, unfenced (the operator's full view), streamed."""
+    snapshot = agent.index.dump_snapshot()  # a copy: later applies do not change what is streamed
+    header = {"kind": "tree_dump", **snapshot_header(snapshot, RESET_ALL)}
+    encoding = Encoding.MSGPACK if msgpack_wanted else Encoding.JSON
+    pieces = dump_document(encoding, header, snapshot.groups)
+    content_type = MSGPACK if msgpack_wanted else JSON
+    return Response(
+        200, content_type, stream=pieces, headers=_last_event_header(snapshot.last_event_id), route="dump"
+    )
+
+
+def _last_event_header(last_event_id: int) -> tuple[tuple[bytes, bytes], ...]:
+    return ((b"x-kvagent-last-event-id", str(last_event_id).encode()),)
+
+
+def _slot_route(sources: MetricSources, segments: list[str], request: _Request) -> Response:
+    """``/v1/slots/{slot}/status`` and ``/v1/slots/{slot}/dump``."""
+    name, action = segments
+    route = action if action in ("status", "dump") else "other"
+    if route == "other":
+        return _error(404, "not_found", "unknown path: use /v1/slots/{slot}/status or /dump")
+    agent = next((agent for agent in sources.slots() if agent.name == name), None)
+    if agent is None:
+        return _error(404, "not_found", f"no slot named {name!r} is served here", route)
+    if route == "status":
+        return _json(200, agent.status().to_json(), route)
+    return _dump(agent, request.wants_msgpack())
+
+
+def answer_request(sources: MetricSources, request: _Request) -> Response:
+    """The response to one parsed request (a dump's body is still to be produced)."""
+    if request.method != b"GET":
+        return _error(405, "method_not_allowed", "only GET is served", allow=b"GET")
+    try:
+        path = urlsplit(request.target.decode("ascii")).path
+    except (UnicodeDecodeError, ValueError):
+        return _error(400, "bad_request", "the request target is not a valid URL")
+    if path == "/metrics":
+        return Response(
+            200, b"text/plain; version=0.0.4; charset=utf-8", render_metrics(sources), route="metrics"
+        )
+    if path == "/healthz":
+        return Response(200, b"text/plain; charset=utf-8", b"ok\n", route="healthz")
+    if path == "/readyz":
+        states = None if sources.slot_states is None else sources.slot_states()
+        ready, body = readiness(sources.slots(), states)
+        return _json(200 if ready else 503, body, "readyz")
+    segments = path.strip("/").split("/")
+    if segments[:2] == ["v1", "slots"]:
+        if len(segments) == 2:
+            agents = sorted(sources.slots(), key=lambda agent: agent.name)
+            return _json(200, [_slot_entry(agent) for agent in agents], "slots")
+        if len(segments) == 4:
+            # Split first, decode each segment after: an encoded '/' stays inside its segment.
+            return _slot_route(sources, [unquote(segments[2]), segments[3]], request)
+    return _error(404, "not_found", f"unknown path {path!r}")
+
+
+# --- the connection -----------------------------------------------------------------------------------
+
+
+def _head(response: Response, *, chunked: bool) -> bytes:
+    lines = [
+        b"HTTP/1.1 %d %s" % (response.status, _REASONS.get(response.status, b"")),
+        b"Content-Type: " + response.content_type,
+        b"Connection: close",
+        b"Cache-Control: no-store",
+    ]
+    if response.stream is None:
+        lines.append(b"Content-Length: %d" % len(response.body))
+    elif chunked:
+        lines.append(b"Transfer-Encoding: chunked")
+    lines += [name + b": " + value for name, value in response.headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+class _SendTimeout(Exception):
+    """The client did not take a piece of the answer within the send deadline."""
+
+
+class _Connection:
+    """One accepted connection: read one request, answer it, close."""
+
+    def __init__(
+        self, stream: trio.SocketStream, sources: MetricSources, options: HttpOptions, stats: HttpStats
+    ) -> None:
+        self.stream = stream
+        self.sources = sources
+        self.options = options
+        self.stats = stats
+
+    async def read_head(self) -> bytes | None:
+        """The request head (without the blank line), or None when the peer left; raises on overflow."""
+        request = b""
+        while b"\r\n\r\n" not in request:
+            if len(request) > self.options.max_request_bytes:
+                raise OverflowError
+            chunk = await self.stream.receive_some(4096)
+            if not chunk:
+                return None
+            request += chunk
+        head = request.split(b"\r\n\r\n", 1)[0]
+        if len(head) > self.options.max_request_bytes:
+            raise OverflowError
+        return head
+
+    async def send(self, data: bytes) -> None:
+        with trio.move_on_after(self.options.send_deadline) as waiting:
+            await self.stream.send_all(data)
+        if waiting.cancelled_caught:
+            self.stats.send_timeouts += 1
+            raise _SendTimeout
+
+    async def serve(self) -> None:
+        with trio.move_on_after(self.options.request_timeout) as reading:
+            try:
+                head = await self.read_head()
+            except OverflowError:
+                await self.respond(_error(431, "too_large", "request head too large"), chunked=False)
+                return
+        if reading.cancelled_caught:
+            self.stats.request_timeouts += 1
+            return
+        if head is None:
+            return
+        request = _parse_request(head)
+        if request is None:
+            await self.respond(_error(400, "bad_request", "malformed request line"), chunked=False)
+            return
+        response = answer_request(self.sources, request)
+        if response.stream is not None and self.stats.dumps_streaming >= self.options.max_dumps:
+            message = "too many dumps are streaming; retry shortly"
+            response = _error(503, "overloaded", message, "dump", retry_after=b"1")
+        await self.respond(response, chunked=request.version != b"HTTP/1.0")
+
+    async def respond(self, response: Response, *, chunked: bool) -> None:
+        self.stats.count(response.route, response.status)
+        if response.stream is None:
+            await self.send(_head(response, chunked=False) + response.body)
+            return
+        self.stats.dumps_streaming += 1
+        try:
+            await self.send(_head(response, chunked=chunked))
+            await self.send_stream(response.stream, chunked=chunked)
+        finally:
+            self.stats.dumps_streaming -= 1
+
+    async def send_stream(self, pieces: Iterable[bytes], *, chunked: bool) -> None:
+        # Each piece is encoded in the step that sends it; send_all is a checkpoint, so the other
+        # connections and ingest run between two pieces.
+        iterator: Iterator[bytes] = iter(pieces)
+        for piece in iterator:
+            self.stats.dump_bytes += len(piece)
+            await self.send(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        if chunked:
+            await self.send(b"0\r\n\r\n")
+
+
+async def _handle(
+    sources: MetricSources, options: HttpOptions, stats: HttpStats, stream: trio.SocketStream
+) -> None:
+    stats.connections_total += 1
+    stats.connections_open += 1
+    connection = _Connection(stream, sources, options, stats)
+    try:
+        if stats.connections_open > options.max_connections:
+            stats.connections_refused += 1
+            refusal = _error(503, "overloaded", "too many HTTP connections", retry_after=b"1")
+            with trio.move_on_after(1):
+                await connection.respond(refusal, chunked=False)
+            return
+        await connection.serve()
+    except (trio.BrokenResourceError, trio.ClosedResourceError, _SendTimeout):
+        pass
+    except Exception:
+        log.exception("http_request_failed")
+    finally:
+        stats.connections_open -= 1
+        with trio.move_on_after(1, shield=True):
+            await stream.aclose()
+
+
+async def serve_http(
+    sources: MetricSources,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    options: HttpOptions | None = None,
+    stats: HttpStats | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the HTTP surface until cancelled; ``started`` gets the bound port.
+
+    Unless ``sources`` already names an HTTP statistics source, ``/metrics`` includes this server's own.
+    """
+    options = options if options is not None else HttpOptions()
+    stats = stats if stats is not None else HttpStats()
+    if sources.http is None:
+        sources = attrs.evolve(sources, http=stats.statistics)
+    handle = partial(_handle, sources, options, stats)
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound_port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(
+                partial(
+                    accept_loop, listener.accept, handle, nursery, name="http", shed=shed_pending_handshakes
+                )
+            )
+        log.info("http_listening", host=host, port=bound_port)
+        task_status.started(bound_port)
+
+
+serve_metrics = serve_http  # the name before the surface grew beyond /metrics
