@@ -57,7 +57,8 @@ _REASONS = {
     500: b"Internal Server Error",
     503: b"Service Unavailable",
 }
-ROUTES = ("metrics", "healthz", "readyz", "slots", "status", "dump", "other")
+LINGER_SECONDS = 1.0  # how long a close waits for a client still sending (see _Connection.linger)
+LINGER_BYTES = 1 << 20
 
 
 @attrs.frozen(slots=True)
@@ -259,6 +260,9 @@ class _Connection:
         self.sources = sources
         self.options = options
         self.stats = stats
+        # The client may still be sending (a body, an oversized head): closing now would reset the
+        # connection and lose the answer, so the close first drains what it sends (see linger()).
+        self.unread_input = False
 
     async def read_head(self) -> bytes | None:
         """The request head (without the blank line), or None when the peer left; raises on overflow."""
@@ -270,10 +274,21 @@ class _Connection:
             if not chunk:
                 return None
             request += chunk
-        head = request.split(b"\r\n\r\n", 1)[0]
+        head, rest = request.split(b"\r\n\r\n", 1)
         if len(head) > self.options.max_request_bytes:
             raise OverflowError
+        self.unread_input = bool(rest)
         return head
+
+    async def linger(self) -> None:
+        """Before closing with input pending: end our side, then drain the peer's (bounded) until it closes."""
+        if not self.unread_input:
+            return
+        with trio.move_on_after(LINGER_SECONDS):
+            await self.stream.send_eof()
+            drained = 0
+            while drained < LINGER_BYTES and (chunk := await self.stream.receive_some(65536)):
+                drained += len(chunk)
 
     async def send(self, data: bytes) -> None:
         with trio.move_on_after(self.options.send_deadline) as waiting:
@@ -287,6 +302,7 @@ class _Connection:
             try:
                 head = await self.read_head()
             except OverflowError:
+                self.unread_input = True
                 await self.respond(_error(431, "too_large", "request head too large"), chunked=False)
                 return
         if reading.cancelled_caught:
@@ -298,6 +314,8 @@ class _Connection:
         if request is None:
             await self.respond(_error(400, "bad_request", "malformed request line"), chunked=False)
             return
+        if b"content-length" in request.headers or b"transfer-encoding" in request.headers:
+            self.unread_input = True  # a body is never read: the answer does not depend on it
         response = answer_request(self.sources, request)
         if response.stream is not None and self.stats.dumps_streaming >= self.options.max_dumps:
             message = "too many dumps are streaming; retry shortly"
@@ -341,6 +359,7 @@ async def _handle(
                 await connection.respond(refusal, chunked=False)
             return
         await connection.serve()
+        await connection.linger()
     except (trio.BrokenResourceError, trio.ClosedResourceError, _SendTimeout):
         pass
     except Exception:
