@@ -36,6 +36,7 @@ import trio
 from kvagent._util.listen import accept_loop, shed_pending_handshakes
 from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
 from kvagent.agent.slot import SlotAgent
+from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.events import RESET_ALL
 from kvagent.recovery.dump import dump_document, snapshot_header
 from kvagent.wire.router_event import Encoding
@@ -171,7 +172,11 @@ def _slot_entry(agent: SlotAgent) -> dict[str, object]:
 
 def _dump(agent: SlotAgent, msgpack_wanted: bool) -> Response:
     """The slot's tree dump at one point of its stream, unfenced (the operator's full view), streamed."""
-    snapshot = agent.index.dump_snapshot()  # a copy: later applies do not change what is streamed
+    # A copy of the columns (a stale cached one is released first): later applies do not change it.
+    snapshot = agent.index.range_or_snapshot(None, None)
+    if not isinstance(snapshot, DumpSnapshot):  # TreeDumpFailedAnswer: never an empty dump in its place
+        message = getattr(snapshot, "message", "the tree dump failed")
+        return _error(500, "internal", f"worker tree dump failed: {message}", "dump")
     header = {"kind": "tree_dump", **snapshot_header(snapshot, RESET_ALL)}
     encoding = Encoding.MSGPACK if msgpack_wanted else Encoding.JSON
     pieces = dump_document(encoding, header, snapshot.groups)
