@@ -53,7 +53,7 @@ def _serve(blocks: int) -> None:
     class ColdSlot(BenchSlot):
         """Each dump is built from scratch: a no-op apply first drops the index's cached snapshot."""
 
-        @property  # type: ignore[override]
+        @property
         def index(self) -> Any:
             from bench.fig_dump import _invalidate
 
@@ -67,7 +67,7 @@ def _serve(blocks: int) -> None:
     slot = ColdSlot(build_index(blocks))
 
     async def main() -> None:
-        sources = MetricSources(slots=lambda: [slot])  # type: ignore[list-item,return-value]
+        sources = MetricSources(slots=lambda: [slot])  # type: ignore[list-item]
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve_http, sources, port=0))
             print(f"PORT {port}", flush=True)

@@ -41,7 +41,15 @@ from kvagent.model.events import RESET_ALL
 from kvagent.recovery.dump import dump_document, snapshot_header
 from kvagent.wire.router_event import Encoding
 
-__all__ = ["HttpOptions", "HttpStats", "Response", "answer_request", "serve_http"]
+__all__ = [
+    "HttpOptions",
+    "HttpRequest",
+    "HttpStats",
+    "Response",
+    "answer_request",
+    "parse_request",
+    "serve_http",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +140,7 @@ def _error(status: int, code: str, message: str, route: str = "other", **headers
 
 
 @attrs.frozen(slots=True)
-class _Request:
+class HttpRequest:
     method: bytes
     target: bytes
     version: bytes
@@ -143,7 +151,7 @@ class _Request:
         return any(kind in accept for kind in _MSGPACK_TYPES)
 
 
-def _parse_request(head: bytes) -> _Request | None:
+def parse_request(head: bytes) -> HttpRequest | None:
     """The request line and headers (names lower-cased); None when the line is malformed."""
     lines = head.split(b"\r\n")
     parts = lines[0].split()
@@ -154,7 +162,7 @@ def _parse_request(head: bytes) -> _Request | None:
         name, sep, value = line.partition(b":")
         if sep:
             headers[name.strip().lower()] = value.strip()
-    return _Request(parts[0], parts[1], parts[2], headers)
+    return HttpRequest(parts[0], parts[1], parts[2], headers)
 
 
 # --- routes -------------------------------------------------------------------------------------------
@@ -190,7 +198,9 @@ def _last_event_header(last_event_id: int) -> tuple[tuple[bytes, bytes], ...]:
     return ((b"x-kvagent-last-event-id", str(last_event_id).encode()),)
 
 
-def _slot_route(sources: MetricSources, segments: list[str], request: _Request) -> Response:
+def _slot_route(
+    sources: MetricSources, segments: list[str], request: HttpRequest, dumps_allowed: bool
+) -> Response:
     """``/v1/slots/{slot}/status`` and ``/v1/slots/{slot}/dump``."""
     name, action = segments
     route = action if action in ("status", "dump") else "other"
@@ -201,11 +211,18 @@ def _slot_route(sources: MetricSources, segments: list[str], request: _Request) 
         return _error(404, "not_found", f"no slot named {name!r} is served here", route)
     if route == "status":
         return _json(200, agent.status().to_json(), route)
+    if not dumps_allowed:  # refused before the snapshot is copied
+        return _error(
+            503, "overloaded", "too many dumps are streaming; retry shortly", route, retry_after=b"1"
+        )
     return _dump(agent, request.wants_msgpack())
 
 
-def answer_request(sources: MetricSources, request: _Request) -> Response:
-    """The response to one parsed request (a dump's body is still to be produced)."""
+def answer_request(sources: MetricSources, request: HttpRequest, *, dumps_allowed: bool = True) -> Response:
+    """The response to one parsed request (a dump's body is still to be produced).
+
+    ``dumps_allowed`` False: a dump request is answered 503 (too many are streaming).
+    """
     if request.method != b"GET":
         return _error(405, "method_not_allowed", "only GET is served", allow=b"GET")
     try:
@@ -229,7 +246,7 @@ def answer_request(sources: MetricSources, request: _Request) -> Response:
             return _json(200, [_slot_entry(agent) for agent in agents], "slots")
         if len(segments) == 4:
             # Split first, decode each segment after: an encoded '/' stays inside its segment.
-            return _slot_route(sources, [unquote(segments[2]), segments[3]], request)
+            return _slot_route(sources, [unquote(segments[2]), segments[3]], request, dumps_allowed)
     return _error(404, "not_found", f"unknown path {path!r}")
 
 
@@ -315,16 +332,14 @@ class _Connection:
             return
         if head is None:
             return
-        request = _parse_request(head)
+        request = parse_request(head)
         if request is None:
             await self.respond(_error(400, "bad_request", "malformed request line"), chunked=False)
             return
         if b"content-length" in request.headers or b"transfer-encoding" in request.headers:
             self.unread_input = True  # a body is never read: the answer does not depend on it
-        response = answer_request(self.sources, request)
-        if response.stream is not None and self.stats.dumps_streaming >= self.options.max_dumps:
-            message = "too many dumps are streaming; retry shortly"
-            response = _error(503, "overloaded", message, "dump", retry_after=b"1")
+        dumps_allowed = self.stats.dumps_streaming < self.options.max_dumps
+        response = answer_request(self.sources, request, dumps_allowed=dumps_allowed)
         await self.respond(response, chunked=request.version != b"HTTP/1.0")
 
     async def respond(self, response: Response, *, chunked: bool) -> None:
@@ -360,10 +375,11 @@ async def _handle(
         if stats.connections_open > options.max_connections:
             stats.connections_refused += 1
             refusal = _error(503, "overloaded", "too many HTTP connections", retry_after=b"1")
+            connection.unread_input = True  # its request is never read
             with trio.move_on_after(1):
                 await connection.respond(refusal, chunked=False)
-            return
-        await connection.serve()
+        else:
+            await connection.serve()
         await connection.linger()
     except (trio.BrokenResourceError, trio.ClosedResourceError, _SendTimeout):
         pass

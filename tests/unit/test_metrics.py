@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvagent.agent.host import SlotState, SlotStateKind
-from kvagent.agent.http import _parse_request, answer_request
+from kvagent.agent.http import answer_request, parse_request
 from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
 from kvagent.agent.slot import SlotStatistics
 from kvagent.coordinator.machine import CoordinatorStatistics
@@ -216,7 +216,7 @@ REASONS = {
 
 
 def _get(sources: MetricSources, path: bytes, method: bytes = b"GET") -> tuple[int, bytes]:
-    request = _parse_request(method + b" " + path + b" HTTP/1.1\r\nHost: x")
+    request = parse_request(method + b" " + path + b" HTTP/1.1\r\nHost: x")
     assert request is not None
     response = answer_request(sources, request)
     return response.status, response.body
