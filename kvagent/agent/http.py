@@ -36,7 +36,7 @@ import trio
 from kvagent._util.listen import accept_loop, shed_pending_handshakes
 from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
 from kvagent.agent.slot import SlotAgent
-from kvagent.index.recovery_index import DumpSnapshot
+from kvagent.index.recovery_index import DumpSnapshot, TreeDumpFailedAnswer
 from kvagent.model.events import RESET_ALL
 from kvagent.recovery.dump import dump_document, snapshot_header
 from kvagent.wire.router_event import Encoding
@@ -182,9 +182,10 @@ def _dump(agent: SlotAgent, msgpack_wanted: bool) -> Response:
     """The slot's tree dump at one point of its stream, unfenced (the operator's full view), streamed."""
     # A copy of the columns (a stale cached one is released first): later applies do not change it.
     snapshot = agent.index.range_or_snapshot(None, None)
-    if not isinstance(snapshot, DumpSnapshot):  # TreeDumpFailedAnswer: never an empty dump in its place
-        message = getattr(snapshot, "message", "the tree dump failed")
-        return _error(500, "internal", f"worker tree dump failed: {message}", "dump")
+    if isinstance(snapshot, TreeDumpFailedAnswer):  # never an empty dump in its place
+        return _error(500, "internal", f"worker tree dump failed: {snapshot.message}", "dump")
+    if not isinstance(snapshot, DumpSnapshot):  # impossible: a range without a start is always a dump
+        return _error(500, "internal", "the index answered a dump request with events", "dump")
     header = {"kind": "tree_dump", **snapshot_header(snapshot, RESET_ALL)}
     encoding = Encoding.MSGPACK if msgpack_wanted else Encoding.JSON
     pieces = dump_document(encoding, header, snapshot.groups)
