@@ -8,11 +8,12 @@ import sys
 import time
 from types import ModuleType
 
-from bench import fig_cpu, fig_dump, fig_ingest, fig_memory, fig_recover, fig_serving
+from bench import fig_cpu, fig_dump, fig_http_dump, fig_ingest, fig_memory, fig_recover, fig_serving
 from bench.harness import RESULTS_DIR, FigureResult, run_figure, table
 
 FIGURES: dict[str, ModuleType] = {
-    module.NAME: module for module in (fig_ingest, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving)
+    module.NAME: module
+    for module in (fig_ingest, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving, fig_http_dump)
 }
 
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         module = FIGURES[name]
         print(f"== {name}: {module.TITLE}", flush=True)
+
         def body(result: FigureResult, module: ModuleType = module) -> None:
             result.params["quick"] = args.quick
             module.run(result, quick=args.quick)
