@@ -161,8 +161,10 @@ class RepublishState:
         self._next_seq = 0
         self._mirror: dict[StorageTier, _TierBlocks] = {}
         self._mirror_seq: int | None = None  # the last batch applied to the mirror
+        # Published batches not yet in the mirror (only while a snapshot is open).
         self._deferred: deque[tuple[int, list[RouterEvent]]] = deque()
         self._snapshots_open = 0
+        self._applying = False
         self._batches = 0
         self._events = 0
         self._without_tokens = 0
@@ -194,11 +196,8 @@ class RepublishState:
         self._batches += 1
         self._events += published
         self._without_tokens += without_tokens
-        if self._snapshots_open:
-            self._deferred.append((seq, worker))
-        else:
-            self._apply(worker)
-            self._mirror_seq = seq
+        self._deferred.append((seq, worker))
+        self._apply_deferred()
         return seq, payload
 
     def _append_ring(self, seq: int, payload: bytes) -> None:
@@ -232,13 +231,26 @@ class RepublishState:
 
     def _snapshot_closed(self) -> None:
         self._snapshots_open -= 1
-        if self._snapshots_open:
+        self._apply_deferred()
+
+    def _apply_deferred(self) -> None:
+        """Apply the published batches, in order, unless a snapshot is open.
+
+        Every batch goes through the queue, even with no snapshot open: a snapshot stream dropped in a
+        reference cycle is closed by the garbage collector at whatever allocation triggers it, and queueing
+        first keeps the order wherever that is. Re-entry (which that cannot cause today) does nothing.
+        """
+        if self._snapshots_open or self._applying:
             return
-        deferred = self._deferred
-        while deferred:
-            seq, events = deferred.popleft()
-            self._apply(events)
-            self._mirror_seq = seq
+        self._applying = True
+        try:
+            deferred = self._deferred
+            while deferred and not self._snapshots_open:
+                seq, events = deferred.popleft()
+                self._apply(events)
+                self._mirror_seq = seq
+        finally:
+            self._applying = False
 
     # --- replay -------------------------------------------------------------------------------------------
 
