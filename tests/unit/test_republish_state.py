@@ -64,6 +64,10 @@ def remove(*hashes: int, tier: StorageTier = DEV) -> RouterEvent:
     return event(Removed(hashes), tier)
 
 
+def seq_bounds(state: RepublishState) -> tuple[int | None, int | None]:
+    return state.oldest_seq, state.last_seq
+
+
 def seq_request(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
@@ -138,7 +142,7 @@ def test_seqs_start_at_zero_and_skip_nothing_for_noops() -> None:
     assert state.publish([event(Stored(None, (5,), (5,)), HOST, C)]) is None  # not Worker residency
     published = [state.publish([store(h)]) for h in (1, 2, 3)]
     assert [item[0] for item in published if item is not None] == [0, 1, 2]
-    assert (state.oldest_seq, state.last_seq) == (0, 2)
+    assert seq_bounds(state) == (0, 2)
 
 
 def test_ring_is_bounded_by_batches_and_by_bytes_and_keeps_the_newest() -> None:

@@ -95,10 +95,13 @@ def test_token_bytes_are_not_part_of_equality_or_hash() -> None:
     assert "token_bytes" not in repr(with_tokens)
 
 
-def chain(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> PlacementEvent:
+def chain_data(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> Stored:
     token_bytes = b"".join(packed([h] * BLOCK_SIZE) for h in hashes) if tokens else None
-    data = Stored(parent, tuple(hashes), tuple(h + 1000 for h in hashes), token_bytes=token_bytes)
-    return PlacementEvent(data, DEV, W, 0)
+    return Stored(parent, tuple(hashes), tuple(h + 1000 for h in hashes), token_bytes=token_bytes)
+
+
+def chain(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> PlacementEvent:
+    return PlacementEvent(chain_data(hashes, parent, tokens), DEV, W, 0)
 
 
 def test_split_slices_tokens_with_the_blocks() -> None:
@@ -107,7 +110,7 @@ def test_split_slices_tokens_with_the_blocks() -> None:
     assert [len(part.data.block_hashes) for part in parts] == [4, 4, 2]
     for part in parts:
         assert isinstance(part.data, Stored)
-        assert part.data.token_bytes == chain(part.data.block_hashes, None).data.token_bytes
+        assert part.data.token_bytes == chain_data(part.data.block_hashes, None).token_bytes
 
 
 def test_split_keeps_missing_tokens_missing() -> None:
@@ -118,7 +121,7 @@ def test_split_keeps_missing_tokens_missing() -> None:
 def test_coalesce_concatenates_tokens_and_drops_them_when_a_side_lacks_them() -> None:
     (merged,) = coalesce([chain([1, 2], None), chain([3], 2)])
     assert isinstance(merged.data, Stored)
-    assert merged.data.token_bytes == chain([1, 2, 3], None).data.token_bytes
+    assert merged.data.token_bytes == chain_data([1, 2, 3], None).token_bytes
     (partial,) = coalesce([chain([1, 2], None), chain([3], 2, tokens=False)])
     assert isinstance(partial.data, Stored) and partial.data.token_bytes is None
 
@@ -131,14 +134,15 @@ def test_coalesce_concatenates_tokens_and_drops_them_when_a_side_lacks_them() ->
 )
 def test_split_then_coalesce_gives_back_the_tokens(sizes: list[int], max_blocks: int, tokens: bool) -> None:
     """Any chain split into parts and coalesced back carries exactly the tokens of its blocks, in order."""
-    events, parent, next_hash = [], None, 1
+    events: list[PlacementEvent] = []
+    parent, next_hash = None, 1
     for size in sizes:
         hashes = list(range(next_hash, next_hash + size))
         events.extend(split_oversized_event(chain(hashes, parent, tokens), max_blocks=max_blocks))
         parent, next_hash = hashes[-1], next_hash + size
     merged = coalesce(events, max_blocks=1 << 30)
     assert len(merged) == 1 and isinstance(merged[0].data, Stored)
-    expected = chain(range(1, next_hash), None, tokens).data
+    expected = chain_data(range(1, next_hash), None, tokens)
     assert merged[0].data.block_hashes == expected.block_hashes
     assert merged[0].data.token_bytes == expected.token_bytes
 
