@@ -26,8 +26,10 @@ from kvagent.model.events import (
     Stored,
     WorkerWithDpRank,
 )
-from kvagent.vllm.decode import RawBatch, RawBlockStored, RawEagleBlockStored
-from kvagent.vllm.normalize import AttachmentNormalizer, split_oversized_event
+from kvagent.publish.republish_state import RepublishState
+from kvagent.vllm.decode import RawBatch, RawBlockStored, RawEagleBlockStored, decode_payload
+from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks, split_oversized_event
+from tests.support.coordinator import FIRST, Slot, attachment_for
 from tests.support.fuzz_decoder import normalize_each
 
 BLOCK_SIZE = 4
@@ -238,3 +240,49 @@ def test_coalesce_equals_the_pairwise_merge(events: list[PlacementEvent], max_bl
     assert [e.data.token_bytes if isinstance(e.data, Stored) else None for e in ours] == [
         e.data.token_bytes if isinstance(e.data, Stored) else None for e in expected
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.integers(1, 5),
+    spare=st.integers(0, 2 * BLOCK_SIZE),
+    lora=st.booleans(),
+)
+def test_fast_and_general_paths_carry_the_same_tokens(blocks: int, spare: int, lora: bool) -> None:
+    tokens = tuple(range(7, 7 + blocks * BLOCK_SIZE + spare))
+    event = RawBlockStored(
+        tuple(range(1, blocks + 1)), None, tokens, BLOCK_SIZE, lora_name="a" if lora else None
+    )
+    fast, general = only_stored(event)
+    published = min(blocks, len(tokens) // BLOCK_SIZE)
+    assert fast.token_bytes == general.token_bytes == packed(tokens[: published * BLOCK_SIZE])
+
+
+def test_tokens_reach_the_sink_and_the_republished_payload() -> None:
+    """Raw vLLM stores through normalization, chunking, the coordinator (coalesce, dedup) to its sink."""
+    slot = Slot()
+    attached = slot.core.attach(attachment_for(FIRST))
+    raw = RawBatch(
+        1.0,
+        (
+            RawBlockStored((1, 2), None, tuple(range(8)), BLOCK_SIZE),
+            RawBlockStored((3,), 2, tuple(range(8, 12)), BLOCK_SIZE),  # coalesces with the first
+            RawBlockStored((1, 2), None, tuple(range(8)), BLOCK_SIZE),  # a second physical copy
+        ),
+        FIRST.dp_rank,
+    )
+    normalized = AttachmentNormalizer(kv_block_size=BLOCK_SIZE, worker=FIRST).normalize(raw)
+    for piece in build_ingress_chunks(attached.generation, 1, normalized):
+        slot.core.handle_ingress(piece)
+    stores = [e.data for e in slot.sink.events if isinstance(e.data, Stored)]
+    assert [data.block_hashes for data in stores] == [(1, 2, 3), (1, 2)]
+    assert [data.token_bytes for data in stores] == [packed(range(12)), packed(range(8))]
+    state = RepublishState(dp_rank=FIRST.dp_rank, block_size=BLOCK_SIZE)
+    published = state.publish(slot.sink.events)
+    assert published is not None
+    decoded = decode_payload(published[1])
+    assert [e.token_ids for e in decoded.events if isinstance(e, RawBlockStored)] == [
+        tuple(range(12)),
+        tuple(range(8)),
+    ]
+    assert state.statistics().stores_without_tokens == 0
