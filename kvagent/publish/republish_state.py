@@ -9,8 +9,12 @@ vLLM PR #50134 (``AllBlocksCleared``, then every resident block as ``BlockStored
 
 Snapshot consistency without copying: a snapshot streams the mirror as it is after batch ``seq``; while any
 snapshot stream is open, :meth:`RepublishState.publish` still assigns seqs and fills the ring, but the mirror
-updates wait until the last open stream is finished or closed. Iteration therefore never sees a dict change,
-and memory stays bounded by the mirror itself plus the batches published meanwhile.
+updates wait until the last open stream is finished or closed. Iteration therefore never sees the mirror
+change, and memory stays bounded by the mirror itself plus the batches published meanwhile. A snapshot
+started while another is open shows the same (older) state and says so in its seq.
+
+The mirror keeps each tier's blocks in flat columns (about 200 bytes a block of 16 tokens, tokens included):
+see :class:`_TierBlocks`.
 
 The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing here does IO.
 """
@@ -61,6 +65,9 @@ def snapshot_frame_seq(included_seq: int) -> int:
 
 @attrs.frozen(slots=True)
 class RepublishStatistics:
+    """Counters of one :class:`RepublishState` (``stores_without_tokens``: published with ``token_ids=[]``,
+    which Dynamo's indexer drops)."""
+
     batches_published: int
     events_published: int
     ring_batches: int
@@ -124,7 +131,9 @@ class RangeAnswer:
 class SnapshotAnswer:
     """Snapshot payloads, every frame carrying ``seq`` (see :func:`snapshot_frame_seq`), then the end marker.
 
-    Call :meth:`close` when the answer ends early: the mirror stays frozen while a snapshot is open.
+    ``seq`` is the last batch the snapshot includes: ``last_seq`` when it was made, or older when another
+    snapshot was still open then. Call :meth:`close` when the answer ends early: the mirror stays frozen
+    while a snapshot is open.
     """
 
     seq: int
