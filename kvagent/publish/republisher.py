@@ -20,7 +20,7 @@ import collections
 import errno
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import structlog
@@ -32,7 +32,7 @@ from kvagent.model.errors import KvAgentError, SinkError
 from kvagent.model.events import RouterEvent
 from kvagent.model.status import RepublishStatus
 from kvagent.publish.republish_state import (
-    RangeAnswer,
+    ReplayAnswer,
     RepublishState,
     RepublishStatistics,
     SnapshotAnswer,
@@ -78,12 +78,14 @@ def _bind_endpoint(instance: object, attribute: attrs.Attribute[str], value: str
             )
 
 
-def _optional_bind_endpoint(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+def _optional_bind_endpoint(
+    instance: object, attribute: attrs.Attribute[str | None], value: str | None
+) -> None:
     if value is not None:
         _bind_endpoint(instance, attribute, value)  # type: ignore[arg-type]
 
 
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise KvAgentError(f"republish {attribute.name} must be > 0, got {value!r}", code="bad_request")
 
@@ -129,10 +131,12 @@ class RepublishConfig:
     legacy_replay: bool = False
     buffer_batches: int = attrs.field(default=10_000, validator=_positive)
     sndhwm: int = attrs.field(default=100_000, validator=_positive)
+    replay_sndhwm: int = attrs.field(default=1000, validator=_positive)  # a full peer pipe waits, never drops
     answer_deadline: float = attrs.field(default=10.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        ephemeral = self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0")
+        if self.replay_endpoint == self.endpoint and not ephemeral:
             raise KvAgentError(
                 f"republish replay_endpoint must differ from endpoint ({self.endpoint!r})", code="bad_request"
             )
@@ -212,14 +216,16 @@ class VllmRepublisher:
     ) -> None:
         self.config = config
         self._topic = config.topic.encode()
-        self._state = RepublishState(dp_rank=dp_rank, block_size=block_size, ring_batches=config.buffer_batches)
+        self._state = RepublishState(
+            dp_rank=dp_rank, block_size=block_size, ring_batches=config.buffer_batches
+        )
         ctx = context if context is not None else zmq.Context.instance()
         self._pub, self.endpoint = self._bind_pub(ctx, config)
         self._router: TrioSocket | None = None
         self.replay_endpoint: str | None = None
         if config.replay_endpoint is not None:
             try:
-                self._router, self.replay_endpoint = self._bind_router(ctx, config.replay_endpoint)
+                self._router, self.replay_endpoint = self._bind_router(ctx, config)
             except BaseException:
                 self._pub.close()
                 raise
@@ -247,21 +253,28 @@ class VllmRepublisher:
             sock.bind(config.endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise KvAgentError(f"cannot bind republish endpoint {config.endpoint!r}: {exc}", code="bad_request") from exc
+            raise KvAgentError(
+                f"cannot bind republish endpoint {config.endpoint!r}: {exc}", code="bad_request"
+            ) from exc
         return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @staticmethod
-    def _bind_router(ctx: zmq.Context[Any], endpoint: str) -> tuple[TrioSocket, str]:
+    def _bind_router(ctx: zmq.Context[Any], config: RepublishConfig) -> tuple[TrioSocket, str]:
+        endpoint = config.replay_endpoint
+        assert endpoint is not None  # checked by the caller
         sock = ctx.socket(zmq.ROUTER)
         try:
             # A full peer pipe refuses the frame (EAGAIN: kept and retried) and a gone peer is reported
             # (EHOSTUNREACH) instead of both being dropped silently as vLLM's ROUTER does.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, config.replay_sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise KvAgentError(f"cannot bind republish replay endpoint {endpoint!r}: {exc}", code="bad_request") from exc
+            raise KvAgentError(
+                f"cannot bind republish replay endpoint {endpoint!r}: {exc}", code="bad_request"
+            ) from exc
         return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # --- read side -------------------------------------------------------------------------------
@@ -270,7 +283,9 @@ class VllmRepublisher:
         return self._state.last_seq
 
     def status(self) -> RepublishStatus:
-        return RepublishStatus(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, seq=self._state.last_seq)
+        return RepublishStatus(
+            endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, seq=self._state.last_seq
+        )
 
     def statistics(self) -> RepublisherStatistics:
         return RepublisherStatistics(
@@ -350,7 +365,7 @@ class VllmRepublisher:
             await self._pub.wait_readable()
 
     async def _serve_replay(self, router: TrioSocket) -> None:
-        fd: int = router.socket.getsockopt(zmq.FD)
+        fd = cast(int, router.socket.getsockopt(zmq.FD))
         while True:
             self._take_requests(router)
             if not self._answers:
@@ -388,35 +403,41 @@ class VllmRepublisher:
             self._refused_requests += 1
             log.warning("republish_replay_refused", reason="too many answers queued", peer=identity.hex())
             return
-        answer = _Answer(self._answer_frames(frames), deadline=trio.current_time() + self.config.answer_deadline)
+        answer = _Answer(
+            self._answer_frames(frames), deadline=trio.current_time() + self.config.answer_deadline
+        )
         self._answers.setdefault(identity, collections.deque()).append(answer)
 
     def _answer_frames(self, frames: list[bytes]) -> Iterator[list[bytes]]:
-        """The DEALER-bound messages (without the identity) answering one request, end marker included."""
+        """The DEALER-bound messages (without the identity) answering one request, end marker included.
+
+        A generator: the state is asked when the answer's first message is drawn, so an answer queued behind
+        another of the same DEALER reflects the stream when it starts (and a queued snapshot holds nothing).
+        """
         if len(frames) != 3 or frames[1] != b"":
             self._malformed_requests += 1
             log.warning("republish_replay_malformed", frames=len(frames) - 1)
-            return self._end_marker()
+            yield from self._end_marker()
+            return
         try:
             answer = self._state.answer(frames[2])
         except ValueError as exc:
             self._malformed_requests += 1
             log.warning("republish_replay_malformed", error=str(exc))
-            return self._end_marker()
+            yield from self._end_marker()
+            return
         self._replay_requests += 1
-        return self._reply_frames(answer)
+        yield from self._reply_frames(answer)
 
     def _end_marker(self) -> Iterator[list[bytes]]:
         yield [b"", END_SEQ, b""] if self.config.legacy_replay else [b"", b"", END_SEQ, b""]
 
-    def _reply_frames(self, answer: RangeAnswer | SnapshotAnswer) -> Iterator[list[bytes]]:
+    def _reply_frames(self, answer: ReplayAnswer) -> Iterator[list[bytes]]:
         if isinstance(answer, SnapshotAnswer):
             seq_frame = _seq_frame(answer.seq)
             batches: Iterator[tuple[bytes, bytes]] = ((seq_frame, payload) for payload in answer.payloads)
-            source: Any = answer.payloads
         else:
             batches = ((_seq_frame(seq), payload) for seq, payload in answer.batches)
-            source = answer.batches
         try:
             if self.config.legacy_replay:
                 for seq, payload in batches:
@@ -425,10 +446,8 @@ class VllmRepublisher:
                 for seq, payload in batches:
                     yield [b"", self._topic, seq, payload]
         finally:
-            # Closing the state's iterator ends a snapshot's hold on the mirror (abandoned answers too).
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
+            # Closing ends a snapshot's hold on the state's mirror, also when the answer is abandoned.
+            answer.close()
         yield from self._end_marker()
 
     # --- answers ---------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class VllmStyleConsumer:
         self.last_seq: int | None = None
         self.clears = 0
         self.replays: list[int] = []  # the start of every replay asked
-        self.snapshot_answers = 0  # answers whose frames repeat one seq (a snapshot)
+        self.snapshot_answers = 0  # answers not starting at the seq asked (a snapshot)
         self.stores_without_tokens = 0
         self.token_counts_ok = True
         self._progress = trio.Event()
@@ -61,7 +61,9 @@ class VllmStyleConsumer:
                     self.token_counts_ok = False
                 self.resident.update((event["medium"], block_hash) for block_hash in hashes)
             elif kind == "BlockRemoved":
-                self.resident.difference_update((event["medium"], block_hash) for block_hash in event["block_hashes"])
+                self.resident.difference_update(
+                    (event["medium"], block_hash) for block_hash in event["block_hashes"]
+                )
             elif kind == "AllBlocksCleared":
                 self.resident.clear()
                 self.clears += 1
@@ -73,6 +75,14 @@ class VllmStyleConsumer:
 
     async def wait_for_seq(self, seq: int) -> None:
         while self.last_seq is None or self.last_seq < seq:
+            await self._progress.wait()
+
+    def hashes(self) -> set[int]:
+        return {block_hash for _, block_hash in self.resident}
+
+    async def wait_for_hashes(self, expected: set[int]) -> None:
+        """Return once the resident hashes are exactly ``expected`` (checked after every applied batch)."""
+        while self.hashes() != expected:
             await self._progress.wait()
 
     # --- replay -----------------------------------------------------------------------------------
@@ -100,7 +110,7 @@ class VllmStyleConsumer:
                 seqs.append(seq)
                 if seq >= start:
                     self.apply(payload)
-        if len(seqs) > 1 and len(set(seqs)) == 1:
+        if seqs and seqs[0] != start:  # a range answer starts at the start asked; a snapshot does not
             self.snapshot_answers += 1
         if seqs:
             self._advance(max(seqs))
