@@ -110,9 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_republish_arguments(serve)
     serve.add_argument("--max-connections", type=int)
     serve.add_argument(
-        "--handshake-timeout",
-        type=float,
-        help="seconds a connection may take to finish its websocket handshake",
+        "--handshake-timeout", type=float, help="seconds a connection may take to finish its websocket handshake"
     )
     serve.add_argument(
         "--max-pending-handshakes",

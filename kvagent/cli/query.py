@@ -29,9 +29,7 @@ async def run_query(args: argparse.Namespace) -> int:
             elif args.op == "list":
                 _emit({"slots": await client.list_slots()})
             elif args.op == "recover":
-                result = await client.recover(
-                    start=None if args.from_ is None else args.from_ + 1, end=args.end
-                )
+                result = await client.recover(start=None if args.from_ is None else args.from_ + 1, end=args.end)
                 _emit(result.to_json())
             elif args.op == "detach":
                 if args.generation is None:

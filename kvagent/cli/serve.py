@@ -189,15 +189,7 @@ async def _start_servers(
         shutdown_timeout=config.shutdown_timeout,
     )
     server = await nursery.start(
-        partial(
-            serve_recovery,
-            host,
-            host=listen_host,
-            port=listen_port,
-            token=token,
-            options=options,
-            stats=server_stats,
-        )
+        partial(serve_recovery, host, host=listen_host, port=listen_port, token=token, options=options, stats=server_stats)
     )
     if config.metrics:
         sources = MetricSources(

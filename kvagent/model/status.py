@@ -204,9 +204,7 @@ class AgentStatus:
         """Generation ``generation`` is attached and not detaching or quarantined (its listener runs on,
         also while degraded or disconnected)."""
         return (
-            self.attachment is not None
-            and self.attachment.generation == generation
-            and self.attachment.is_open
+            self.attachment is not None and self.attachment.generation == generation and self.attachment.is_open
         )
 
     @property
