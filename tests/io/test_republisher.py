@@ -13,6 +13,7 @@ import zmq
 
 from kvagent import AttachmentConfig, SlotAgentConfig, open_slot_agent
 from kvagent._util.zmqtrio import TrioSocket
+from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import (
@@ -440,6 +441,12 @@ async def test_a_slot_republishes_one_seq_space_across_detach_and_reattach(
                 assert AgentStatus.from_json(status.to_json()) == status
                 statistics = agent.statistics().republish
                 assert statistics is not None and statistics.batches_sent == (consumer.last_seq or 0) + 1
+                metrics = render_metrics(MetricSources(slots=lambda: [agent])).decode()
+                assert (
+                    f'kvagent_republish_batches_total{{slot="s0"}} {statistics.state.batches_published}.0'
+                    in metrics
+                )
+                assert 'kvagent_republish_answers_completed_total{slot="s0"} 1.0' in metrics
                 nursery.cancel_scope.cancel()
     finally:
         engine.close()
