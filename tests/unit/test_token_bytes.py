@@ -1,0 +1,137 @@
+"""Stored.token_bytes: the tokens of exactly the published blocks travel from normalization to the outbound event.
+
+Set by both normalization paths, sliced when an oversized event is split, concatenated when stores coalesce,
+and never part of equality (every existing comparison of Stored values keeps its meaning).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvagent.coordinator.coalesce import coalesce
+from kvagent.model.events import (
+    PlacementEvent,
+    ResidencyDomain,
+    StorageTier,
+    Stored,
+    WorkerWithDpRank,
+)
+from kvagent.vllm.decode import RawBatch, RawBlockStored, RawEagleBlockStored
+from kvagent.vllm.normalize import AttachmentNormalizer, split_oversized_event
+from tests.support.fuzz_decoder import normalize_each
+
+BLOCK_SIZE = 4
+W = ResidencyDomain.WORKER
+DEV = StorageTier.DEVICE
+
+
+def packed(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def normalizer() -> AttachmentNormalizer:
+    return AttachmentNormalizer(kv_block_size=BLOCK_SIZE, worker=WorkerWithDpRank(7, 0), image_token_id=32000)
+
+
+def only_stored(event: RawBlockStored) -> tuple[Stored, Stored]:
+    """The Stored of ``event`` through the fast path and through the general path."""
+    batch = RawBatch(1.0, (event,), 0)
+    fast = normalizer().normalize(batch).events
+    general = normalize_each(normalizer(), batch).events
+    assert len(fast) == len(general) == 1
+    assert isinstance(fast[0].data, Stored) and isinstance(general[0].data, Stored)
+    return fast[0].data, general[0].data
+
+
+def test_plain_store_carries_its_tokens_on_both_paths() -> None:
+    tokens = tuple(range(100, 108))
+    fast, general = only_stored(RawBlockStored((1, 2), None, tokens, BLOCK_SIZE, medium="GPU"))
+    assert fast.token_bytes == general.token_bytes == packed(tokens)
+
+
+def test_tokens_beyond_the_last_whole_block_are_not_carried() -> None:
+    tokens = tuple(range(10))  # two whole blocks and two spare tokens
+    fast, general = only_stored(RawBlockStored((1, 2), None, tokens, BLOCK_SIZE))
+    assert fast.token_bytes == general.token_bytes == packed(tokens[:8])
+
+
+def test_a_store_short_of_tokens_carries_the_tokens_of_its_published_blocks() -> None:
+    tokens = tuple(range(6))  # block 2 is incomplete: only block 1 is published
+    _, general = only_stored(RawBlockStored((1, 2), None, tokens, BLOCK_SIZE))
+    assert general.block_hashes == (1,)
+    assert general.token_bytes == packed(tokens[:4])
+
+
+def test_eagle_overlap_token_is_not_republished() -> None:
+    tokens = tuple(range(9))  # EAGLE: two blocks of 4 plus the overlap token
+    _, general = only_stored(RawEagleBlockStored((1, 2), None, tokens, BLOCK_SIZE))
+    assert general.block_hashes == (1, 2)
+    assert general.token_bytes == packed(tokens[:8])
+
+
+def test_lora_and_multimodal_stores_carry_raw_tokens() -> None:
+    tokens = (32000, 32000, 5, 6, 7, 8, 9, 10)
+    mm = "00000000000000ab" + "0" * 48
+    lora, _ = only_stored(RawBlockStored((1, 2), None, tokens, BLOCK_SIZE, lora_name="adapter"))
+    multimodal, _ = only_stored(RawBlockStored((3, 4), None, tokens, BLOCK_SIZE, extra_keys=([mm], None)))
+    assert multimodal.mm_extra_infos is not None
+    assert lora.token_bytes == multimodal.token_bytes == packed(tokens)
+
+
+def test_token_bytes_are_not_part_of_equality_or_hash() -> None:
+    with_tokens = Stored(None, (1,), (2,), token_bytes=b"\x00" * 16)
+    without = Stored(None, (1,), (2,))
+    assert with_tokens == without and hash(with_tokens) == hash(without)
+    assert "token_bytes" not in repr(with_tokens)
+
+
+def chain(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> PlacementEvent:
+    token_bytes = b"".join(packed([h] * BLOCK_SIZE) for h in hashes) if tokens else None
+    data = Stored(parent, tuple(hashes), tuple(h + 1000 for h in hashes), token_bytes=token_bytes)
+    return PlacementEvent(data, DEV, W, 0)
+
+
+def test_split_slices_tokens_with_the_blocks() -> None:
+    event = chain(range(1, 11), None)
+    parts = split_oversized_event(event, max_blocks=4)
+    assert [len(part.data.block_hashes) for part in parts] == [4, 4, 2]
+    for part in parts:
+        assert isinstance(part.data, Stored)
+        assert part.data.token_bytes == chain(part.data.block_hashes, None).data.token_bytes
+
+
+def test_split_keeps_missing_tokens_missing() -> None:
+    parts = split_oversized_event(chain(range(1, 6), None, tokens=False), max_blocks=2)
+    assert all(isinstance(part.data, Stored) and part.data.token_bytes is None for part in parts)
+
+
+def test_coalesce_concatenates_tokens_and_drops_them_when_a_side_lacks_them() -> None:
+    (merged,) = coalesce([chain([1, 2], None), chain([3], 2)])
+    assert isinstance(merged.data, Stored)
+    assert merged.data.token_bytes == chain([1, 2, 3], None).data.token_bytes
+    (partial,) = coalesce([chain([1, 2], None), chain([3], 2, tokens=False)])
+    assert isinstance(partial.data, Stored) and partial.data.token_bytes is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=12),
+    max_blocks=st.integers(1, 8),
+    tokens=st.booleans(),
+)
+def test_split_then_coalesce_gives_back_the_tokens(sizes: list[int], max_blocks: int, tokens: bool) -> None:
+    """Any chain split into parts and coalesced back carries exactly the tokens of its blocks, in order."""
+    events, parent, next_hash = [], None, 1
+    for size in sizes:
+        hashes = list(range(next_hash, next_hash + size))
+        events.extend(split_oversized_event(chain(hashes, parent, tokens), max_blocks=max_blocks))
+        parent, next_hash = hashes[-1], next_hash + size
+    merged = coalesce(events, max_blocks=1 << 30)
+    assert len(merged) == 1 and isinstance(merged[0].data, Stored)
+    expected = chain(range(1, next_hash), None, tokens).data
+    assert merged[0].data.block_hashes == expected.block_hashes
+    assert merged[0].data.token_bytes == expected.token_bytes
