@@ -399,6 +399,28 @@ async def test_a_late_consumer_reconstructs_the_state_through_a_snapshot(
             nursery.cancel_scope.cancel()
 
 
+async def test_live_drops_at_the_high_water_mark_are_counted_and_repaired_by_replay(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    hashes = tuple(range(1_000, 2_000))
+    with trio.fail_after(60):
+        async with running(zmq_context, sndhwm=1, topic="") as republisher, trio.open_nursery() as nursery:
+            endpoint, replay_endpoint = republisher.endpoint, republisher.replay_endpoint or ""
+            consumer = VllmStyleConsumer(zmq_context, endpoint, replay_endpoint, rcvhwm=1, rcvbuf=65536)
+            await nursery.start(consumer.run)
+            await republisher.wait_for_subscriber()
+            await consumer.joined.wait()  # its first replay (from 0, nothing published yet) is done
+            # ~18 MB published without yielding: far more than the consumer's buffers take, so the PUB drops.
+            for index in range(2000):
+                republisher.publish([event(Stored(None, (index, *hashes), (index, *hashes)))])
+            republisher.publish([store([5000])])
+            await consumer.wait_for_seq(republisher.last_seq or 0)
+            assert consumer.hashes() == {*range(2000), *hashes, 5000}
+            assert republisher.statistics().dropped_batches > 0
+            assert len(consumer.replays) > 1  # the gaps were asked for
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_slot_republishes_one_seq_space_across_detach_and_reattach(
     zmq_context: zmq.Context[Any],
 ) -> None:
@@ -408,7 +430,7 @@ async def test_a_slot_republishes_one_seq_space_across_detach_and_reattach(
         kv_block_size=32,
         republish=RepublishConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"),
     )
-    engine = XpubEngine(zmq_context)
+    engines: list[XpubEngine] = []
     try:
         with trio.fail_after(TIMEOUT):
             async with (
@@ -422,7 +444,9 @@ async def test_a_slot_republishes_one_seq_space_across_detach_and_reattach(
                 )
                 await nursery.start(consumer.run)
                 await republisher.wait_for_subscriber()
-                for worker_id in (17, 18):
+                for worker_id in (17, 18):  # two engine incarnations, one after the other
+                    engine = XpubEngine(zmq_context)
+                    engines.append(engine)
                     async with trio.open_nursery() as attaching:
                         attaching.start_soon(engine.wait_subscribed)
                         attached = await agent.attach(
@@ -449,4 +473,5 @@ async def test_a_slot_republishes_one_seq_space_across_detach_and_reattach(
                 assert 'kvagent_republish_answers_completed_total{slot="s0"} 1.0' in metrics
                 nursery.cancel_scope.cancel()
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()

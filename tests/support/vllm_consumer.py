@@ -33,12 +33,16 @@ class VllmStyleConsumer:
         *,
         topic: bytes = b"",
         legacy_replay: bool = False,
+        rcvhwm: int = 100_000,
+        rcvbuf: int = -1,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.legacy_replay = legacy_replay
+        self.rcvhwm = rcvhwm
+        self.rcvbuf = rcvbuf  # -1: the OS default
         self.resident: set[tuple[str, int]] = set()
         self.last_seq: int | None = None
         self.clears = 0
@@ -47,6 +51,7 @@ class VllmStyleConsumer:
         self.stores_without_tokens = 0
         self.token_counts_ok = True
         self._progress = trio.Event()
+        self.joined = trio.Event()  # set once the first replay (the late join) has been applied
 
     # --- applying ---------------------------------------------------------------------------------
     def apply(self, payload: bytes) -> None:
@@ -124,13 +129,15 @@ class VllmStyleConsumer:
         dealer = self.context.socket(zmq.DEALER)
         for sock in (sub, dealer):
             sock.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.RCVBUF, self.rcvbuf)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         dealer.connect(self.replay_endpoint)
         with TrioSocket(sub) as live, TrioSocket(dealer) as replies:
             task_status.started()
             await self.replay(replies, 0)  # a late join: everything from the beginning
+            self.joined.set()
             while True:
                 topic, seq_frame, payload = await live.recv_multipart()
                 assert topic.startswith(self.topic)
