@@ -9,12 +9,18 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvagent.coordinator.coalesce import coalesce
 from kvagent.model.events import (
+    CLEARED,
+    Cleared,
+    MmExtraInfo,
+    MmObject,
     PlacementEvent,
+    Removed,
     ResidencyDomain,
     StorageTier,
     Stored,
@@ -135,3 +141,96 @@ def test_split_then_coalesce_gives_back_the_tokens(sizes: list[int], max_blocks:
     expected = chain(range(1, next_hash), None, tokens).data
     assert merged[0].data.block_hashes == expected.block_hashes
     assert merged[0].data.token_bytes == expected.token_bytes
+
+
+# --- coalesce: the run-joining implementation against the pairwise merge it replaced ---------------------------
+
+
+def pairwise_coalesce(events: Sequence[PlacementEvent], max_blocks: int) -> list[PlacementEvent]:
+    """The previous coalesce, merging pending and next event at every step (the rules' direct reading)."""
+    output: list[PlacementEvent] = []
+    pending: PlacementEvent | None = None
+    for event in events:
+        if isinstance(event.data, Cleared):
+            output.extend([pending, event] if pending is not None else [event])
+            pending = None
+            continue
+        if pending is not None:
+            merged = pairwise_merge(pending, event)
+            if merged is not None:
+                pending = merged
+                if len(merged.data.block_hashes) >= max_blocks:
+                    output.append(merged)
+                    pending = None
+                continue
+            output.append(pending)
+            pending = None
+        if len(event.data.block_hashes) >= max_blocks:
+            output.append(event)
+        else:
+            pending = event
+    if pending is not None:
+        output.append(pending)
+    return output
+
+
+def pairwise_merge(pending: PlacementEvent, event: PlacementEvent) -> PlacementEvent | None:
+    old, new = pending.data, event.data
+    if type(old) is not type(new) or (pending.domain, pending.tier, pending.dp_rank, pending.session_id) != (
+        event.domain,
+        event.tier,
+        event.dp_rank,
+        event.session_id,
+    ):
+        return None
+    if isinstance(old, Removed):
+        return attrs.evolve(pending, data=Removed(old.block_hashes + new.block_hashes))
+    assert isinstance(old, Stored) and isinstance(new, Stored)
+    if not old.block_hashes or new.parent_hash != old.block_hashes[-1]:
+        return None
+    mm = None
+    if old.mm_extra_infos is not None or new.mm_extra_infos is not None:
+        mm = (old.mm_extra_infos or (None,) * len(old.block_hashes)) + (
+            new.mm_extra_infos or (None,) * len(new.block_hashes)
+        )
+    tokens = None if old.token_bytes is None or new.token_bytes is None else old.token_bytes + new.token_bytes
+    data = Stored(
+        old.parent_hash,
+        old.block_hashes + new.block_hashes,
+        old.tokens_hashes + new.tokens_hashes,
+        mm,
+        old.start_position,
+        tokens,
+    )
+    return attrs.evolve(pending, data=data)
+
+
+@st.composite
+def placement_events(draw: st.DrawFn) -> PlacementEvent:
+    kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
+    domain = draw(st.sampled_from([W, ResidencyDomain.CACHE_OWNER]))
+    tier = draw(st.sampled_from([DEV, StorageTier.HOST_PINNED]))
+    session = draw(st.sampled_from([None, "s"]))
+    if kind == "clear":
+        return PlacementEvent(CLEARED, tier, domain, 0)
+    hashes = tuple(draw(st.lists(st.integers(1, 6), max_size=3)))
+    if kind == "remove":
+        return PlacementEvent(Removed(hashes), tier, domain, 0)
+    mm = None
+    if draw(st.booleans()) and hashes:
+        mm = tuple(draw(st.sampled_from([None, MmExtraInfo((MmObject(9, ()),))])) for _ in hashes)
+    tokens = b"".join(packed([h] * BLOCK_SIZE) for h in hashes) if draw(st.booleans()) else None
+    parent = draw(st.one_of(st.none(), st.integers(1, 6)))
+    data = Stored(parent, hashes, hashes, mm, draw(st.sampled_from([None, 3])), tokens)
+    return PlacementEvent(data, tier, domain, 0, session)
+
+
+@settings(max_examples=500, deadline=None)
+@given(events=st.lists(placement_events(), max_size=20), max_blocks=st.integers(1, 8))
+def test_coalesce_equals_the_pairwise_merge(events: list[PlacementEvent], max_blocks: int) -> None:
+    ours = coalesce(events, max_blocks=max_blocks)
+    expected = pairwise_coalesce(events, max_blocks)
+    assert ours == expected
+    assert [e.data.token_bytes if isinstance(e.data, Stored) else None for e in ours] == [
+        e.data.token_bytes if isinstance(e.data, Stored) else None for e in expected
+    ]
