@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import errno
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, cast
 
 import attrs
@@ -48,9 +48,10 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-# Messages one answer may send per round-robin turn: enough to keep a fast DEALER's pipe busy, few enough that
-# the other answers get their turn soon.
+# What one answer may send per round-robin turn: enough to keep a fast DEALER's pipe busy, little enough that
+# the other answers (and every other task: snapshot payloads are encoded as they are drawn) get their turn soon.
 ANSWER_BURST = 32
+ANSWER_BURST_BYTES = 256 << 10
 # Queued requests per DEALER (answered one after the other) and active answers overall; beyond, a request is
 # refused (logged and counted, not answered: a consumer times out and asks again).
 MAX_ANSWERS_PER_PEER = 4
@@ -185,18 +186,21 @@ class RepublisherStatistics:
 class _Answer:
     """One replay answer in flight: its remaining frames and the one a full pipe refused."""
 
-    frames: Iterator[list[bytes]]
+    frames: Generator[list[bytes], None, None]
     deadline: float
     pending: list[bytes] | None = None
 
     def close(self) -> None:
-        close = getattr(self.frames, "close", None)
-        if close is not None:
-            close()
+        self.frames.close()  # a started answer closes the state's answer in its ``finally``
 
 
 def _seq_frame(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
+
+
+def _worth_logging(count: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th... occurrence: a flood of bad requests cannot flood the log."""
+    return count & (count - 1) == 0
 
 
 class VllmRepublisher:
@@ -225,7 +229,9 @@ class VllmRepublisher:
         self.replay_endpoint: str | None = None
         if config.replay_endpoint is not None:
             try:
-                self._router, self.replay_endpoint = self._bind_router(ctx, config)
+                self._router, self.replay_endpoint = self._bind_router(
+                    ctx, config.replay_endpoint, config.replay_sndhwm
+                )
             except BaseException:
                 self._pub.close()
                 raise
@@ -259,15 +265,13 @@ class VllmRepublisher:
         return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @staticmethod
-    def _bind_router(ctx: zmq.Context[Any], config: RepublishConfig) -> tuple[TrioSocket, str]:
-        endpoint = config.replay_endpoint
-        assert endpoint is not None  # checked by the caller
+    def _bind_router(ctx: zmq.Context[Any], endpoint: str, sndhwm: int) -> tuple[TrioSocket, str]:
         sock = ctx.socket(zmq.ROUTER)
         try:
             # A full peer pipe refuses the frame (EAGAIN: kept and retried) and a gone peer is reported
             # (EHOSTUNREACH) instead of both being dropped silently as vLLM's ROUTER does.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.SNDHWM, config.replay_sndhwm)
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -401,35 +405,45 @@ class VllmRepublisher:
             sum(len(q) for q in self._answers.values()) >= MAX_ANSWERS
         ):
             self._refused_requests += 1
-            log.warning("republish_replay_refused", reason="too many answers queued", peer=identity.hex())
+            if _worth_logging(self._refused_requests):
+                log.warning(
+                    "republish_replay_refused",
+                    reason="too many answers queued",
+                    peer=identity.hex(),
+                    refused=self._refused_requests,
+                )
             return
         answer = _Answer(
             self._answer_frames(frames), deadline=trio.current_time() + self.config.answer_deadline
         )
         self._answers.setdefault(identity, collections.deque()).append(answer)
 
-    def _answer_frames(self, frames: list[bytes]) -> Iterator[list[bytes]]:
+    def _answer_frames(self, frames: list[bytes]) -> Generator[list[bytes], None, None]:
         """The DEALER-bound messages (without the identity) answering one request, end marker included.
 
         A generator: the state is asked when the answer's first message is drawn, so an answer queued behind
         another of the same DEALER reflects the stream when it starts (and a queued snapshot holds nothing).
         """
-        if len(frames) != 3 or frames[1] != b"":
+        problem = (
+            f"{len(frames) - 1} frames, not [b'', start]" if len(frames) != 3 or frames[1] != b"" else ""
+        )
+        answer: ReplayAnswer | None = None
+        if not problem:
+            try:
+                answer = self._state.answer(frames[2])
+            except ValueError as exc:
+                problem = str(exc)
+        if answer is None:
             self._malformed_requests += 1
-            log.warning("republish_replay_malformed", frames=len(frames) - 1)
-            yield from self._end_marker()
-            return
-        try:
-            answer = self._state.answer(frames[2])
-        except ValueError as exc:
-            self._malformed_requests += 1
-            log.warning("republish_replay_malformed", error=str(exc))
+            if _worth_logging(self._malformed_requests):
+                log.warning("republish_replay_malformed", problem=problem, malformed=self._malformed_requests)
             yield from self._end_marker()
             return
         self._replay_requests += 1
         yield from self._reply_frames(answer)
 
     def _end_marker(self) -> Iterator[list[bytes]]:
+        # vLLM answers a malformed request with nothing at all; an end marker ends a consumer's wait at once.
         yield [b"", END_SEQ, b""] if self.config.legacy_replay else [b"", b"", END_SEQ, b""]
 
     def _reply_frames(self, answer: ReplayAnswer) -> Iterator[list[bytes]]:
@@ -479,9 +493,9 @@ class VllmRepublisher:
 
     @staticmethod
     def _send_burst(router: TrioSocket, identity: bytes, answer: _Answer) -> int:
-        """Send up to ``ANSWER_BURST`` messages; ``answer.pending`` is None afterwards iff it is finished."""
-        sent = 0
-        while sent < ANSWER_BURST:
+        """Send one turn's messages; ``answer.pending`` is None afterwards iff the answer is finished."""
+        sent = sent_bytes = 0
+        while sent < ANSWER_BURST and sent_bytes < ANSWER_BURST_BYTES:
             if answer.pending is None:
                 frames = next(answer.frames, None)
                 if frames is None:
@@ -489,6 +503,7 @@ class VllmRepublisher:
                 answer.pending = [identity, *frames]
             if not router.try_send_multipart(answer.pending):
                 return sent
+            sent_bytes += len(answer.pending[-1])
             answer.pending = None
             sent += 1
         # The burst is used up: mark the answer unfinished even when its next message is not drawn yet.
