@@ -52,10 +52,12 @@ log = structlog.get_logger(__name__)
 # the other answers (and every other task: snapshot payloads are encoded as they are drawn) get their turn soon.
 ANSWER_BURST = 32
 ANSWER_BURST_BYTES = 256 << 10
-# Queued requests per DEALER (answered one after the other) and active answers overall; beyond, a request is
-# refused (logged and counted, not answered: a consumer times out and asks again).
+# Answers per DEALER (sent one after the other) and overall; beyond, a request is refused: logged, counted and
+# answered with just the end marker, because a consumer may wait for it without a timeout (Dynamo's indexer
+# does). A DEALER with MAX_QUEUED_PER_PEER answers queued is flooding: its further requests are dropped.
 MAX_ANSWERS_PER_PEER = 4
 MAX_ANSWERS = 64
+MAX_QUEUED_PER_PEER = 64
 # When every answer's peer pipe is full the task waits for libzmq's next command (a peer read, a request),
 # and at most this long: an edge consumed by a send attempt is noticed within it.
 BLOCKED_RETRY = 0.05
@@ -400,10 +402,9 @@ class VllmRepublisher:
 
     def _admit(self, frames: list[bytes]) -> None:
         identity = frames[0]
-        queue = self._answers.get(identity)
-        if (queue is not None and len(queue) >= MAX_ANSWERS_PER_PEER) or (
-            sum(len(q) for q in self._answers.values()) >= MAX_ANSWERS
-        ):
+        queue = self._answers.get(identity) or collections.deque()
+        answers = self._answer_frames(frames)
+        if len(queue) >= MAX_ANSWERS_PER_PEER or sum(len(q) for q in self._answers.values()) >= MAX_ANSWERS:
             self._refused_requests += 1
             if _worth_logging(self._refused_requests):
                 log.warning(
@@ -412,11 +413,11 @@ class VllmRepublisher:
                     peer=identity.hex(),
                     refused=self._refused_requests,
                 )
-            return
-        answer = _Answer(
-            self._answer_frames(frames), deadline=trio.current_time() + self.config.answer_deadline
-        )
-        self._answers.setdefault(identity, collections.deque()).append(answer)
+            if len(queue) >= MAX_QUEUED_PER_PEER:
+                return
+            answers = self._end_marker()
+        self._answers[identity] = queue
+        queue.append(_Answer(answers, deadline=trio.current_time() + self.config.answer_deadline))
 
     def _answer_frames(self, frames: list[bytes]) -> Generator[list[bytes], None, None]:
         """The DEALER-bound messages (without the identity) answering one request, end marker included.
@@ -442,7 +443,7 @@ class VllmRepublisher:
         self._replay_requests += 1
         yield from self._reply_frames(answer)
 
-    def _end_marker(self) -> Iterator[list[bytes]]:
+    def _end_marker(self) -> Generator[list[bytes], None, None]:
         # vLLM answers a malformed request with nothing at all; an end marker ends a consumer's wait at once.
         yield [b"", END_SEQ, b""] if self.config.legacy_replay else [b"", b"", END_SEQ, b""]
 

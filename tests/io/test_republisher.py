@@ -369,6 +369,30 @@ async def test_an_answer_the_dealer_stops_taking_is_abandoned_after_the_deadline
                     assert len(await ask(other, (300).to_bytes(8, "big"))) == 2
 
 
+async def test_requests_beyond_the_queue_bound_get_just_the_end_marker(zmq_context: zmq.Context[Any]) -> None:
+    hashes = tuple(range(1_000, 2_000))
+    with trio.fail_after(60):
+        async with running(zmq_context, replay_sndhwm=2) as republisher:
+            for _ in range(1000):  # ~9 MB an answer: the first cannot finish while the DEALER reads nothing
+                republisher.publish([event(Stored(None, hashes, hashes))])
+            endpoint = republisher.replay_endpoint or ""
+            with socket(zmq_context, zmq.DEALER, endpoint, RCVHWM=1, RCVBUF=65536) as dealer:
+                for _ in range(6):
+                    await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                await until(lambda: republisher.statistics().refused_requests == 2)
+                answers: list[int] = []  # data replies per answer
+                count = 0
+                while len(answers) < 6:
+                    frames = await dealer.recv_multipart()
+                    if frames[2] == END_SEQ:
+                        answers.append(count)
+                        count = 0
+                    else:
+                        count += 1
+    assert answers == [1000, 1000, 1000, 1000, 0, 0]
+    assert republisher.statistics().answers_completed == 6
+
+
 # --- a plain consumer, and the slot --------------------------------------------------------------------------
 
 
