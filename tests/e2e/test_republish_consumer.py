@@ -164,3 +164,30 @@ async def _run_in(
 ) -> None:
     with scope:
         await consumer.run(task_status=task_status)
+
+
+async def test_command_line_republish_with_legacy_replay_serves_a_pre_026_consumer(
+    tmp_path: Path, zmq_context: zmq.Context[Any]
+) -> None:
+    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE, context=zmq_context)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            args = ["--slot", f"s0={engine.endpoint}", "--replay", engine.replay_endpoint or ""]
+            args += ["--topic", "kv-events", "--block-size", str(BLOCK_SIZE)]
+            args += ["--republish", "tcp://127.0.0.1:0", "--republish-replay", "tcp://127.0.0.1:0"]
+            args += ["--republish-topic", "legacy", "--legacy-replay"]
+            async with serve(tmp_path, *args) as agent, client(agent.url) as c:
+                endpoint, replay_endpoint = await republish_endpoints(agent)
+                await engine.wait_for_subscriber()
+                await run_steps(engine, SimulatedWorkload(seed=3, block_size=BLOCK_SIZE), 30)
+                consumer = VllmStyleConsumer(
+                    zmq_context, endpoint, replay_endpoint, topic=b"legacy", legacy_replay=True
+                )
+                await nursery.start(consumer.run)
+                dump = await settle(engine, c, consumer)
+                assert consumer_blocks(consumer) == worker_blocks(dump)
+                assert consumer.replays[0] == 0 and consumer.snapshot_answers == 0  # the ring holds it all
+                republish = (await c.request("status"))["status"]["republish"]
+                assert (republish["endpoint"], republish["replay_endpoint"]) == (endpoint, replay_endpoint)
+            nursery.cancel_scope.cancel()
