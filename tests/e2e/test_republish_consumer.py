@@ -153,6 +153,20 @@ async def test_a_vllm_style_consumer_matches_kvagent_after_late_join_own_restart
                 status = (await c.request("status"))["status"]
                 assert status["attachment"]["ready"] is True
                 assert status["republish"]["seq"] == second.last_seq
+
+                # 4. Engine batches lost on the way to kvagent: one kvagent repairs from the engine's replay
+                # buffer, then one nobody can repair (kvagent resets its Worker view: AllBlocksCleared).
+                workload = SimulatedWorkload(seed=9, block_size=BLOCK_SIZE)
+                await engine.publish_batch(workload.next_step(), drop_live=True)
+                await run_steps(engine, workload, 10)
+                dump = await settle(engine, c, second)
+                assert consumer_blocks(second) == worker_blocks(dump)
+                clears = second.clears
+                await engine.publish_batch(workload.next_step(), unbuffered=True)
+                await run_steps(engine, workload, 10)
+                dump = await settle(engine, c, second)
+                assert second.clears > clears
+                assert consumer_blocks(second) == worker_blocks(dump)
             nursery.cancel_scope.cancel()
 
 
