@@ -64,6 +64,10 @@ def remove(*hashes: int, tier: StorageTier = DEV) -> RouterEvent:
     return event(Removed(hashes), tier)
 
 
+def seq_bounds(state: RepublishState) -> tuple[int | None, int | None]:
+    return state.oldest_seq, state.last_seq
+
+
 def seq_request(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
@@ -138,7 +142,7 @@ def test_seqs_start_at_zero_and_skip_nothing_for_noops() -> None:
     assert state.publish([event(Stored(None, (5,), (5,)), HOST, C)]) is None  # not Worker residency
     published = [state.publish([store(h)]) for h in (1, 2, 3)]
     assert [item[0] for item in published if item is not None] == [0, 1, 2]
-    assert (state.oldest_seq, state.last_seq) == (0, 2)
+    assert seq_bounds(state) == (0, 2)
 
 
 def test_ring_is_bounded_by_batches_and_by_bytes_and_keeps_the_newest() -> None:
@@ -433,3 +437,19 @@ def test_compaction_reclaims_the_rows_of_removed_blocks() -> None:
     expected = reference([store(*range(1, 11)), remove(*range(1, 7)), store(1, 2, 3, 4, 5, 6, version=2)])
     assert mirror(state) == expected
     assert [h for _, h, _, _ in state.snapshot_blocks()] == list(range(1, 11))
+
+
+def test_a_chain_repeating_a_hash_keeps_one_block_with_its_newest_tokens() -> None:
+    state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
+    chain = Stored(
+        None, (1, 2, 1), (0, 0, 0), token_bytes=tokens_of(1, 0) + tokens_of(2, 0) + tokens_of(1, 5)
+    )
+    state.publish([event(chain)])
+    assert mirror(state) == {("GPU", 1): tokens_of(1, 5), ("GPU", 2): tokens_of(2, 0)}
+    assert state.resident_blocks() == 2
+
+
+def test_tokens_of_another_block_size_are_not_mirrored() -> None:
+    state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
+    state.publish([event(Stored(None, (1, 2), (0, 0), token_bytes=b"\x00" * 4))])
+    assert [tokens for _, _, _, tokens in state.snapshot_blocks()] == [None, None]

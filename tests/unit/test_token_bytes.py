@@ -26,8 +26,10 @@ from kvagent.model.events import (
     Stored,
     WorkerWithDpRank,
 )
-from kvagent.vllm.decode import RawBatch, RawBlockStored, RawEagleBlockStored
-from kvagent.vllm.normalize import AttachmentNormalizer, split_oversized_event
+from kvagent.publish.republish_state import RepublishState
+from kvagent.vllm.decode import RawBatch, RawBlockStored, RawEagleBlockStored, decode_payload
+from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks, split_oversized_event
+from tests.support.coordinator import FIRST, Slot, attachment_for
 from tests.support.fuzz_decoder import normalize_each
 
 BLOCK_SIZE = 4
@@ -95,10 +97,13 @@ def test_token_bytes_are_not_part_of_equality_or_hash() -> None:
     assert "token_bytes" not in repr(with_tokens)
 
 
-def chain(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> PlacementEvent:
+def chain_data(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> Stored:
     token_bytes = b"".join(packed([h] * BLOCK_SIZE) for h in hashes) if tokens else None
-    data = Stored(parent, tuple(hashes), tuple(h + 1000 for h in hashes), token_bytes=token_bytes)
-    return PlacementEvent(data, DEV, W, 0)
+    return Stored(parent, tuple(hashes), tuple(h + 1000 for h in hashes), token_bytes=token_bytes)
+
+
+def chain(hashes: Sequence[int], parent: int | None, tokens: bool = True) -> PlacementEvent:
+    return PlacementEvent(chain_data(hashes, parent, tokens), DEV, W, 0)
 
 
 def test_split_slices_tokens_with_the_blocks() -> None:
@@ -107,7 +112,7 @@ def test_split_slices_tokens_with_the_blocks() -> None:
     assert [len(part.data.block_hashes) for part in parts] == [4, 4, 2]
     for part in parts:
         assert isinstance(part.data, Stored)
-        assert part.data.token_bytes == chain(part.data.block_hashes, None).data.token_bytes
+        assert part.data.token_bytes == chain_data(part.data.block_hashes, None).token_bytes
 
 
 def test_split_keeps_missing_tokens_missing() -> None:
@@ -118,7 +123,7 @@ def test_split_keeps_missing_tokens_missing() -> None:
 def test_coalesce_concatenates_tokens_and_drops_them_when_a_side_lacks_them() -> None:
     (merged,) = coalesce([chain([1, 2], None), chain([3], 2)])
     assert isinstance(merged.data, Stored)
-    assert merged.data.token_bytes == chain([1, 2, 3], None).data.token_bytes
+    assert merged.data.token_bytes == chain_data([1, 2, 3], None).token_bytes
     (partial,) = coalesce([chain([1, 2], None), chain([3], 2, tokens=False)])
     assert isinstance(partial.data, Stored) and partial.data.token_bytes is None
 
@@ -131,14 +136,15 @@ def test_coalesce_concatenates_tokens_and_drops_them_when_a_side_lacks_them() ->
 )
 def test_split_then_coalesce_gives_back_the_tokens(sizes: list[int], max_blocks: int, tokens: bool) -> None:
     """Any chain split into parts and coalesced back carries exactly the tokens of its blocks, in order."""
-    events, parent, next_hash = [], None, 1
+    events: list[PlacementEvent] = []
+    parent, next_hash = None, 1
     for size in sizes:
         hashes = list(range(next_hash, next_hash + size))
         events.extend(split_oversized_event(chain(hashes, parent, tokens), max_blocks=max_blocks))
         parent, next_hash = hashes[-1], next_hash + size
     merged = coalesce(events, max_blocks=1 << 30)
     assert len(merged) == 1 and isinstance(merged[0].data, Stored)
-    expected = chain(range(1, next_hash), None, tokens).data
+    expected = chain_data(range(1, next_hash), None, tokens)
     assert merged[0].data.block_hashes == expected.block_hashes
     assert merged[0].data.token_bytes == expected.token_bytes
 
@@ -234,3 +240,49 @@ def test_coalesce_equals_the_pairwise_merge(events: list[PlacementEvent], max_bl
     assert [e.data.token_bytes if isinstance(e.data, Stored) else None for e in ours] == [
         e.data.token_bytes if isinstance(e.data, Stored) else None for e in expected
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.integers(1, 5),
+    spare=st.integers(0, 2 * BLOCK_SIZE),
+    lora=st.booleans(),
+)
+def test_fast_and_general_paths_carry_the_same_tokens(blocks: int, spare: int, lora: bool) -> None:
+    tokens = tuple(range(7, 7 + blocks * BLOCK_SIZE + spare))
+    event = RawBlockStored(
+        tuple(range(1, blocks + 1)), None, tokens, BLOCK_SIZE, lora_name="a" if lora else None
+    )
+    fast, general = only_stored(event)
+    published = min(blocks, len(tokens) // BLOCK_SIZE)
+    assert fast.token_bytes == general.token_bytes == packed(tokens[: published * BLOCK_SIZE])
+
+
+def test_tokens_reach_the_sink_and_the_republished_payload() -> None:
+    """Raw vLLM stores through normalization, chunking, the coordinator (coalesce, dedup) to its sink."""
+    slot = Slot()
+    attached = slot.core.attach(attachment_for(FIRST))
+    raw = RawBatch(
+        1.0,
+        (
+            RawBlockStored((1, 2), None, tuple(range(8)), BLOCK_SIZE),
+            RawBlockStored((3,), 2, tuple(range(8, 12)), BLOCK_SIZE),  # coalesces with the first
+            RawBlockStored((1, 2), None, tuple(range(8)), BLOCK_SIZE),  # a second physical copy
+        ),
+        FIRST.dp_rank,
+    )
+    normalized = AttachmentNormalizer(kv_block_size=BLOCK_SIZE, worker=FIRST).normalize(raw)
+    for piece in build_ingress_chunks(attached.generation, 1, normalized):
+        slot.core.handle_ingress(piece)
+    stores = [e.data for e in slot.sink.events if isinstance(e.data, Stored)]
+    assert [data.block_hashes for data in stores] == [(1, 2, 3), (1, 2)]
+    assert [data.token_bytes for data in stores] == [packed(range(12)), packed(range(8))]
+    state = RepublishState(dp_rank=FIRST.dp_rank, block_size=BLOCK_SIZE)
+    published = state.publish(slot.sink.events)
+    assert published is not None
+    decoded = decode_payload(published[1])
+    assert [e.token_ids for e in decoded.events if isinstance(e, RawBlockStored)] == [
+        tuple(range(12)),
+        tuple(range(8)),
+    ]
+    assert state.statistics().stores_without_tokens == 0

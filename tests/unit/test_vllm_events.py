@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import msgspec
@@ -200,7 +201,7 @@ def test_token_ids_round_trip() -> None:
     assert list(token_ids(struct.pack("<4I", *values))) == values
 
 
-def snapshot_events(payloads: Sequence[bytes]) -> list[dict[str, object]]:
+def snapshot_events(payloads: Sequence[bytes]) -> list[dict[str, Any]]:
     return [event for payload in payloads for event in msgpack.unpackb(payload, strict_map_key=False)[1]]
 
 
