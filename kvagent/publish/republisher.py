@@ -374,6 +374,7 @@ class VllmRepublisher:
         fd = cast(int, router.socket.getsockopt(zmq.FD))
         while True:
             self._take_requests(router)
+            self._abandon_stalled()
             if not self._answers:
                 await router.wait_readable()
                 continue
@@ -386,7 +387,6 @@ class VllmRepublisher:
             if self._send_round(router):
                 await trio.lowlevel.checkpoint()
                 continue
-            self._abandon_stalled()
             wait = min(BLOCKED_RETRY, max(0.0, self._nearest_deadline() - trio.current_time()))
             with trio.move_on_after(wait):
                 await trio.lowlevel.wait_readable(fd)
