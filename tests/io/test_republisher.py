@@ -499,3 +499,41 @@ async def test_a_slot_republishes_one_seq_space_across_detach_and_reattach(
     finally:
         for engine in engines:
             engine.close()
+    with pytest.raises(KvAgentError, match="closed"):  # the slot closed its republisher on the way out
+        republisher.publish([store([1])])
+
+
+async def test_a_slot_of_dp_rank_2_binds_offset_endpoints_and_names_its_rank(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    slot_config = SlotAgentConfig(
+        name="s2",
+        cache_owner_id=OWNER,
+        kv_block_size=32,
+        dp_rank=2,
+        republish=RepublishConfig(endpoint="inproc://republish-test", replay_endpoint="inproc://replay-test"),
+    )
+    engine = XpubEngine(zmq_context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with open_slot_agent(
+                slot_config, discovery=MemoryDiscovery(), zmq_context=zmq_context
+            ) as agent:
+                republisher = agent.republisher
+                assert republisher is not None
+                assert republisher.endpoint == "inproc://republish-test_dp2"
+                assert republisher.replay_endpoint == "inproc://replay-test_dp2"
+                with socket(zmq_context, zmq.SUB, republisher.endpoint) as sub:
+                    await republisher.wait_for_subscriber()
+                    async with trio.open_nursery() as attaching:
+                        attaching.start_soon(engine.wait_subscribed)
+                        await agent.attach(AttachmentConfig(worker_id=5, dp_rank=2, endpoint=engine.endpoint))
+                    await engine.send_payload(batch([gpu_store([77])], rank=2), seq=0)
+                    while True:
+                        _topic, _seq, payload = await sub.recv_multipart()
+                        _ts, events, rank = msgpack.unpackb(payload)
+                        assert rank == 2
+                        if any(77 in e.get("block_hashes", ()) for e in events):
+                            break
+    finally:
+        engine.close()
