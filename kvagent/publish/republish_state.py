@@ -9,8 +9,12 @@ vLLM PR #50134 (``AllBlocksCleared``, then every resident block as ``BlockStored
 
 Snapshot consistency without copying: a snapshot streams the mirror as it is after batch ``seq``; while any
 snapshot stream is open, :meth:`RepublishState.publish` still assigns seqs and fills the ring, but the mirror
-updates wait until the last open stream is finished or closed. Iteration therefore never sees a dict change,
-and memory stays bounded by the mirror itself plus the batches published meanwhile.
+updates wait until the last open stream is finished or closed. Iteration therefore never sees the mirror
+change, and memory stays bounded by the mirror itself plus the batches published meanwhile. A snapshot
+started while another is open shows the same (older) state and says so in its seq.
+
+The mirror keeps each tier's blocks in flat columns (about 200 bytes a block of 16 tokens, tokens included):
+see :class:`_TierBlocks`.
 
 The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing here does IO.
 """
@@ -61,6 +65,9 @@ def snapshot_frame_seq(included_seq: int) -> int:
 
 @attrs.frozen(slots=True)
 class RepublishStatistics:
+    """Counters of one :class:`RepublishState` (``stores_without_tokens``: published with ``token_ids=[]``,
+    which Dynamo's indexer drops)."""
+
     batches_published: int
     events_published: int
     ring_batches: int
@@ -124,7 +131,9 @@ class RangeAnswer:
 class SnapshotAnswer:
     """Snapshot payloads, every frame carrying ``seq`` (see :func:`snapshot_frame_seq`), then the end marker.
 
-    Call :meth:`close` when the answer ends early: the mirror stays frozen while a snapshot is open.
+    ``seq`` is the last batch the snapshot includes: ``last_seq`` when it was made, or older when another
+    snapshot was still open then. Call :meth:`close` when the answer ends early: the mirror stays frozen
+    while a snapshot is open.
     """
 
     seq: int
@@ -365,28 +374,45 @@ class _TierBlocks:
 
     def store(self, data: Stored) -> None:
         hashes = data.block_hashes
+        count = len(hashes)
         token_bytes = data.token_bytes
-        width = self.width
-        if token_bytes is not None and len(token_bytes) != width * len(hashes):
+        if token_bytes is not None and len(token_bytes) != self.width * count:
             token_bytes = None  # not this slot's block size: no tokens rather than misaligned ones
         parent = data.parent_hash
         rows = self.rows
-        if len(hashes) > 1 and rows.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
-            # The common case, a chain of new blocks: appended in bulk at C speed.
-            first = len(self.hashes)
-            rows.update(zip(hashes, range(first, first + len(hashes)), strict=True))
-            self.hashes.extend(hashes)
-            self.parents.append(0 if parent is None else parent)
-            self.parents.extend(hashes[:-1])
-            known = 0 if token_bytes is None else _HAS_TOKENS
-            self.flags.append(known | (0 if parent is None else _HAS_PARENT))
-            self.flags.extend(bytes((known | _HAS_PARENT,)) * (len(hashes) - 1))
-            self.tokens.extend(bytes(width * len(hashes)) if token_bytes is None else token_bytes)
+        if not rows.keys().isdisjoint(hashes):  # a re-store: block by block, each keeps its row
+            width = self.width
+            for index, block_hash in enumerate(hashes):
+                tokens = None if token_bytes is None else token_bytes[index * width : (index + 1) * width]
+                self._put(block_hash, parent, tokens)
+                parent = block_hash
             return
-        for index, block_hash in enumerate(hashes):
-            tokens = None if token_bytes is None else token_bytes[index * width : (index + 1) * width]
-            self._put(block_hash, parent, tokens)
-            parent = block_hash
+        # The common case, new blocks: appended in bulk at C speed.
+        flags = self.flags
+        first = len(flags)
+        resident = len(rows)
+        row = first
+        for block_hash in hashes:  # faster than dict.update(zip(...)) for the few blocks of a store
+            rows[block_hash] = row
+            row += 1
+        self.hashes.extend(hashes)
+        known = 0 if token_bytes is None else _HAS_TOKENS
+        flags.append(known | (0 if parent is None else _HAS_PARENT))
+        self.parents.append(0 if parent is None else parent)
+        if count > 1:
+            flags.extend(bytes((known | _HAS_PARENT,)) * (count - 1))
+            self.parents.extend(hashes[:-1])
+        self.tokens.extend(bytes(self.width * count) if token_bytes is None else token_bytes)
+        if len(rows) != resident + count:
+            self._bury_repeats(first, hashes)
+
+    def _bury_repeats(self, first: int, hashes: Sequence[int]) -> None:
+        """A hash repeated within one chain lives in its last row; its earlier rows are dead."""
+        rows, flags = self.rows, self.flags
+        for offset, block_hash in enumerate(hashes):
+            if rows[block_hash] != first + offset:
+                flags[first + offset] = _DEAD
+                self.dead += 1
 
     def _put(self, block_hash: int, parent: int | None, tokens: bytes | None) -> None:
         flag = (0 if parent is None else _HAS_PARENT) | (0 if tokens is None else _HAS_TOKENS)

@@ -18,6 +18,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvagent.model.events import (
     CLEARED,
@@ -318,10 +319,17 @@ def worker_events(draw: st.DrawFn, tree: dict[int, int | None], version: int) ->
 
 
 @st.composite
-def streams(draw: st.DrawFn) -> list[list[RouterEvent]]:
+def trees(draw: st.DrawFn) -> dict[int, int | None]:
+    """Each block hash's parent: a forest over 1..MAX_HASH, as chained block hashes fix it."""
     tree: dict[int, int | None] = {1: None}
     for block_hash in range(2, MAX_HASH + 1):
         tree[block_hash] = draw(st.one_of(st.none(), st.integers(1, block_hash - 1)))
+    return tree
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[list[RouterEvent]]:
+    tree = draw(trees())
     count = draw(st.integers(1, 25))
     return [draw(st.lists(worker_events(tree, version), max_size=4)) for version in range(count)]
 
@@ -453,3 +461,96 @@ def test_tokens_of_another_block_size_are_not_mirrored() -> None:
     state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
     state.publish([event(Stored(None, (1, 2), (0, 0), token_bytes=b"\x00" * 4))])
     assert [tokens for _, _, _, tokens in state.snapshot_blocks()] == [None, None]
+
+
+class RepublishMachine(RuleBasedStateMachine):
+    """Publishes, ranges and several snapshots open at once, read at any pace, closed at any point.
+
+    Each snapshot must rebuild exactly the blocks after the batch its frames name, and those blocks plus the
+    ring's later batches must give the newest state; with no snapshot open, the mirror is the newest state.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE, ring_batches=6)
+        self.tree: dict[int, int | None] = {}
+        self.published: list[tuple[int, bytes]] = []
+        self.history: list[Blocks] = []  # the blocks after each published seq
+        self.open: list[tuple[SnapshotAnswer, Consumer]] = []
+
+    def current(self) -> Blocks:
+        return self.history[-1] if self.history else {}
+
+    @initialize(data=st.data())
+    def make_tree(self, data: st.DataObject) -> None:
+        self.tree = data.draw(trees())
+
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        batch = data.draw(st.lists(worker_events(self.tree, len(self.published)), max_size=4))
+        after = reference(batch, self.current())
+        published = self.state.publish(batch)
+        if published is None:
+            assert after == self.current()
+            return
+        assert published[0] == len(self.published)
+        self.published.append(published)
+        self.history.append(after)
+
+    @rule(old=st.booleans())
+    def open_snapshot(self, old: bool) -> None:
+        oldest = self.state.oldest_seq
+        request = seq_request(oldest - 1) if old and oldest else SNAPSHOT_REQUEST
+        answer = self.state.answer(request)
+        if isinstance(answer, RangeAnswer):
+            assert not self.published and list(answer.batches) == []
+            return
+        assert answer.seq <= len(self.published) - 1
+        self.open.append((answer, Consumer()))
+
+    @precondition(lambda self: bool(self.open))
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def read(self, data: st.DataObject, count: int) -> None:
+        index = data.draw(st.integers(0, len(self.open) - 1))
+        answer, consumer = self.open[index]
+        expected = self.history[answer.seq]
+        for _ in range(count):
+            payload = next(answer.payloads, None)
+            if payload is None:
+                del self.open[index]
+                assert consumer.blocks == expected
+                oldest = self.state.oldest_seq
+                if oldest is not None and oldest <= answer.seq + 1:
+                    for _, later in self.published[answer.seq + 1 :]:
+                        consumer.apply(later)
+                    assert consumer.blocks == self.current()
+                return
+            consumer.apply(payload, resident_parents=expected)
+
+    @precondition(lambda self: bool(self.open))
+    @rule(data=st.data())
+    def close(self, data: st.DataObject) -> None:
+        answer, _ = self.open.pop(data.draw(st.integers(0, len(self.open) - 1)))
+        answer.close()
+
+    @rule(data=st.data())
+    def replay_range(self, data: st.DataObject) -> None:
+        start = data.draw(st.integers(0, len(self.published) + 1))
+        answer = self.state.answer(seq_request(start))
+        if isinstance(answer, RangeAnswer):
+            assert list(answer.batches) == self.published[start:]
+        else:
+            assert start < (self.state.oldest_seq or 0)
+            answer.close()
+
+    @invariant()
+    def mirror_is_newest_when_no_snapshot_is_open(self) -> None:
+        stats = self.state.statistics()
+        assert stats.snapshots_open == len(self.open)
+        if not self.open:
+            assert stats.deferred_batches == 0
+            assert mirror(self.state) == self.current()
+
+
+RepublishMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_republish_machine = RepublishMachine.TestCase
