@@ -15,7 +15,7 @@ from typing import Literal
 import pytest
 import trio
 
-from kvagent.vllm.fake_engine import FakeVllmEngine, all_blocks_cleared, block_removed
+from kvagent.vllm.fake_engine import FakeVllmEngine, all_blocks_cleared, block_removed, block_stored
 from tests.interop.blocks import (
     BLOCK_SIZE,
     Block,
@@ -52,7 +52,11 @@ class SnapshotEngine(FakeVllmEngine):
 
 @asynccontextmanager
 async def indexer_and_engine(
-    dynamo: str, *, layout: Layout = "v0.26", replay: bool = True, engine_type: type[FakeVllmEngine] = FakeVllmEngine
+    dynamo: str,
+    *,
+    layout: Layout = "v0.26",
+    replay: bool = True,
+    engine_type: type[FakeVllmEngine] = FakeVllmEngine,
 ) -> AsyncIterator[tuple[DynamoIndexer, FakeVllmEngine]]:
     engine = engine_type(
         replay_endpoint="tcp://127.0.0.1:0" if replay else None, replay_layout=layout, block_size=BLOCK_SIZE
@@ -189,6 +193,23 @@ async def test_a_store_whose_parent_is_unknown_is_dropped(dynamo: str) -> None:
         with trio.fail_after(WAIT):
             dump = await indexer.wait_for_dump(lambda d: parent[0].hash in d.hashes())
         assert dump.hashes() == {parent[0].hash}
+
+
+async def test_a_store_without_token_ids_is_dropped(dynamo: str) -> None:
+    """Dynamo hashes token_ids itself: a store with ``token_ids=[]`` never reaches the tree, nor do its children."""
+    maker = BlockMaker(11)
+    async with indexer_and_engine(dynamo) as (indexer, engine):
+        await attach(indexer, engine)
+        tokenless = maker.chain(2)
+        await engine.publish_batch([block_stored([b.hash for b in tokenless], None, [], BLOCK_SIZE)])
+        orphan = maker.chain(1, after=tokenless[-1])
+        await engine.publish_batch([stored(orphan)])
+        sentinel = maker.chain(1)
+        await engine.publish_batch([stored(sentinel)])
+        with trio.fail_after(WAIT):
+            dump = await indexer.wait_for_dump(lambda d: sentinel[0].hash in d.hashes())
+        assert dump.hashes() == {sentinel[0].hash}
+        assert indexer.count("token_ids too short") == 1
 
 
 @pytest.mark.parametrize("layout", ["v0.26", "v0.25"])
