@@ -12,6 +12,7 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol, WorkerWithDpRank
 from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import Attachment, AttachmentSource
+from kvagent.publish.republisher import RepublishConfig
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = ["AttachmentConfig", "SlotAgentConfig"]
@@ -65,6 +66,8 @@ class SlotAgentConfig:
     recovery_url: str | None = None
     listener: ListenerOptions = ListenerOptions()
     shutdown_step_timeout: float = 5.0
+    # The vLLM-compatible stream of this slot (endpoints of dp_rank 0: the slot offsets them by its dp_rank).
+    republish: RepublishConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.name:

@@ -51,7 +51,8 @@ from kvagent.model.events import (
 )
 from kvagent.model.ids import KvStateAgentIdentity, attachment_record_id, new_publisher_id
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
-from kvagent.publish.sinks import EventSink, NullSink
+from kvagent.publish.republisher import RepublisherStatistics, VllmRepublisher
+from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
 from kvagent.vllm.listener import ListenerCounters, ListenerStatistics, run_listener
 
 __all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent"]
@@ -66,12 +67,14 @@ class SlotStatistics:
     """One slot's counters at one instant (trio ``statistics()`` style).
 
     ``coordinator`` includes the coordinator task's ingress queue depth; ``listener`` is the listener of the
-    latest attachment (None before the first attach); ``withdrawal`` counts the attachment-ad withdrawals.
+    latest attachment (None before the first attach); ``withdrawal`` counts the attachment-ad withdrawals;
+    ``republish`` is the vLLM-compatible republisher's (None when the slot does not republish).
     """
 
     coordinator: CoordinatorStatistics
     listener: ListenerStatistics | None
     withdrawal: WithdrawalStatistics
+    republish: RepublisherStatistics | None = None
 
 
 @attrs.define
@@ -98,6 +101,7 @@ class _SlotParts:
     withdraw_tx: trio.MemorySendChannel[int]
     withdraw_rx: trio.MemoryReceiveChannel[int]
     request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
+    republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
 
 
 class SlotAgent:
@@ -116,6 +120,7 @@ class SlotAgent:
         self._index = parts.index
         self._status = parts.status_cell
         self._coordinator = parts.coordinator
+        self.republisher = parts.republisher
         self._discovery = discovery
         self._holder = parts.holder
         self._listener_nursery = listener_nursery
@@ -154,7 +159,10 @@ class SlotAgent:
         return self._status
 
     def status(self) -> AgentStatus:
-        return self._status.get()
+        status = self._status.get()
+        if self.republisher is None:
+            return status
+        return attrs.evolve(status, republish=self.republisher.status())
 
     def statistics(self) -> SlotStatistics:
         listener = self._latest_listener_counters
@@ -162,6 +170,7 @@ class SlotAgent:
             coordinator=self._coordinator.statistics(),
             listener=None if listener is None else listener.statistics(),
             withdrawal=self._holder.statistics(),
+            republish=None if self.republisher is None else self.republisher.statistics(),
         )
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -391,7 +400,9 @@ class SlotAgent:
         await self._stop_listener()
 
 
-def _build_slot(config: SlotAgentConfig, sink: EventSink | None) -> _SlotParts:
+def _build_slot(
+    config: SlotAgentConfig, sink: EventSink | None, republisher: VllmRepublisher | None
+) -> _SlotParts:
     """The slot's objects, wired together; nothing runs yet and nothing is advertised."""
     publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
     identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
@@ -407,11 +418,13 @@ def _build_slot(config: SlotAgentConfig, sink: EventSink | None) -> _SlotParts:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             log.warning("withdrawal_request_dropped", generation=generation, reason="supervisor is gone")
 
+    sinks = [each for each in (sink, republisher) if each is not None]
+    outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
     core = SlotCoordinator(
         identity=identity,
         slot_rank=config.dp_rank,
         index=index,
-        sink=sink if sink is not None else NullSink(),
+        sink=outbound,
         on_status=status_cell.set,
         request_withdrawal=request_withdrawal,
         strict_cache_owner=config.strict_cache_owner,
@@ -437,6 +450,7 @@ def _build_slot(config: SlotAgentConfig, sink: EventSink | None) -> _SlotParts:
         withdraw_tx=withdraw_tx,
         withdraw_rx=withdraw_rx,
         request_withdrawal=request_withdrawal,
+        republisher=republisher,
     )
 
 
@@ -474,6 +488,8 @@ async def _slot_nurseries(
         try:
             with parts.withdraw_tx:
                 await supervisor_nursery.start(_logged_task, supervisor, parts.config.name, supervisor_done)
+                if parts.republisher is not None:  # outlives the coordinator, which publishes into it
+                    await supervisor_nursery.start(_logged_task, parts.republisher.run, parts.config.name)
                 async with trio.open_nursery() as coordinator_nursery:
                     await coordinator_nursery.start(_logged_task, parts.run_coordinator, parts.config.name)
                     try:
@@ -504,6 +520,25 @@ async def _slot_nurseries(
             supervisor_nursery.cancel_scope.cancel()
 
 
+def _open_republisher(config: SlotAgentConfig, context: zmq.Context[Any]) -> VllmRepublisher | None:
+    """The slot's republisher, bound at its endpoints offset by its dp_rank (vLLM's convention)."""
+    if config.republish is None:
+        return None
+    republisher = VllmRepublisher(
+        config.republish.for_rank(config.dp_rank),
+        dp_rank=config.dp_rank,
+        block_size=config.kv_block_size,
+        context=context,
+    )
+    log.info(
+        "republishing",
+        slot=config.name,
+        endpoint=republisher.endpoint,
+        replay_endpoint=republisher.replay_endpoint,
+    )
+    return republisher
+
+
 @asynccontextmanager
 async def open_slot_agent(
     config: SlotAgentConfig,
@@ -518,17 +553,22 @@ async def open_slot_agent(
     be built for ``config.publisher_id``.  An exception from the block is re-raised as itself once the
     slot has shut down, not wrapped in one exception group per nursery level.
     """
-    parts = _build_slot(config, sink)
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
+    republisher = _open_republisher(config, context)
+    parts = _build_slot(config, sink, republisher)
     try:
         await discovery.register(parts.source_record)
     except Exception as exc:
+        if republisher is not None:
+            republisher.close()
         raise KvAgentError("failed to advertise persistent state source", code="internal") from exc
     try:
         with unwrap_sole_exception():
             async with _slot_nurseries(parts, discovery, context) as agent:
                 yield agent
     finally:
+        if republisher is not None:
+            republisher.close()
         with trio.move_on_after(config.shutdown_step_timeout, shield=True):
             try:
                 await discovery.unregister(parts.source_record.topic, parts.source_record.record_id)

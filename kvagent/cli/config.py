@@ -19,13 +19,15 @@ from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
 from kvagent.discovery import check_discovery_url
-from kvagent.model.errors import ConfigError, IdentityError
+from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material
+from kvagent.publish.republisher import RepublishConfig
 
 __all__ = [
     "ConfigError",
     "EngineConfig",
+    "RepublishSettings",
     "ServeConfig",
     "SlotConfig",
     "default_state_dir",
@@ -67,6 +69,26 @@ class EngineConfig:
 
 
 @attrs.frozen(slots=True)
+class RepublishSettings:
+    """``[slots.republish]``: the slot's vLLM-compatible stream (endpoints of dp_rank 0, offset per rank)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    legacy_replay: bool = False
+    buffer_batches: int = 10_000
+
+    def to_config(self) -> RepublishConfig:
+        return RepublishConfig(
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            topic=self.topic,
+            legacy_replay=self.legacy_replay,
+            buffer_batches=self.buffer_batches,
+        )
+
+
+@attrs.frozen(slots=True)
 class SlotConfig:
     name: str
     kv_block_size: int = 16
@@ -80,6 +102,7 @@ class SlotConfig:
     strict_cache_owner: bool = False
     engine: EngineConfig | None = None
     simulate: bool = False
+    republish: RepublishSettings | None = None
 
 
 @attrs.frozen(slots=True)
@@ -166,7 +189,7 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _strict_str)
     converter.register_structure_hook(bool, _strict_bool)
     # Inner types first, so the outer generated hooks pick up the wrapped inner ones.
-    for type_ in (EngineConfig, SlotConfig):
+    for type_ in (EngineConfig, RepublishSettings, SlotConfig):
         converter.register_structure_hook(type_, _require_table(converter.get_structure_hook(type_)))
     slots_type = tuple[SlotConfig, ...]
     slots_hook = _require_list(converter.get_structure_hook(slots_type))
@@ -268,6 +291,29 @@ def _validate_engine(errors: list[str], path: str, engine: EngineConfig) -> None
             _check(errors, f"{path}.{key}", _range(value, 0, U32_MAX))
 
 
+def _republish_endpoints(errors: list[str], path: str, slot: SlotConfig) -> list[tuple[str, str]]:
+    """Check ``[slots.republish]``; the endpoints this slot binds (offset by its dp_rank) with their key paths."""
+    republish = slot.republish
+    if republish is None:
+        return []
+    _check(errors, f"{path}.endpoint", _endpoint_problem(republish.endpoint, bind=True))
+    if republish.replay_endpoint is not None:
+        _check(errors, f"{path}.replay_endpoint", _endpoint_problem(republish.replay_endpoint, bind=True))
+    _check(errors, f"{path}.buffer_batches", _positive(republish.buffer_batches))
+    if any(error.startswith(f"{path}.") for error in errors):
+        return []
+    try:
+        config = republish.to_config().for_rank(slot.dp_rank)
+    except KvAgentError as exc:
+        errors.append(f"{path}: {exc}")
+        return []
+    bound = [(config.endpoint, f"{path}.endpoint")]
+    if config.replay_endpoint is not None:
+        bound.append((config.replay_endpoint, f"{path}.replay_endpoint"))
+    # Port 0 binds an ephemeral port per socket: never a collision.
+    return [(endpoint, key) for endpoint, key in bound if not endpoint.endswith(":0")]
+
+
 def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
     if not slot.name:
         errors.append(f"{path}.name: must not be empty")
@@ -309,8 +355,13 @@ def validate_serve_config(config: ServeConfig) -> None:
     """Raise :class:`ConfigError` listing every semantic problem of an already typed config."""
     errors: list[str] = []
     seen: dict[str, int] = {}
+    bound: dict[str, str] = {}
     for index, slot in enumerate(config.slots):
         _validate_slot(errors, f"slots[{index}]", slot)
+        for endpoint, key in _republish_endpoints(errors, f"slots[{index}].republish", slot):
+            if endpoint in bound:
+                errors.append(f"{key}: {endpoint} is also bound by {bound[endpoint]} (ports are offset by dp_rank)")
+            bound.setdefault(endpoint, key)
         if slot.name in seen:
             errors.append(
                 f"slots[{index}].name: duplicate slot name {slot.name!r} (also slots[{seen[slot.name]}])"

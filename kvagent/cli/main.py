@@ -23,6 +23,60 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _add_republish_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("republish (a vLLM-compatible KV event stream per slot)")
+    group.add_argument(
+        "--republish",
+        metavar="tcp://HOST:PORT",
+        help="bind each slot's vLLM-format PUB here (PORT + the slot's dp_rank, as vLLM offsets DP ranks)",
+    )
+    group.add_argument(
+        "--republish-replay",
+        metavar="tcp://HOST:PORT",
+        help="bind each slot's vLLM replay ROUTER here (PORT + dp_rank); old starts get a snapshot",
+    )
+    group.add_argument("--republish-topic", help="topic frame of the republished stream (default empty)")
+    group.add_argument(
+        "--legacy-replay",
+        action="store_true",
+        default=None,
+        help="answer replay in the 3-frame form of vLLM < 0.26",
+    )
+
+
+def _republish_from_args(args: argparse.Namespace) -> dict[str, object] | None:
+    """The ``republish`` table the republish options give every slot (None: no option given)."""
+    options = {
+        "endpoint": args.republish,
+        "replay_endpoint": args.republish_replay,
+        "topic": args.republish_topic,
+        "legacy_replay": args.legacy_replay,
+    }
+    given = {key: value for key, value in options.items() if value is not None}
+    return given or None
+
+
+def _apply_republish(data: dict[str, Any], republish: dict[str, object] | None) -> None:
+    """Command-line republish options override each slot's ``[slots.republish]`` key by key.
+
+    Without ``--republish`` they refine the slots that already republish (from ``--config``).
+    """
+    if republish is None or not isinstance(data.get("slots"), list):
+        return
+    slots: list[object] = []
+    applied = False
+    for slot in data["slots"]:
+        if isinstance(slot, dict):
+            table = slot.get("republish")
+            if isinstance(table, dict) or "endpoint" in republish:
+                slot = {**slot, "republish": {**(table if isinstance(table, dict) else {}), **republish}}
+                applied = True
+        slots.append(slot)
+    if not applied:
+        raise ConfigError("--republish-replay, --republish-topic and --legacy-replay need --republish")
+    data["slots"] = slots
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvagent", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--publish", metavar="tcp://HOST:PORT", help="bind the outbound ZMQ event plane here")
     serve.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here")
     serve.add_argument("--log-format", choices=["text", "json"])
+    _add_republish_arguments(serve)
     serve.add_argument("--max-connections", type=int)
     serve.add_argument(
         "--handshake-timeout", type=float, help="seconds a connection may take to finish its websocket handshake"
@@ -156,6 +211,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             data[option] = value
     if args.status_interval is not None:
         data["status_interval"] = args.status_interval
+    _apply_republish(data, _republish_from_args(args))
     if not data.get("slots"):
         raise ConfigError("at least one --slot (or a [[slots]] table in --config) is required")
     return structure_serve_config(data)

@@ -71,6 +71,20 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         kv_state_endpoint=serve.publish or recovery_url,
         recovery_url=recovery_url,
         listener=ListenerOptions(rcvhwm=serve.rcvhwm),
+        republish=None if slot.republish is None else slot.republish.to_config(),
+    )
+
+
+def _print_republish(agent: SlotAgent) -> None:
+    """The bound republish endpoints (resolved: a port 0 shows the port it got), once at start."""
+    republisher = agent.republisher
+    if republisher is None:
+        return
+    replay = "" if republisher.replay_endpoint is None else f" replay {republisher.replay_endpoint}"
+    print(
+        f"kvagent: slot {agent.name} republishes vLLM KV events on {republisher.endpoint}{replay}",
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -209,6 +223,7 @@ async def _serve_slots(
                         slot, config, recovery_url=f"{base_url}/v1/slots/{slot.name}"
                     )
                     agent = await host.add_slot(agent_config)
+                    _print_republish(agent)
                     await _attach_configured_engine(nursery, agent, slot, context)
                 print(
                     f"kvagent: serving {len(config.slots)} slot(s) on {base_url}/v1/slots "

@@ -92,6 +92,10 @@ def _append_stored(old: Stored, new: Stored) -> Stored:
         tokens_hashes=old.tokens_hashes + new.tokens_hashes,
         mm_extra_infos=mm_infos,
         start_position=old.start_position,
+        # Tokens are republished only when every merged block has them (a partial list would misalign).
+        token_bytes=(
+            None if old.token_bytes is None or new.token_bytes is None else old.token_bytes + new.token_bytes
+        ),
     )
 
 

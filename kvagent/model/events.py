@@ -132,6 +132,10 @@ class Stored:
     tokens_hashes: tuple[int, ...]
     mm_extra_infos: tuple[MmExtraInfo | None, ...] | None = None
     start_position: int | None = None
+    # The tokens of exactly ``len(block_hashes)`` blocks, ``block_size`` u32 little-endian tokens a block
+    # (EAGLE's overlap token excluded), for republishing in vLLM's format; None where unknown (Dynamo's
+    # RouterEvent carries none). Not part of equality: it is a payload, never an identity.
+    token_bytes: bytes | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(slots=True)

@@ -22,6 +22,7 @@ __all__ = [
     "Attachment",
     "AttachmentSource",
     "AttachmentStatus",
+    "RepublishStatus",
 ]
 
 DETACHED = "detached"  # a slot without an attachment (not an attachment state)
@@ -134,19 +135,49 @@ class AttachmentStatus:
 
 
 @attrs.frozen(slots=True)
+class RepublishStatus:
+    """Where a slot republishes its vLLM-compatible stream, and the seq of its last batch (None: none yet)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    seq: int | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "seq": self.seq}
+
+    @classmethod
+    def from_json(cls, value: object, field: str = "republish") -> RepublishStatus:
+        obj = _object(value, field)
+        endpoint = _member(obj, "endpoint", field)
+        replay_endpoint = _member(obj, "replay_endpoint", field)
+        seq = _member(obj, "seq", field)
+        if not isinstance(endpoint, str):
+            raise CodecError(f"{field}.endpoint must be a string, got {endpoint!r}")
+        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
+            raise CodecError(f"{field}.replay_endpoint must be a string or null, got {replay_endpoint!r}")
+        return cls(endpoint, replay_endpoint, None if seq is None else _uint(seq, f"{field}.seq"))
+
+
+@attrs.frozen(slots=True)
 class AgentStatus:
+    """A slot's status; ``republish`` is set only on slots that republish (and only then in the JSON)."""
+
     identity: KvStateAgentIdentity
     attachment: AttachmentStatus | None = None
     cache_owner_ready: bool = True
     outbound_cursor: int = 0
+    republish: RepublishStatus | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
+        value: dict[str, object] = {
             "identity": self.identity.to_json(),
             "attachment": None if self.attachment is None else self.attachment.to_json(),
             "cache_owner_ready": self.cache_owner_ready,
             "outbound_cursor": self.outbound_cursor,
         }
+        if self.republish is not None:
+            value["republish"] = self.republish.to_json()
+        return value
 
     @classmethod
     def from_json(cls, value: object) -> AgentStatus:
@@ -158,6 +189,7 @@ class AgentStatus:
             None if attachment is None else AttachmentStatus.from_json(attachment, "status.attachment"),
             _bool(_member(obj, "cache_owner_ready", "status"), "status.cache_owner_ready"),
             _uint(_member(obj, "outbound_cursor", "status"), "status.outbound_cursor"),
+            None if obj.get("republish") is None else RepublishStatus.from_json(obj["republish"], "status.republish"),
         )
 
     def is_ready_generation(self, generation: int) -> bool:

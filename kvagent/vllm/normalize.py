@@ -267,6 +267,9 @@ class ResidencyNormalizer:
         lora_name = event.lora_name
         seed = BASE_SEED if not lora_name and not namespace else self._seed(lora_name, namespace)
         token_bytes = pack_tokens(tokens)
+        # The republished tokens: whole blocks only, without EAGLE's overlap token (a no-copy slice when
+        # the event carries exactly its blocks' tokens, the common case).
+        plain_tokens = token_bytes[: count * block_size * 4]
         mm_per_block = _mm_hashes_per_block(event.extra_keys, count)
         if mm_per_block is None:  # the common case: plain blocks
             tokens_hashes = local_block_hashes(token_bytes, block_size, count, seed, extra=extra)
@@ -285,8 +288,9 @@ class ResidencyNormalizer:
             tokens_hashes, mm_infos = tuple(plain), tuple(infos)
         if count < len(hashes):
             self._warn_unpublished(len(hashes) - count)
-            return Stored(parent, hashes[:count], tokens_hashes, mm_infos), tier, len(hashes) - count
-        return Stored(parent, hashes, tokens_hashes, mm_infos), tier, 0
+            stored = Stored(parent, hashes[:count], tokens_hashes, mm_infos, token_bytes=plain_tokens)
+            return stored, tier, len(hashes) - count
+        return Stored(parent, hashes, tokens_hashes, mm_infos, token_bytes=plain_tokens), tier, 0
 
     def _warn_unpublished(self, blocks: int) -> None:
         if self.block_warnings < MAX_BLOCK_WARNINGS:
@@ -395,8 +399,11 @@ class AttachmentNormalizer:
                     filtered[rejection] = filtered.get(rejection, 0) + 1
                 else:
                     hashes = event.block_hashes
-                    tokens_hashes = local_block_hashes(pack_tokens(event.token_ids), block_size, len(hashes))
-                    stored = Stored(event.parent_block_hash, hashes, tokens_hashes, None)
+                    token_bytes = pack_tokens(event.token_ids)
+                    tokens_hashes = local_block_hashes(token_bytes, block_size, len(hashes))
+                    # Whole blocks only; a slice of the full length is the same object (no copy).
+                    token_bytes = token_bytes[: len(hashes) * block_size * 4]
+                    stored = Stored(event.parent_block_hash, hashes, tokens_hashes, None, None, token_bytes)
                     append(PlacementEvent(stored, _DEVICE, _WORKER, rank, event.session_id))
             elif type(event) is RawBlockRemoved:
                 if not _is_plain_device_event(event) or framework.namespaced:
@@ -530,6 +537,9 @@ def split_oversized_event(
         )
     parts: list[PlacementEvent] = []
     parent = data.parent_hash
+    token_bytes = data.token_bytes
+    # token_bytes holds exactly one block's tokens per hash, so its block width follows from its length.
+    width = 0 if token_bytes is None else len(token_bytes) // len(data.block_hashes)
     for start in range(0, len(data.block_hashes), max_blocks):
         end = start + max_blocks
         hashes = data.block_hashes[start:end]
@@ -540,6 +550,7 @@ def split_oversized_event(
             data.tokens_hashes[start:end],
             mm_infos,
             data.start_position if start == 0 else None,
+            None if token_bytes is None else token_bytes[start * width : end * width],
         )
         parts.append(attrs.evolve(event, data=part))
         parent = hashes[-1]

@@ -1,0 +1,377 @@
+"""Sans-IO state of one slot's vLLM-format republisher: kvagent's seq space, the replay ring and a mirror.
+
+:class:`RepublishState` turns each outbound batch of RouterEvents into one vLLM 0.32.0 ``KVEventBatch``
+payload under a seq that kvagent owns (0, 1, 2, ... for the state's lifetime, never reused: engine restarts,
+detaches and resets are ``AllBlocksCleared`` in the stream, not a new seq space). It keeps the newest
+payloads in a ring for replay, and a mirror of the Worker-domain resident blocks (with their tokens) for
+snapshots: a replay start older than the ring, or the request ``b"snapshot"``, is answered in the shape of
+vLLM PR #50134 (``AllBlocksCleared``, then every resident block as ``BlockStored``, parents first).
+
+Snapshot consistency without copying: a snapshot streams the mirror as it is after batch ``seq``; while any
+snapshot stream is open, :meth:`RepublishState.publish` still assigns seqs and fills the ring, but the mirror
+updates wait until the last open stream is finished or closed. Iteration therefore never sees a dict change,
+and memory stays bounded by the mirror itself plus the batches published meanwhile.
+
+The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing here does IO.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Sequence
+from itertools import islice
+from typing import TypeAlias
+
+import attrs
+
+from kvagent.model.events import Cleared, ResidencyDomain, RouterEvent, StorageTier, Stored
+from kvagent.wire.vllm_events import (
+    SNAPSHOT_REQUEST,
+    SnapshotBlock,
+    encode_publication,
+    encode_snapshot_batches,
+)
+
+__all__ = [
+    "RangeAnswer",
+    "ReplayAnswer",
+    "RepublishState",
+    "RepublishStatistics",
+    "SnapshotAnswer",
+    "SnapshotStream",
+    "snapshot_frame_seq",
+]
+
+SNAPSHOT_MAX_BLOCKS = 512  # blocks per snapshot payload: bounded frames, few of them
+
+_WORKER = ResidencyDomain.WORKER
+# A mirrored block: (parent hash, token bytes, insertion order). The order tells at snapshot time whether a
+# block's parent was (re-)stored after it, which plain insertion order cannot show.
+_Entry: TypeAlias = tuple[int | None, bytes | None, int]
+
+
+def snapshot_frame_seq(included_seq: int) -> int:
+    """The seq written on every frame of a snapshot that includes batches up to ``included_seq``.
+
+    vLLM PR #50134 writes the *next* live seq there, but Dynamo 1.6.1's indexer then drops the live batch
+    with that seq (a late-joining indexer missed blocks); the seq of the last batch the snapshot includes
+    works. Flip it here (``included_seq + 1``) if a consumer needs #50134's form.
+    """
+    return included_seq
+
+
+@attrs.frozen(slots=True)
+class RepublishStatistics:
+    batches_published: int
+    events_published: int
+    ring_batches: int
+    ring_bytes: int
+    resident_blocks: int
+    stores_without_tokens: int
+    snapshots_served: int
+    ranges_served: int
+    snapshots_open: int = 0
+    deferred_batches: int = 0  # published batches waiting for open snapshots before reaching the mirror
+
+
+class SnapshotStream:
+    """The payloads of one snapshot, lazily encoded; :meth:`close` (or exhaustion) releases the mirror.
+
+    Not a generator so that a stream closed (or dropped) before its first ``next`` still releases the
+    mirror: a generator's ``finally`` only runs once it has started.
+    """
+
+    def __init__(self, payloads: Generator[bytes, None, None], on_close: Callable[[], None]) -> None:
+        self._payloads = payloads
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __iter__(self) -> SnapshotStream:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._on_close is None:
+            raise StopIteration
+        try:
+            return next(self._payloads)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._on_close is None
+
+    def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            self._payloads.close()
+            on_close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@attrs.frozen(slots=True)
+class RangeAnswer:
+    """Ring batches ``(seq, payload)`` from the requested start on (possibly none), then the end marker."""
+
+    batches: Iterator[tuple[int, bytes]]
+
+    def close(self) -> None:
+        """Nothing to release (the batches were taken from the ring when the answer was made)."""
+
+
+@attrs.frozen(slots=True)
+class SnapshotAnswer:
+    """Snapshot payloads, every frame carrying ``seq`` (see :func:`snapshot_frame_seq`), then the end marker.
+
+    Call :meth:`close` when the answer ends early: the mirror stays frozen while a snapshot is open.
+    """
+
+    seq: int
+    payloads: SnapshotStream
+
+    def close(self) -> None:
+        self.payloads.close()
+
+
+ReplayAnswer: TypeAlias = RangeAnswer | SnapshotAnswer
+
+
+class RepublishState:
+    """kvagent's seq space, the replay ring and the Worker-domain mirror of one slot (sans-IO)."""
+
+    def __init__(
+        self,
+        *,
+        dp_rank: int,
+        block_size: int,
+        ring_batches: int = 10_000,
+        ring_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if ring_batches < 1 or ring_bytes < 1:
+            raise ValueError("the replay ring must hold at least one batch and one byte")
+        self.dp_rank = dp_rank
+        self.block_size = block_size
+        self._ring_limit = ring_batches
+        self._ring_bytes_limit = ring_bytes
+        self._clock = clock
+        self._ring: deque[tuple[int, bytes]] = deque()
+        self._ring_bytes = 0
+        self._next_seq = 0
+        self._mirror: dict[StorageTier, dict[int, _Entry]] = {}
+        self._mirror_seq: int | None = None  # the last batch applied to the mirror
+        self._order = 0
+        self._deferred: deque[tuple[int, list[RouterEvent]]] = deque()
+        self._snapshots_open = 0
+        self._batches = 0
+        self._events = 0
+        self._without_tokens = 0
+        self._snapshots_served = 0
+        self._ranges_served = 0
+
+    # --- publishing ---------------------------------------------------------------------------------------
+
+    def publish(self, events: Sequence[RouterEvent]) -> tuple[int, bytes] | None:
+        """The ``(seq, payload)`` to send for an outbound batch, or None when it holds nothing to republish."""
+        worker = [event for event in events if event.residency_domain is _WORKER]
+        if not worker:
+            return None
+        payload = encode_publication(
+            worker, ts=self._clock(), dp_rank=self.dp_rank, block_size=self.block_size
+        )
+        if payload is None:
+            return None
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._append_ring(seq, payload)
+        published = without_tokens = 0
+        for event in worker:
+            data = event.data
+            if type(data) is Cleared or data.block_hashes:
+                published += 1
+                if type(data) is Stored and data.token_bytes is None:
+                    without_tokens += 1
+        self._batches += 1
+        self._events += published
+        self._without_tokens += without_tokens
+        if self._snapshots_open:
+            self._deferred.append((seq, worker))
+        else:
+            self._apply(worker)
+            self._mirror_seq = seq
+        return seq, payload
+
+    def _append_ring(self, seq: int, payload: bytes) -> None:
+        ring = self._ring
+        ring.append((seq, payload))
+        self._ring_bytes += len(payload)
+        # The newest batch always stays, however large: a consumer that saw its seq can still ask for it.
+        while len(ring) > 1 and (len(ring) > self._ring_limit or self._ring_bytes > self._ring_bytes_limit):
+            self._ring_bytes -= len(ring.popleft()[1])
+
+    def _apply(self, events: Sequence[RouterEvent]) -> None:
+        mirror = self._mirror
+        for event in events:
+            data = event.data
+            if type(data) is Cleared:
+                # AllBlocksCleared carries no medium on the wire: a consumer forgets every tier.
+                mirror.clear()
+                continue
+            hashes = data.block_hashes
+            if not hashes:
+                continue
+            tier = event.storage_tier
+            blocks = mirror.get(tier)
+            if type(data) is Stored:
+                if blocks is None:
+                    blocks = mirror[tier] = {}
+                self._store(blocks, data)
+            elif blocks is not None:
+                pop = blocks.pop
+                for block_hash in hashes:
+                    pop(block_hash, None)
+                if not blocks:
+                    del mirror[tier]
+
+    def _store(self, blocks: dict[int, _Entry], data: Stored) -> None:
+        parent = data.parent_hash
+        token_bytes = data.token_bytes
+        width = 0 if token_bytes is None else len(token_bytes) // len(data.block_hashes)
+        order = self._order
+        get = blocks.get
+        for index, block_hash in enumerate(data.block_hashes):
+            tokens = None if token_bytes is None else token_bytes[index * width : (index + 1) * width]
+            existing = get(block_hash)
+            if existing is None:
+                order += 1
+                blocks[block_hash] = (parent, tokens, order)
+            else:  # a re-store keeps its place and takes the newest parent and tokens
+                blocks[block_hash] = (parent, tokens, existing[2])
+            parent = block_hash
+        self._order = order
+
+    def _snapshot_closed(self) -> None:
+        self._snapshots_open -= 1
+        if self._snapshots_open:
+            return
+        deferred = self._deferred
+        while deferred:
+            seq, events = deferred.popleft()
+            self._apply(events)
+            self._mirror_seq = seq
+
+    # --- replay -------------------------------------------------------------------------------------------
+
+    @property
+    def last_seq(self) -> int | None:
+        """The seq of the newest published batch, None before the first."""
+        return self._next_seq - 1 if self._next_seq else None
+
+    @property
+    def oldest_seq(self) -> int | None:
+        """The oldest seq still in the replay ring, None before the first batch."""
+        return self._ring[0][0] if self._ring else None
+
+    def answer(self, request: bytes) -> ReplayAnswer:
+        """What a replay request (the frame after the DEALER's empty delimiter) is answered with.
+
+        ``b"snapshot"`` → a snapshot. An 8-byte big-endian start seq: past the newest batch → an empty
+        range; inside the ring → the ring's batches from it; older than the ring → a snapshot. With nothing
+        published yet every request gets an empty range. Anything else raises ValueError.
+        """
+        if request == SNAPSHOT_REQUEST:
+            return self._snapshot()
+        if len(request) != 8:
+            raise ValueError(
+                f"a replay request is an 8-byte big-endian start seq or b'snapshot', got {len(request)} bytes"
+            )
+        start = int.from_bytes(request, "big")
+        last, oldest = self.last_seq, self.oldest_seq
+        if last is None or oldest is None or start > last:
+            self._ranges_served += 1
+            return RangeAnswer(iter(()))
+        if start < oldest:
+            return self._snapshot()
+        self._ranges_served += 1
+        # References to the ring's entries (not copies): the ring may evict while the answer streams.
+        return RangeAnswer(iter(list(islice(self._ring, start - oldest, None))))
+
+    def _snapshot(self) -> ReplayAnswer:
+        included = self._mirror_seq
+        if included is None:  # nothing published: the consumer's empty state is already right
+            self._ranges_served += 1
+            return RangeAnswer(iter(()))
+        self._snapshots_served += 1
+        self._snapshots_open += 1
+        payloads = encode_snapshot_batches(
+            self.snapshot_blocks(),
+            ts=self._clock(),
+            dp_rank=self.dp_rank,
+            block_size=self.block_size,
+            max_blocks=SNAPSHOT_MAX_BLOCKS,
+        )
+        return SnapshotAnswer(snapshot_frame_seq(included), SnapshotStream(payloads, self._snapshot_closed))
+
+    def snapshot_blocks(self) -> Generator[SnapshotBlock, None, None]:
+        """Every mirrored block, parents first within each tier.
+
+        Insertion order is parent-first except where a parent was (re-)stored after its child; such a
+        child (and its descendants) waits until its parent has been yielded. A parent cycle, which only
+        contradictory re-stores can build, is yielded last in any order. Only call with the mirror frozen
+        (an open snapshot), or consume it before the next :meth:`publish`.
+        """
+        for tier, blocks in list(self._mirror.items()):
+            waiting: dict[int, list[int]] = {}  # parent hash -> children waiting for it
+            held: set[int] = set()  # every waiting child
+            for block_hash, (parent, tokens, order) in blocks.items():
+                if parent is not None:
+                    entry = blocks.get(parent)
+                    if entry is not None and (entry[2] > order or parent in held):
+                        waiting.setdefault(parent, []).append(block_hash)
+                        held.add(block_hash)
+                        continue
+                yield tier, block_hash, parent, tokens
+                if waiting:
+                    yield from _released(tier, blocks, block_hash, waiting, held)
+            while waiting:  # parent cycles
+                _, children = waiting.popitem()
+                for child in children:
+                    held.discard(child)
+                    entry = blocks[child]
+                    yield tier, child, entry[0], entry[1]
+                    yield from _released(tier, blocks, child, waiting, held)
+
+    # --- reporting ----------------------------------------------------------------------------------------
+
+    def resident_blocks(self) -> int:
+        return sum([len(blocks) for blocks in self._mirror.values()])
+
+    def statistics(self) -> RepublishStatistics:
+        return RepublishStatistics(
+            batches_published=self._batches,
+            events_published=self._events,
+            ring_batches=len(self._ring),
+            ring_bytes=self._ring_bytes,
+            resident_blocks=self.resident_blocks(),
+            stores_without_tokens=self._without_tokens,
+            snapshots_served=self._snapshots_served,
+            ranges_served=self._ranges_served,
+            snapshots_open=self._snapshots_open,
+            deferred_batches=len(self._deferred),
+        )
+
+
+def _released(
+    tier: StorageTier, blocks: dict[int, _Entry], parent: int, waiting: dict[int, list[int]], held: set[int]
+) -> Iterator[SnapshotBlock]:
+    """The children waiting for ``parent`` (just yielded), and theirs in turn, depth first."""
+    stack = [parent]
+    while stack:
+        for child in waiting.pop(stack.pop(), ()):
+            held.discard(child)
+            entry = blocks[child]
+            yield tier, child, entry[0], entry[1]
+            stack.append(child)

@@ -1,0 +1,505 @@
+"""The vLLM-compatible republisher: one slot's Worker-domain stream as vLLM 0.32.0 publishes it.
+
+A router that consumes vLLM's KV events (PUB ``[topic, seq u64 BE, msgpack KVEventBatch]`` and the replay
+ROUTER) reads a kvagent slot exactly as it would read the engine, and gains what no engine gives: one seq
+space for the slot's lifetime (engine restarts, detaches and resets appear as ``AllBlocksCleared``), a deep
+replay ring, and snapshots for starts older than the ring (vLLM PR #50134's shape).
+
+What is published and answered is decided by the sans-IO :class:`~kvagent.publish.republish_state.RepublishState`;
+this module moves its bytes: the PUB sends non-blocking from the coordinator's publication (drops at the
+high-water mark are counted; consumers repair them by replay), and :meth:`VllmRepublisher.run` is the one task
+owning the replay ROUTER.  It answers several DEALERs round-robin, a few messages each per turn, so a slow one
+never stalls the others; ``ROUTER_MANDATORY`` makes a full peer pipe refuse a frame (kept and retried) instead
+of dropping it, and an answer whose DEALER takes nothing for ``answer_deadline`` seconds is abandoned, logged
+and counted, never truncated silently.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import structlog
+import trio
+import zmq
+
+from kvagent._util.zmqtrio import TrioSocket
+from kvagent.model.errors import KvAgentError, SinkError
+from kvagent.model.events import RouterEvent
+from kvagent.model.status import RepublishStatus
+from kvagent.publish.republish_state import (
+    RangeAnswer,
+    RepublishState,
+    RepublishStatistics,
+    SnapshotAnswer,
+)
+from kvagent.wire.vllm_events import END_SEQ
+
+__all__ = [
+    "RepublishConfig",
+    "RepublisherStatistics",
+    "VllmRepublisher",
+    "offset_endpoint",
+]
+
+log = structlog.get_logger(__name__)
+
+# Messages one answer may send per round-robin turn: enough to keep a fast DEALER's pipe busy, few enough that
+# the other answers get their turn soon.
+ANSWER_BURST = 32
+# Queued requests per DEALER (answered one after the other) and active answers overall; beyond, a request is
+# refused (logged and counted, not answered: a consumer times out and asks again).
+MAX_ANSWERS_PER_PEER = 4
+MAX_ANSWERS = 64
+# When every answer's peer pipe is full the task waits for libzmq's next command (a peer read, a request),
+# and at most this long: an edge consumed by a send attempt is noticed within it.
+BLOCKED_RETRY = 0.05
+
+
+def _bind_endpoint(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str):
+        raise KvAgentError(f"republish {attribute.name} must be a string, got {value!r}", code="bad_request")
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise KvAgentError(
+            f"republish {attribute.name} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {value!r}",
+            code="bad_request",
+        )
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or int(port) > 65535:
+            raise KvAgentError(
+                f"republish {attribute.name} must be tcp://HOST:PORT (port 0..65535), got {value!r}",
+                code="bad_request",
+            )
+
+
+def _optional_bind_endpoint(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None:
+        _bind_endpoint(instance, attribute, value)  # type: ignore[arg-type]
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise KvAgentError(f"republish {attribute.name} must be > 0, got {value!r}", code="bad_request")
+
+
+def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+    """vLLM's ``offset_endpoint_port``: each DP rank binds ``PORT + dp_rank`` (inproc: ``_dp{rank}`` suffix).
+
+    Rank 0 and port 0 (an ephemeral port per rank) are unchanged; an ipc endpoint cannot be offset, so a
+    rank above 0 is refused as vLLM refuses it.
+    """
+    if dp_rank == 0:
+        return endpoint
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "inproc":
+        return f"{endpoint}_dp{dp_rank}"
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if int(port) == 0:
+            return endpoint
+        if int(port) + dp_rank > 65535:
+            raise KvAgentError(
+                f"republish endpoint {endpoint!r} offset by dp_rank {dp_rank} is past port 65535",
+                code="bad_request",
+            )
+        return f"tcp://{host}:{int(port) + dp_rank}"
+    raise KvAgentError(
+        f"republish endpoint {endpoint!r} cannot be offset by dp_rank {dp_rank} (use tcp or inproc)",
+        code="bad_request",
+    )
+
+
+@attrs.frozen(slots=True)
+class RepublishConfig:
+    """Where and how one slot republishes (validated: ``KvAgentError(code="bad_request")`` on bad values).
+
+    ``endpoint`` and ``replay_endpoint`` are the addresses of dp_rank 0; :meth:`for_rank` offsets them the way
+    vLLM does.  ``legacy_replay`` answers replay in the 3-frame form of vLLM < 0.26.
+    """
+
+    endpoint: str = attrs.field(validator=_bind_endpoint)
+    replay_endpoint: str | None = attrs.field(default=None, validator=_optional_bind_endpoint)
+    topic: str = ""
+    legacy_replay: bool = False
+    buffer_batches: int = attrs.field(default=10_000, validator=_positive)
+    sndhwm: int = attrs.field(default=100_000, validator=_positive)
+    answer_deadline: float = attrs.field(default=10.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+            raise KvAgentError(
+                f"republish replay_endpoint must differ from endpoint ({self.endpoint!r})", code="bad_request"
+            )
+
+    def for_rank(self, dp_rank: int) -> RepublishConfig:
+        """This config with both endpoints offset for ``dp_rank`` (vLLM's DP port convention)."""
+        return attrs.evolve(
+            self,
+            endpoint=offset_endpoint(self.endpoint, dp_rank),
+            replay_endpoint=None
+            if self.replay_endpoint is None
+            else offset_endpoint(self.replay_endpoint, dp_rank),
+        )
+
+
+@attrs.frozen(slots=True)
+class RepublisherStatistics:
+    """The republisher's counters (all since it was opened, never reset) and its state's.
+
+    Attributes:
+        state: the sans-IO state's counters (batches and events published, ring, mirror, answers served).
+        subscriptions: subscribe notifications seen on the PUB.
+        batches_sent: live batches the PUB accepted.
+        dropped_batches: live batches dropped at the PUB's high-water mark (consumers repair them by replay).
+        replay_requests: well-formed replay and snapshot requests received.
+        malformed_requests: requests answered with only the end marker.
+        refused_requests: requests not answered (too many answers queued).
+        answers_completed: answers whose end marker was sent.
+        answers_abandoned: answers given up (the DEALER took nothing within the deadline, or left).
+        answers_active: answers being sent now.
+    """
+
+    state: RepublishStatistics
+    subscriptions: int
+    batches_sent: int
+    dropped_batches: int
+    replay_requests: int
+    malformed_requests: int
+    refused_requests: int
+    answers_completed: int
+    answers_abandoned: int
+    answers_active: int
+
+
+@attrs.define
+class _Answer:
+    """One replay answer in flight: its remaining frames and the one a full pipe refused."""
+
+    frames: Iterator[list[bytes]]
+    deadline: float
+    pending: list[bytes] | None = None
+
+    def close(self) -> None:
+        close = getattr(self.frames, "close", None)
+        if close is not None:
+            close()
+
+
+def _seq_frame(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+class VllmRepublisher:
+    """One slot's vLLM-compatible stream: an :class:`~kvagent.publish.sinks.EventSink` whose ``publish`` never
+    blocks, and (with a replay endpoint) the replay ROUTER served by :meth:`run`.
+
+    Binds on construction (a bind failure raises ``KvAgentError``); :meth:`close` closes both sockets.
+    """
+
+    def __init__(
+        self,
+        config: RepublishConfig,
+        *,
+        dp_rank: int,
+        block_size: int,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config = config
+        self._topic = config.topic.encode()
+        self._state = RepublishState(dp_rank=dp_rank, block_size=block_size, ring_batches=config.buffer_batches)
+        ctx = context if context is not None else zmq.Context.instance()
+        self._pub, self.endpoint = self._bind_pub(ctx, config)
+        self._router: TrioSocket | None = None
+        self.replay_endpoint: str | None = None
+        if config.replay_endpoint is not None:
+            try:
+                self._router, self.replay_endpoint = self._bind_router(ctx, config.replay_endpoint)
+            except BaseException:
+                self._pub.close()
+                raise
+        self._subscriptions = 0
+        self._subscribed = trio.Event()
+        self._batches_sent = 0
+        self._dropped_batches = 0
+        self._replay_requests = 0
+        self._malformed_requests = 0
+        self._refused_requests = 0
+        self._answers_completed = 0
+        self._answers_abandoned = 0
+        self._answers: collections.OrderedDict[bytes, collections.deque[_Answer]] = collections.OrderedDict()
+
+    @staticmethod
+    def _bind_pub(ctx: zmq.Context[Any], config: RepublishConfig) -> tuple[TrioSocket, str]:
+        # An XPUB with XPUB_NODROP is a PUB whose send reports EAGAIN at the high-water mark instead of dropping
+        # silently, so drops are counted; XPUB_VERBOSE reports every subscriber, not only the first per topic.
+        sock = ctx.socket(zmq.XPUB)
+        try:
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+            sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+            sock.setsockopt(zmq.SNDHWM, config.sndhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(config.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise KvAgentError(f"cannot bind republish endpoint {config.endpoint!r}: {exc}", code="bad_request") from exc
+        return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @staticmethod
+    def _bind_router(ctx: zmq.Context[Any], endpoint: str) -> tuple[TrioSocket, str]:
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            # A full peer pipe refuses the frame (EAGAIN: kept and retried) and a gone peer is reported
+            # (EHOSTUNREACH) instead of both being dropped silently as vLLM's ROUTER does.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise KvAgentError(f"cannot bind republish replay endpoint {endpoint!r}: {exc}", code="bad_request") from exc
+        return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # --- read side -------------------------------------------------------------------------------
+    @property
+    def last_seq(self) -> int | None:
+        return self._state.last_seq
+
+    def status(self) -> RepublishStatus:
+        return RepublishStatus(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, seq=self._state.last_seq)
+
+    def statistics(self) -> RepublisherStatistics:
+        return RepublisherStatistics(
+            state=self._state.statistics(),
+            subscriptions=self._subscriptions,
+            batches_sent=self._batches_sent,
+            dropped_batches=self._dropped_batches,
+            replay_requests=self._replay_requests,
+            malformed_requests=self._malformed_requests,
+            refused_requests=self._refused_requests,
+            answers_completed=self._answers_completed,
+            answers_abandoned=self._answers_abandoned,
+            answers_active=sum(len(queue) for queue in self._answers.values()),
+        )
+
+    # --- live ------------------------------------------------------------------------------------
+    def publish(self, events: Sequence[RouterEvent]) -> None:
+        """Encode, number and send one publication (nothing when it holds no Worker-domain change)."""
+        if self._pub.closed:
+            raise SinkError("the republisher is closed")
+        published = self._state.publish(events)
+        self._poll_subscriptions()
+        if published is None:
+            return
+        seq, payload = published
+        try:
+            sent = self._pub.try_send_multipart([self._topic, _seq_frame(seq), payload])
+        except zmq.ZMQError as exc:
+            raise SinkError(f"republish send failed: {exc}") from exc
+        if sent:
+            self._batches_sent += 1
+        else:
+            self._dropped_batches += 1
+
+    def _poll_subscriptions(self) -> None:
+        """Take the XPUB's (un)subscribe notifications: libzmq queues them without bound otherwise."""
+        sock = self._pub.socket
+        seen = self._subscriptions
+        while True:
+            try:
+                note = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:
+                raise SinkError(f"republish receive failed: {exc}") from exc
+            if note[:1] == b"\x01":
+                self._subscriptions += 1
+        if self._subscriptions != seen:
+            self._subscribed.set()
+            self._subscribed = trio.Event()
+
+    async def wait_for_subscriber(self, count: int = 1) -> None:
+        """Return once ``count`` subscriptions reached the PUB (counted since it was opened).
+
+        Notifications are taken by :meth:`run`'s watcher and by every publish; this waits on neither FD.
+        """
+        while self._subscriptions < count:
+            await self._subscribed.wait()
+
+    # --- tasks -----------------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch the PUB's subscriptions and serve the replay ROUTER until cancelled or closed."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_subscriptions)
+                if self._router is not None:
+                    nursery.start_soon(self._serve_replay, self._router)
+                task_status.started()
+        except* trio.ClosedResourceError:
+            pass  # closed by close(): the slot is shutting down
+        finally:
+            self._abandon_all("republisher stopped")
+
+    async def _watch_subscriptions(self) -> None:
+        while True:
+            self._poll_subscriptions()
+            await self._pub.wait_readable()
+
+    async def _serve_replay(self, router: TrioSocket) -> None:
+        fd: int = router.socket.getsockopt(zmq.FD)
+        while True:
+            self._take_requests(router)
+            if not self._answers:
+                await router.wait_readable()
+                continue
+            if self._send_round(router):
+                await trio.lowlevel.checkpoint()
+                continue
+            # Every answer's pipe is full. Let libzmq process its commands (a peer's read activates its pipe),
+            # try once more, then sleep until the next command or the nearest deadline.
+            router.socket.getsockopt(zmq.EVENTS)
+            if self._send_round(router):
+                await trio.lowlevel.checkpoint()
+                continue
+            self._abandon_stalled()
+            wait = min(BLOCKED_RETRY, max(0.0, self._nearest_deadline() - trio.current_time()))
+            with trio.move_on_after(wait):
+                await trio.lowlevel.wait_readable(fd)
+
+    # --- requests --------------------------------------------------------------------------------
+    def _take_requests(self, router: TrioSocket) -> None:
+        while True:
+            try:
+                frames = router.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._admit(frames)
+
+    def _admit(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        queue = self._answers.get(identity)
+        if (queue is not None and len(queue) >= MAX_ANSWERS_PER_PEER) or (
+            sum(len(q) for q in self._answers.values()) >= MAX_ANSWERS
+        ):
+            self._refused_requests += 1
+            log.warning("republish_replay_refused", reason="too many answers queued", peer=identity.hex())
+            return
+        answer = _Answer(self._answer_frames(frames), deadline=trio.current_time() + self.config.answer_deadline)
+        self._answers.setdefault(identity, collections.deque()).append(answer)
+
+    def _answer_frames(self, frames: list[bytes]) -> Iterator[list[bytes]]:
+        """The DEALER-bound messages (without the identity) answering one request, end marker included."""
+        if len(frames) != 3 or frames[1] != b"":
+            self._malformed_requests += 1
+            log.warning("republish_replay_malformed", frames=len(frames) - 1)
+            return self._end_marker()
+        try:
+            answer = self._state.answer(frames[2])
+        except ValueError as exc:
+            self._malformed_requests += 1
+            log.warning("republish_replay_malformed", error=str(exc))
+            return self._end_marker()
+        self._replay_requests += 1
+        return self._reply_frames(answer)
+
+    def _end_marker(self) -> Iterator[list[bytes]]:
+        yield [b"", END_SEQ, b""] if self.config.legacy_replay else [b"", b"", END_SEQ, b""]
+
+    def _reply_frames(self, answer: RangeAnswer | SnapshotAnswer) -> Iterator[list[bytes]]:
+        if isinstance(answer, SnapshotAnswer):
+            seq_frame = _seq_frame(answer.seq)
+            batches: Iterator[tuple[bytes, bytes]] = ((seq_frame, payload) for payload in answer.payloads)
+            source: Any = answer.payloads
+        else:
+            batches = ((_seq_frame(seq), payload) for seq, payload in answer.batches)
+            source = answer.batches
+        try:
+            if self.config.legacy_replay:
+                for seq, payload in batches:
+                    yield [b"", seq, payload]
+            else:
+                for seq, payload in batches:
+                    yield [b"", self._topic, seq, payload]
+        finally:
+            # Closing the state's iterator ends a snapshot's hold on the mirror (abandoned answers too).
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+        yield from self._end_marker()
+
+    # --- answers ---------------------------------------------------------------------------------
+    def _send_round(self, router: TrioSocket) -> bool:
+        """One round-robin turn: each peer's current answer sends up to ``ANSWER_BURST`` messages."""
+        progressed = False
+        now = trio.current_time()
+        for identity in list(self._answers):
+            queue = self._answers[identity]
+            answer = queue[0]
+            try:
+                sent = self._send_burst(router, identity, answer)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                self._abandon_peer(identity, "the DEALER is gone")
+                continue
+            if sent:
+                progressed = True
+                answer.deadline = now + self.config.answer_deadline
+            if answer.pending is None:  # finished: its end marker went out
+                queue.popleft()
+                self._answers_completed += 1
+                if queue:
+                    queue[0].deadline = now + self.config.answer_deadline
+                else:
+                    del self._answers[identity]
+        return progressed
+
+    @staticmethod
+    def _send_burst(router: TrioSocket, identity: bytes, answer: _Answer) -> int:
+        """Send up to ``ANSWER_BURST`` messages; ``answer.pending`` is None afterwards iff it is finished."""
+        sent = 0
+        while sent < ANSWER_BURST:
+            if answer.pending is None:
+                frames = next(answer.frames, None)
+                if frames is None:
+                    return sent
+                answer.pending = [identity, *frames]
+            if not router.try_send_multipart(answer.pending):
+                return sent
+            answer.pending = None
+            sent += 1
+        # The burst is used up: mark the answer unfinished even when its next message is not drawn yet.
+        frames = next(answer.frames, None)
+        answer.pending = None if frames is None else [identity, *frames]
+        return sent
+
+    def _nearest_deadline(self) -> float:
+        return min((queue[0].deadline for queue in self._answers.values()), default=math.inf)
+
+    def _abandon_stalled(self) -> None:
+        now = trio.current_time()
+        for identity in [i for i, queue in self._answers.items() if queue[0].deadline <= now]:
+            self._abandon_peer(identity, f"the DEALER took nothing for {self.config.answer_deadline}s")
+
+    def _abandon_peer(self, identity: bytes, reason: str) -> None:
+        queue = self._answers.pop(identity, None) or collections.deque()
+        for answer in queue:
+            answer.close()
+        self._answers_abandoned += len(queue)
+        if queue:
+            log.warning("republish_replay_abandoned", peer=identity.hex(), answers=len(queue), reason=reason)
+
+    def _abandon_all(self, reason: str) -> None:
+        for identity in list(self._answers):
+            self._abandon_peer(identity, reason)
+
+    def close(self) -> None:
+        """Close both sockets (a running :meth:`run` ends); later publications raise ``SinkError``."""
+        self._abandon_all("republisher closed")
+        self._pub.close()
+        if self._router is not None:
+            self._router.close()
