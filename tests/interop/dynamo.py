@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,7 +39,8 @@ def dynamo_python() -> str | None:
     return os.environ.get(DYNAMO_PYTHON_ENV) or None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for programs that cannot report the port they bound)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -72,27 +73,30 @@ class IndexerDump:
         return {block.block_hash: block.tokens_hash for block in self.blocks if block.tier == tier}
 
 
+def blocks_of(entries: Iterable[Mapping[str, Any]]) -> IndexerDump:
+    """The stored blocks of RouterEvent-shaped entries (Dynamo's ``/dump`` and kvagent's tree dump alike)."""
+    blocks: set[DumpedBlock] = set()
+    for entry in entries:
+        data = entry["event"]["data"]
+        if set(data) != {"stored"}:
+            raise AssertionError(f"a dump entry that is not a store: {entry!r}")
+        for block in data["stored"]["blocks"]:
+            blocks.add(
+                DumpedBlock(
+                    worker_id=int(entry["worker_id"]),
+                    dp_rank=int(entry["event"]["dp_rank"]),
+                    tier=str(entry["storage_tier"]),
+                    block_hash=int(block["block_hash"]),
+                    tokens_hash=int(block["tokens_hash"]),
+                )
+            )
+    return IndexerDump(frozenset(blocks))
+
+
 def parse_dump(body: Mapping[str, Any], model: str = MODEL) -> IndexerDump:
     """The blocks of ``model`` in a ``/dump`` answer (``{"model:group": {block_size, events}}``)."""
-    blocks: set[DumpedBlock] = set()
-    for key, section in body.items():
-        if key.split(":", 1)[0] != model:
-            continue
-        for entry in section["events"]:
-            data = entry["event"]["data"]
-            if set(data) != {"stored"}:
-                raise AssertionError(f"a /dump entry that is not a store: {entry!r}")
-            for block in data["stored"]["blocks"]:
-                blocks.add(
-                    DumpedBlock(
-                        worker_id=int(entry["worker_id"]),
-                        dp_rank=int(entry["event"]["dp_rank"]),
-                        tier=str(entry["storage_tier"]),
-                        block_hash=int(block["block_hash"]),
-                        tokens_hash=int(block["tokens_hash"]),
-                    )
-                )
-    return IndexerDump(frozenset(blocks))
+    sections = [section for key, section in body.items() if key.split(":", 1)[0] == model]
+    return blocks_of(entry for section in sections for entry in section["events"])
 
 
 class DynamoIndexer:
@@ -103,6 +107,7 @@ class DynamoIndexer:
         self.base_url = base_url
         self.log = log
         self.http = http
+        self.last_dump: IndexerDump | None = None  # the latest /dump read, for failure reports
 
     def count(self, text: str) -> int:
         """How many log lines so far contain ``text``."""
@@ -136,10 +141,23 @@ class DynamoIndexer:
         if answer.status_code != 201:
             raise AssertionError(f"/register answered {answer.status_code}: {answer.text}")
 
+    async def pause_listener(self, instance_id: int, dp_rank: int = 0) -> None:
+        await self._control("pause_listener", instance_id, dp_rank)
+
+    async def resume_listener(self, instance_id: int, dp_rank: int = 0) -> None:
+        await self._control("resume_listener", instance_id, dp_rank)
+
+    async def _control(self, action: str, instance_id: int, dp_rank: int) -> None:
+        body = {"instance_id": instance_id, "dp_rank": dp_rank}
+        answer = await self.http.post(f"{self.base_url}/test/{action}", json=body)
+        if answer.status_code != 200:
+            raise AssertionError(f"/test/{action} answered {answer.status_code}: {answer.text}")
+
     async def dump(self, model: str = MODEL) -> IndexerDump:
         answer = await self.http.get(f"{self.base_url}/dump")
         answer.raise_for_status()
-        return parse_dump(answer.json(), model)
+        self.last_dump = parse_dump(answer.json(), model)
+        return self.last_dump
 
     async def wait_for_dump(self, predicate: Callable[[IndexerDump], bool]) -> IndexerDump:
         """Poll ``/dump`` (a real observable) until ``predicate``; callers bound it with ``trio.fail_after``."""
@@ -150,21 +168,24 @@ class DynamoIndexer:
             await trio.sleep(_DUMP_POLL)
 
     async def wait_for_hashes(self, expected: frozenset[object], *, tier: str = "device") -> IndexerDump:
-        """Until the indexer's ``tier`` block set equals ``expected``; on timeout the last difference is raised."""
-        last: list[IndexerDump] = []
-
-        def matches(dump: IndexerDump) -> bool:
-            last[:] = [dump]
-            return dump.hashes(tier=tier) == expected
-
+        """Until the indexer's ``tier`` block set equals ``expected``; on timeout the difference is printed."""
         try:
-            return await self.wait_for_dump(matches)
+            return await self.wait_for_dump(lambda dump: dump.hashes(tier=tier) == expected)
         except trio.Cancelled:
-            if last:
-                got = last[0].hashes(tier=tier)
-                missing, extra = sorted(expected - got, key=str), sorted(got - expected, key=str)
-                print(f"indexer {tier} set differs: missing={missing[:20]} extra={extra[:20]}")
+            if self.last_dump is not None:
+                got = self.last_dump.hashes(tier=tier)
+                print(f"indexer {tier} set: missing {sorted(expected - got, key=str)[:20]}")
+                print(f"indexer {tier} set: extra {sorted(got - expected, key=str)[:20]}")
             raise
+
+    def report(self, expected: IndexerDump) -> None:
+        """Print how the last ``/dump`` read differs from ``expected``, and the log's tail."""
+        got = self.last_dump.blocks if self.last_dump is not None else frozenset()
+        print("indexer missing:", sorted(expected.blocks - got, key=str)[:10])
+        print("indexer extra:", sorted(got - expected.blocks, key=str)[:10])
+        warnings = [line for line in self.log.lines if " INFO " not in line]
+        print(f"{len(warnings)} warnings; the first and the last 20 log lines:")
+        print("\n".join([*warnings[:20], "...", *self.log.lines[-20:]]))
 
 
 async def _pump_lines(stream: Any, log: LineLog) -> None:
@@ -193,10 +214,18 @@ async def _wait_healthy(process: trio.Process, http: httpx.AsyncClient, base_url
 @asynccontextmanager
 async def run_indexer(python: str, *, threads: int = 1) -> AsyncIterator[DynamoIndexer]:
     """Start the indexer on a free 127.0.0.1 port; kill it (and wait for it) on exit."""
-    env = {**os.environ, "NO_COLOR": "1", "RUST_LOG": "info", "PYTHONUNBUFFERED": "1"}
+    # DYN_KV_INDEXER_TEST_ENDPOINTS mounts /test/pause_listener and /test/resume_listener (a SUB that stops
+    # reading and comes back: the way to make the indexer itself miss a range of a live stream).
+    env = {
+        **os.environ,
+        "NO_COLOR": "1",
+        "RUST_LOG": "info",
+        "PYTHONUNBUFFERED": "1",
+        "DYN_KV_INDEXER_TEST_ENDPOINTS": "1",
+    }
     async with httpx.AsyncClient(timeout=30.0) as http, trio.open_nursery() as nursery:
         for _attempt in range(_START_ATTEMPTS):
-            port = _free_port()
+            port = free_port()
             command = [python, "-m", "dynamo.indexer", "--port", str(port), "--threads", str(threads)]
             process = await trio.lowlevel.open_process(
                 command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env

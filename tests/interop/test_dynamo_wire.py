@@ -28,6 +28,7 @@ from tests.interop.dynamo import DynamoIndexer, run_indexer
 
 WAIT = 30.0
 WORKER = 1
+THREADS = 1
 Layout = Literal["v0.26", "v0.25"]
 
 
@@ -61,7 +62,7 @@ async def indexer_and_engine(
     engine = engine_type(
         replay_endpoint="tcp://127.0.0.1:0" if replay else None, replay_layout=layout, block_size=BLOCK_SIZE
     )
-    async with run_indexer(dynamo) as indexer, trio.open_nursery() as nursery:
+    async with run_indexer(dynamo, threads=THREADS) as indexer, trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         yield indexer, engine
         nursery.cancel_scope.cancel()

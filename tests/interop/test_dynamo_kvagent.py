@@ -1,0 +1,199 @@
+"""Dynamo 1.6.1's standalone indexer reads ``kvagent serve --republish`` and ends exactly where kvagent is.
+
+A fake vLLM engine feeds ``kvagent serve`` (a subprocess, as an operator runs it); the indexer (another
+subprocess, its own venv) is registered with the slot's republished PUB and replay ROUTER. The scenario goes
+through a late join, live stores and removes, a range the engine's PUB dropped (kvagent repairs it from the
+engine's replay ROUTER), an engine restart (seq back to 0) and an indexer restart. After each phase the
+indexer's ``/dump`` equals kvagent's Worker-domain dump, block for block (hash, tokens hash, tier, worker),
+and kvagent's GPU view equals what the engine really holds. A small republish ring makes the indexer's
+recovery a snapshot; a large one makes it a replayed range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from kvagent.vllm.fake_engine import FakeVllmEngine
+from tests.interop.blocks import BLOCK_SIZE, BlockMaker, PrefixClosedWorkload, stored
+from tests.interop.dynamo import (
+    DynamoIndexer,
+    IndexerDump,
+    blocks_of,
+    free_port,
+    run_indexer,
+)
+from tests.support.serve import ServeProcess, client, serve
+
+WAIT = 60.0
+WORKER = 1
+STEPS = 40  # engine steps per phase
+_REPUBLISHING = "republishes vLLM KV events on "
+
+
+def _config(engine: FakeVllmEngine, ring: int) -> str:
+    return f"""
+[[slots]]
+name = "s0"
+kv_block_size = {BLOCK_SIZE}
+
+[slots.engine]
+endpoint = "{engine.endpoint}"
+replay_endpoint = "{engine.replay_endpoint}"
+worker_id = {WORKER}
+
+[slots.republish]
+endpoint = "tcp://127.0.0.1:{free_port()}"
+replay_endpoint = "tcp://127.0.0.1:{free_port()}"
+buffer_batches = {ring}
+"""
+
+
+@asynccontextmanager
+async def kvagent_serving(
+    tmp: Path, engine: FakeVllmEngine, ring: int
+) -> AsyncIterator[tuple[ServeProcess, str, str]]:
+    """``kvagent serve`` attached to ``engine``, republishing; yields it and its PUB and replay endpoints."""
+    config = tmp / "kvagent.toml"
+    config.write_text(_config(engine, ring))
+    async with serve(tmp, "--config", str(config)) as agent:
+        with trio.fail_after(WAIT):
+            line = await agent.log.wait_for(lambda text: _REPUBLISHING in text)
+            await engine.wait_for_subscriber()
+        endpoint, _, replay = line.split(_REPUBLISHING, 1)[1].partition(" replay ")
+        yield agent, endpoint.strip(), replay.strip()
+
+
+async def kvagent_blocks(agent: ServeProcess) -> IndexerDump:
+    """kvagent's Worker-domain resident blocks, from its websocket tree dump."""
+    async with client(agent.url) as c:
+        dump = await c.request("recover", start=None, end=None)
+    assert dump["ok"] and dump["kind"] == "tree_dump", dump
+    return blocks_of(event for event in dump["events"] if event.get("residency_domain") == "worker")
+
+
+class Scenario:
+    def __init__(self, engine: FakeVllmEngine, agent: ServeProcess, seed: int) -> None:
+        self.engine = engine
+        self.agent = agent
+        self.workload = PrefixClosedWorkload(seed)
+        self.sentinels = BlockMaker(seed + 1000)
+
+    async def steps(self, count: int, *, drop_live: bool = False) -> None:
+        for _ in range(count):
+            events = self.workload.next_step()
+            if events:
+                await self.engine.publish_batch(events, drop_live=drop_live)
+
+    async def sentinel(self) -> int:
+        """A fresh root block, live: it pushes every consumer to notice any gap before it."""
+        block = self.sentinels.chain(1)[0]
+        await self.engine.publish_batch([stored([block])])
+        return block.hash
+
+    async def kvagent_converged(self, sentinel: int) -> IndexerDump:
+        """kvagent's dump once it holds the sentinel; its GPU view is then the engine's truth."""
+        while True:
+            blocks = await kvagent_blocks(self.agent)
+            if sentinel in blocks.hashes():
+                break
+            await trio.sleep(0.05)
+        assert blocks.hashes(tier="device") == self.engine.truth.blocks("GPU")
+        return blocks
+
+    async def check(self, indexer: DynamoIndexer) -> IndexerDump:
+        """Phase end: the indexer's dump equals kvagent's, which equals the engine's GPU truth."""
+        with trio.fail_after(WAIT):
+            expected = await self.kvagent_converged(await self.sentinel())
+            got = await _wait_equal(indexer, expected)
+        assert got.blocks == expected.blocks
+        return got
+
+
+async def _wait_equal(indexer: DynamoIndexer, expected: IndexerDump) -> IndexerDump:
+    try:
+        return await indexer.wait_for_dump(lambda dump: dump.blocks == expected.blocks)
+    except trio.Cancelled:
+        indexer.report(expected)
+        raise
+
+
+async def until_replayed(indexer: DynamoIndexer, trigger: Callable[[], Awaitable[object]]) -> None:
+    """Live sentinels until the indexer has completed one more replay than it had.
+
+    The indexer asks replay only when a live batch arrives, and its SUB may not be subscribed yet when the
+    first one is sent: sentinels go out until one reaches it (each has a higher seq: its replay covers all).
+    """
+    done = indexer.count("Replay complete")
+    with trio.fail_after(WAIT):
+        while indexer.count("Replay complete") == done:
+            await trigger()
+            with trio.move_on_after(0.5):
+                await indexer.wait_for_log("Replay complete", count=done + 1)
+
+
+async def join(
+    indexer: DynamoIndexer, endpoint: str, replay: str, trigger: Callable[[], Awaitable[object]]
+) -> None:
+    """Register kvagent's stream with its replay ROUTER (as docs/interop.md tells operators to)."""
+    await indexer.register(
+        instance_id=WORKER, endpoint=endpoint, replay_endpoint=replay, block_size=BLOCK_SIZE
+    )
+    await until_replayed(indexer, trigger)
+
+
+@pytest.mark.parametrize(("ring", "recovery"), [(4, "snapshot"), (10_000, "range")])
+async def test_dynamo_indexer_follows_kvagent(dynamo: str, tmp_path: Path, ring: int, recovery: str) -> None:
+    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        async with kvagent_serving(tmp_path, engine, ring) as (agent, endpoint, replay):
+            scenario = Scenario(engine, agent, seed=ring)
+            await scenario.steps(STEPS)  # history before the indexer exists: it joins late
+
+            async with run_indexer(dynamo) as indexer:
+                await join(indexer, endpoint, replay, scenario.sentinel)
+                assert (await scenario.check(indexer)).hashes(), (
+                    "the late joiner recovered the resident blocks"
+                )
+                _assert_recovery(indexer, recovery)
+
+                await scenario.steps(STEPS)  # live stores and removes
+                await scenario.check(indexer)
+
+                before = engine.replay_requests
+                await scenario.steps(STEPS // 4, drop_live=True)  # the engine's PUB loses a range...
+                await scenario.steps(1)
+                await scenario.check(indexer)
+                assert engine.replay_requests > before, "...which kvagent repaired from the engine's replay"
+
+                engine.kill()
+                await engine.revive(restart=True)  # a new engine: seq 0, empty cache, no AllBlocksCleared
+                scenario.workload = PrefixClosedWorkload(ring + 1)
+                await scenario.steps(STEPS)
+                await scenario.check(indexer)  # the dead engine's blocks are gone from both
+
+                await indexer.pause_listener(
+                    WORKER
+                )  # the indexer's own SUB misses a range of kvagent's stream
+                await scenario.steps(STEPS // 4)
+                await indexer.resume_listener(WORKER)
+                await until_replayed(indexer, scenario.sentinel)
+                await scenario.check(indexer)
+
+            await scenario.steps(STEPS)  # history while no indexer runs
+            async with run_indexer(dynamo) as indexer:  # the indexer restarts with nothing
+                await join(indexer, endpoint, replay, scenario.sentinel)
+                await scenario.check(indexer)
+                _assert_recovery(indexer, recovery)
+        nursery.cancel_scope.cancel()
+
+
+def _assert_recovery(indexer: DynamoIndexer, recovery: str) -> None:
+    """A snapshot answer starts after the requested seq, which the indexer reports (and applies)."""
+    snapshot = indexer.count("reason=started_after_requested") > 0
+    assert snapshot == (recovery == "snapshot")
