@@ -11,7 +11,7 @@ recovery a snapshot; a large one makes it a replayed range.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -122,28 +122,31 @@ async def _wait_equal(indexer: DynamoIndexer, expected: IndexerDump) -> IndexerD
         raise
 
 
-async def until_replayed(indexer: DynamoIndexer, trigger: Callable[[], Awaitable[object]]) -> None:
+async def until_replayed(indexer: DynamoIndexer, scenario: Scenario) -> None:
     """Live sentinels until the indexer has completed one more replay than it had.
 
     The indexer asks replay only when a live batch arrives, and its SUB may not be subscribed yet when the
     first one is sent: sentinels go out until one reaches it (each has a higher seq: its replay covers all).
     """
     done = indexer.count("Replay complete")
-    with trio.fail_after(WAIT):
-        while indexer.count("Replay complete") == done:
-            await trigger()
-            with trio.move_on_after(0.5):
-                await indexer.wait_for_log("Replay complete", count=done + 1)
+    try:
+        with trio.fail_after(WAIT):
+            while indexer.count("Replay complete") == done:
+                await scenario.sentinel()
+                with trio.move_on_after(0.5):
+                    await indexer.wait_for_log("Replay complete", count=done + 1)
+    except trio.TooSlowError:
+        print("\n".join(["indexer log tail:", *indexer.log.lines[-30:]]))
+        print("\n".join(["kvagent log tail:", *scenario.agent.stderr_lines[-30:]]))
+        raise
 
 
-async def join(
-    indexer: DynamoIndexer, endpoint: str, replay: str, trigger: Callable[[], Awaitable[object]]
-) -> None:
+async def join(indexer: DynamoIndexer, endpoint: str, replay: str, scenario: Scenario) -> None:
     """Register kvagent's stream with its replay ROUTER (as docs/interop.md tells operators to)."""
     await indexer.register(
         instance_id=WORKER, endpoint=endpoint, replay_endpoint=replay, block_size=BLOCK_SIZE
     )
-    await until_replayed(indexer, trigger)
+    await until_replayed(indexer, scenario)
 
 
 @pytest.mark.parametrize(("ring", "recovery"), [(4, "snapshot"), (10_000, "range")])
@@ -156,7 +159,7 @@ async def test_dynamo_indexer_follows_kvagent(dynamo: str, tmp_path: Path, ring:
             await scenario.steps(STEPS)  # history before the indexer exists: it joins late
 
             async with run_indexer(dynamo) as indexer:
-                await join(indexer, endpoint, replay, scenario.sentinel)
+                await join(indexer, endpoint, replay, scenario)
                 assert (await scenario.check(indexer)).hashes(), (
                     "the late joiner recovered the resident blocks"
                 )
@@ -182,12 +185,12 @@ async def test_dynamo_indexer_follows_kvagent(dynamo: str, tmp_path: Path, ring:
                 )  # the indexer's own SUB misses a range of kvagent's stream
                 await scenario.steps(STEPS // 4)
                 await indexer.resume_listener(WORKER)
-                await until_replayed(indexer, scenario.sentinel)
+                await until_replayed(indexer, scenario)
                 await scenario.check(indexer)
 
             await scenario.steps(STEPS)  # history while no indexer runs
             async with run_indexer(dynamo) as indexer:  # the indexer restarts with nothing
-                await join(indexer, endpoint, replay, scenario.sentinel)
+                await join(indexer, endpoint, replay, scenario)
                 await scenario.check(indexer)
                 _assert_recovery(indexer, recovery)
         nursery.cancel_scope.cancel()
