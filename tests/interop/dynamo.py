@@ -141,18 +141,6 @@ class DynamoIndexer:
         if answer.status_code != 201:
             raise AssertionError(f"/register answered {answer.status_code}: {answer.text}")
 
-    async def pause_listener(self, instance_id: int, dp_rank: int = 0) -> None:
-        await self._control("pause_listener", instance_id, dp_rank)
-
-    async def resume_listener(self, instance_id: int, dp_rank: int = 0) -> None:
-        await self._control("resume_listener", instance_id, dp_rank)
-
-    async def _control(self, action: str, instance_id: int, dp_rank: int) -> None:
-        body = {"instance_id": instance_id, "dp_rank": dp_rank}
-        answer = await self.http.post(f"{self.base_url}/test/{action}", json=body)
-        if answer.status_code != 200:
-            raise AssertionError(f"/test/{action} answered {answer.status_code}: {answer.text}")
-
     async def dump(self, model: str = MODEL) -> IndexerDump:
         answer = await self.http.get(f"{self.base_url}/dump")
         answer.raise_for_status()
@@ -214,15 +202,7 @@ async def _wait_healthy(process: trio.Process, http: httpx.AsyncClient, base_url
 @asynccontextmanager
 async def run_indexer(python: str, *, threads: int = 1) -> AsyncIterator[DynamoIndexer]:
     """Start the indexer on a free 127.0.0.1 port; kill it (and wait for it) on exit."""
-    # DYN_KV_INDEXER_TEST_ENDPOINTS mounts /test/pause_listener and /test/resume_listener (a SUB that stops
-    # reading and comes back: the way to make the indexer itself miss a range of a live stream).
-    env = {
-        **os.environ,
-        "NO_COLOR": "1",
-        "RUST_LOG": "info",
-        "PYTHONUNBUFFERED": "1",
-        "DYN_KV_INDEXER_TEST_ENDPOINTS": "1",
-    }
+    env = {**os.environ, "NO_COLOR": "1", "RUST_LOG": "info", "PYTHONUNBUFFERED": "1"}
     async with httpx.AsyncClient(timeout=30.0) as http, trio.open_nursery() as nursery:
         for _attempt in range(_START_ATTEMPTS):
             port = free_port()
