@@ -37,7 +37,7 @@ STEPS = 40  # engine steps per phase
 _REPUBLISHING = "republishes vLLM KV events on "
 
 
-def _config(engine: FakeVllmEngine, ring: int) -> str:
+def _config(engine: FakeVllmEngine, ring: int, legacy: bool) -> str:
     return f"""
 [[slots]]
 name = "s0"
@@ -52,16 +52,17 @@ worker_id = {WORKER}
 endpoint = "tcp://127.0.0.1:{free_port()}"
 replay_endpoint = "tcp://127.0.0.1:{free_port()}"
 buffer_batches = {ring}
+legacy_replay = {"true" if legacy else "false"}
 """
 
 
 @asynccontextmanager
 async def kvagent_serving(
-    tmp: Path, engine: FakeVllmEngine, ring: int
+    tmp: Path, engine: FakeVllmEngine, ring: int, legacy: bool = False
 ) -> AsyncIterator[tuple[ServeProcess, str, str]]:
     """``kvagent serve`` attached to ``engine``, republishing; yields it and its PUB and replay endpoints."""
     config = tmp / "kvagent.toml"
-    config.write_text(_config(engine, ring))
+    config.write_text(_config(engine, ring, legacy))
     async with serve(tmp, "--config", str(config)) as agent:
         with trio.fail_after(WAIT):
             line = await agent.log.wait_for(lambda text: _REPUBLISHING in text)
@@ -161,12 +162,18 @@ async def join(indexer: DynamoIndexer, endpoint: str, replay: str, scenario: Sce
     await until_replayed(indexer, scenario)
 
 
-@pytest.mark.parametrize(("ring", "recovery"), [(4, "snapshot"), (10_000, "range")])
-async def test_dynamo_indexer_follows_kvagent(dynamo: str, tmp_path: Path, ring: int, recovery: str) -> None:
+@pytest.mark.parametrize(
+    ("ring", "recovery", "legacy"),
+    [(4, "snapshot", False), (10_000, "range", False), (4, "snapshot", True)],
+    ids=["snapshot", "range", "snapshot-legacy-replay"],
+)
+async def test_dynamo_indexer_follows_kvagent(
+    dynamo: str, tmp_path: Path, ring: int, recovery: str, legacy: bool
+) -> None:
     engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        async with kvagent_serving(tmp_path, engine, ring) as (agent, endpoint, replay):
+        async with kvagent_serving(tmp_path, engine, ring, legacy) as (agent, endpoint, replay):
             scenario = Scenario(engine, agent, seed=ring)
             await scenario.steps(STEPS)  # history before the indexer exists: it joins late
             link = LossyLink(endpoint, zmq.Context.instance())  # the indexer's SUB reads kvagent through it
