@@ -33,6 +33,7 @@ from kvagent.model.events import (
 )
 from kvagent.model.ids import CacheOwnerId, KvStateAgentIdentity, derive_cache_owner_id
 from kvagent.model.status import AgentStatus, AttachmentStatus
+from kvagent.publish.republisher import RepublishConfig
 from kvagent.recovery.client import RecoverResult, RecoveryClient, connect_slot, subscribe
 from kvagent.wire.router_event import router_event_from_json
 
@@ -61,6 +62,7 @@ __all__ = [
     "RecoveryClient",
     "RecoveryClientError",
     "Removed",
+    "RepublishConfig",
     "ResidencyDomain",
     "RouterEvent",
     "SlotAgent",

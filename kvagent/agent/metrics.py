@@ -25,6 +25,7 @@ from kvagent._util.listen import accept_loop, shed_pending_handshakes
 from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
+from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
@@ -257,6 +258,54 @@ def _slot_families(views: list[_SlotView]) -> Iterator[Metric]:
     yield state
 
 
+# Per-slot families of the vLLM-compatible republisher (slots that republish): name after ``kvagent_republish_``,
+# help, counter (else gauge), and how to read it from the republisher's statistics.
+_REPUBLISH: tuple[tuple[str, str, bool, Callable[[RepublisherStatistics], int]], ...] = (
+    ("batches", "Batches published (each took the next seq)", True, lambda r: r.state.batches_published),
+    ("events", "Events in the published batches", True, lambda r: r.state.events_published),
+    ("batches_sent", "Live batches the PUB accepted", True, lambda r: r.batches_sent),
+    ("dropped_batches", "Live batches dropped at the PUB high-water mark", True, lambda r: r.dropped_batches),
+    (
+        "stores_without_tokens",
+        "Stores sent with empty token_ids",
+        True,
+        lambda r: r.state.stores_without_tokens,
+    ),
+    ("replay_requests", "Replay and snapshot requests", True, lambda r: r.replay_requests),
+    (
+        "malformed_requests",
+        "Replay requests answered with just the end",
+        True,
+        lambda r: r.malformed_requests,
+    ),
+    ("refused_requests", "Replay requests refused (queue full)", True, lambda r: r.refused_requests),
+    ("snapshots", "Replay answers served as snapshots", True, lambda r: r.state.snapshots_served),
+    ("answers_completed", "Replay answers sent to their end marker", True, lambda r: r.answers_completed),
+    (
+        "answers_abandoned",
+        "Replay answers abandoned (DEALER stalled or gone)",
+        True,
+        lambda r: r.answers_abandoned,
+    ),
+    ("subscriptions", "Subscriptions seen on the republish PUB", True, lambda r: r.subscriptions),
+    ("answers_active", "Replay answers being sent", False, lambda r: r.answers_active),
+    ("ring_batches", "Batches in the replay ring", False, lambda r: r.state.ring_batches),
+    ("ring_bytes", "Payload bytes in the replay ring", False, lambda r: r.state.ring_bytes),
+    ("resident_blocks", "Blocks in the snapshot mirror", False, lambda r: r.state.resident_blocks),
+)
+
+
+def _republish_families(views: list[_SlotView]) -> Iterator[Metric]:
+    republishing = [(view.name, view.statistics.republish) for view in views if view.statistics.republish]
+    for name, doc, counter, read in _REPUBLISH:
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        family = kind(f"kvagent_republish_{name}", doc, labels=["slot"])
+        for slot, statistics in republishing:
+            if statistics is not None:
+                family.add_metric([slot], read(statistics))
+        yield family
+
+
 def _labelled(
     name: str, doc: str, label: str, counts: Mapping[str, int] | Mapping[int, int]
 ) -> CounterMetricFamily:
@@ -356,6 +405,7 @@ class SlotMetricsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         views = [_SlotView.of(agent) for agent in sorted(self._sources.slots(), key=lambda agent: agent.name)]
         yield from _slot_families(views)
+        yield from _republish_families(views)
         if self._sources.server is not None:
             yield from _server_families(self._sources.server())
         if self._sources.event_plane is not None:

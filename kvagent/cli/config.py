@@ -360,7 +360,9 @@ def validate_serve_config(config: ServeConfig) -> None:
         _validate_slot(errors, f"slots[{index}]", slot)
         for endpoint, key in _republish_endpoints(errors, f"slots[{index}].republish", slot):
             if endpoint in bound:
-                errors.append(f"{key}: {endpoint} is also bound by {bound[endpoint]} (ports are offset by dp_rank)")
+                errors.append(
+                    f"{key}: {endpoint} is also bound by {bound[endpoint]} (ports are offset by dp_rank)"
+                )
             bound.setdefault(endpoint, key)
         if slot.name in seen:
             errors.append(

@@ -158,10 +158,12 @@ async def _status_lines(host: Host, interval: float) -> None:
                 state = f"gen {attachment.generation} {shown}"
             coordinator = agent.statistics().coordinator
             faults = sum(coordinator.quarantines.values())
+            republish = "" if status.republish is None else f" republish seq {status.republish.seq}"
             print(
                 f"[{agent.name}] {state} cursor {status.outbound_cursor} ({rate:.0f} ev/s) "
                 f"blocks {agent.index.resident_block_count} dropped {coordinator.dropped_events} "
-                f"quarantines {faults} cache_owner {'ready' if status.cache_owner_ready else 'UNREADY'}",
+                f"quarantines {faults} cache_owner {'ready' if status.cache_owner_ready else 'UNREADY'}"
+                f"{republish}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -9,6 +9,8 @@ reduces to ``(domain, tier)``, plus ``dp_rank`` and ``session_id`` which must al
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+from typing import cast
 
 import attrs
 
@@ -27,75 +29,89 @@ __all__ = ["coalesce"]
 def coalesce(
     events: Sequence[PlacementEvent], *, max_blocks: int = MAX_COALESCED_BLOCKS
 ) -> list[PlacementEvent]:
-    """Merge chain-continuing stores and adjacent removes; a Cleared is a barrier and stands alone."""
+    """Merge chain-continuing stores and adjacent removes; a Cleared is a barrier and stands alone.
+
+    A merged event is flushed once it holds ``max_blocks`` blocks or more. Mergeable events are gathered
+    into a run and joined once when the run ends (pairwise merging would copy the growing tuples and token
+    bytes at every step); a run of one is the event itself, unchanged.
+    """
     output: list[PlacementEvent] = []
     append = output.append
-    pending: PlacementEvent | None = None
+    run: list[PlacementEvent] = []
+    blocks = 0
     for event in events:
         data = event.data
-        cls = type(data)
-        if cls is Cleared:
-            if pending is not None:
-                append(pending)
-                pending = None
+        if type(data) is Cleared:
+            if run:
+                append(_joined(run))
+                run = []
             append(event)
             continue
         assert isinstance(data, Stored | Removed)
-        if pending is not None:
-            merged = _merge(pending, event)
-            if merged is not None:
-                if len(merged.data.block_hashes) >= max_blocks:
-                    append(merged)
-                    pending = None
-                else:
-                    pending = merged
-                continue
-            append(pending)
-            pending = None
-        if len(data.block_hashes) >= max_blocks:
-            append(event)
-        else:
-            pending = event
-    if pending is not None:
-        append(pending)
+        if run and not _continues(run, event):
+            append(_joined(run))
+            run = []
+        if not run:
+            blocks = 0
+        run.append(event)
+        blocks += len(data.block_hashes)
+        if blocks >= max_blocks:
+            append(_joined(run))
+            run = []
+    if run:
+        append(_joined(run))
     return output
 
 
-def _merge(pending: PlacementEvent, event: PlacementEvent) -> PlacementEvent | None:
-    old, new = pending.data, event.data
+def _continues(run: list[PlacementEvent], event: PlacementEvent) -> bool:
+    """Whether ``event`` merges into the run (same key; a remove, or a store continuing the run's chain)."""
+    pending = run[-1]
+    new = event.data
     cls = type(new)
     if (
-        type(old) is not cls
+        type(pending.data) is not cls
         or pending.domain is not event.domain
         or pending.tier is not event.tier
         or pending.dp_rank != event.dp_rank
         or pending.session_id != event.session_id
     ):
-        return None
+        return False
     if cls is Removed:
-        assert isinstance(old, Removed) and isinstance(new, Removed)
-        return attrs.evolve(pending, data=Removed(old.block_hashes + new.block_hashes))
-    assert isinstance(old, Stored) and isinstance(new, Stored)
-    # Only a continuation of the pending chain merges: the new event's parent is its last block.
-    if not old.block_hashes or new.parent_hash != old.block_hashes[-1]:
-        return None
-    return attrs.evolve(pending, data=_append_stored(old, new))
+        return True
+    assert isinstance(new, Stored)
+    # Only a continuation of the run's chain merges: the new event's parent is the run's last block.
+    for part in reversed(run):
+        hashes = part.data.block_hashes
+        if hashes:
+            return new.parent_hash == hashes[-1]
+    return False
 
 
-def _append_stored(old: Stored, new: Stored) -> Stored:
+def _joined(run: list[PlacementEvent]) -> PlacementEvent:
+    first = run[0]
+    if len(run) == 1:
+        return first
+    parts = [event.data for event in run]
+    if type(first.data) is Removed:
+        return attrs.evolve(first, data=Removed(tuple(chain.from_iterable(p.block_hashes for p in parts))))
+    stores = cast(list[Stored], parts)
+    return attrs.evolve(first, data=_joined_stored(stores))
+
+
+def _joined_stored(parts: list[Stored]) -> Stored:
+    first = parts[0]
     mm_infos: tuple[MmExtraInfo | None, ...] | None = None
-    if old.mm_extra_infos is not None or new.mm_extra_infos is not None:
-        mm_infos = _mm_or_blank(old) + _mm_or_blank(new)
+    if any(part.mm_extra_infos is not None for part in parts):
+        mm_infos = tuple(chain.from_iterable(_mm_or_blank(part) for part in parts))
+    token_parts = [part.token_bytes for part in parts]
     return Stored(
-        parent_hash=old.parent_hash,
-        block_hashes=old.block_hashes + new.block_hashes,
-        tokens_hashes=old.tokens_hashes + new.tokens_hashes,
+        parent_hash=first.parent_hash,
+        block_hashes=tuple(chain.from_iterable(part.block_hashes for part in parts)),
+        tokens_hashes=tuple(chain.from_iterable(part.tokens_hashes for part in parts)),
         mm_extra_infos=mm_infos,
-        start_position=old.start_position,
+        start_position=first.start_position,
         # Tokens are republished only when every merged block has them (a partial list would misalign).
-        token_bytes=(
-            None if old.token_bytes is None or new.token_bytes is None else old.token_bytes + new.token_bytes
-        ),
+        token_bytes=None if None in token_parts else b"".join(cast(list[bytes], token_parts)),
     )
 
 

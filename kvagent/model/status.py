@@ -189,7 +189,9 @@ class AgentStatus:
             None if attachment is None else AttachmentStatus.from_json(attachment, "status.attachment"),
             _bool(_member(obj, "cache_owner_ready", "status"), "status.cache_owner_ready"),
             _uint(_member(obj, "outbound_cursor", "status"), "status.outbound_cursor"),
-            None if obj.get("republish") is None else RepublishStatus.from_json(obj["republish"], "status.republish"),
+            None
+            if obj.get("republish") is None
+            else RepublishStatus.from_json(obj["republish"], "status.republish"),
         )
 
     def is_ready_generation(self, generation: int) -> bool:

@@ -9,8 +9,12 @@ vLLM PR #50134 (``AllBlocksCleared``, then every resident block as ``BlockStored
 
 Snapshot consistency without copying: a snapshot streams the mirror as it is after batch ``seq``; while any
 snapshot stream is open, :meth:`RepublishState.publish` still assigns seqs and fills the ring, but the mirror
-updates wait until the last open stream is finished or closed. Iteration therefore never sees a dict change,
-and memory stays bounded by the mirror itself plus the batches published meanwhile.
+updates wait until the last open stream is finished or closed. Iteration therefore never sees the mirror
+change, and memory stays bounded by the mirror itself plus the batches published meanwhile. A snapshot
+started while another is open shows the same (older) state and says so in its seq.
+
+The mirror keeps each tier's blocks in flat columns (about 200 bytes a block of 16 tokens, tokens included):
+see :class:`_TierBlocks`.
 
 The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing here does IO.
 """
@@ -18,9 +22,10 @@ The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing h
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from itertools import islice
+from itertools import compress, islice
 from typing import TypeAlias
 
 import attrs
@@ -46,9 +51,6 @@ __all__ = [
 SNAPSHOT_MAX_BLOCKS = 512  # blocks per snapshot payload: bounded frames, few of them
 
 _WORKER = ResidencyDomain.WORKER
-# A mirrored block: (parent hash, token bytes, insertion order). The order tells at snapshot time whether a
-# block's parent was (re-)stored after it, which plain insertion order cannot show.
-_Entry: TypeAlias = tuple[int | None, bytes | None, int]
 
 
 def snapshot_frame_seq(included_seq: int) -> int:
@@ -63,6 +65,9 @@ def snapshot_frame_seq(included_seq: int) -> int:
 
 @attrs.frozen(slots=True)
 class RepublishStatistics:
+    """Counters of one :class:`RepublishState` (``stores_without_tokens``: published with ``token_ids=[]``,
+    which Dynamo's indexer drops)."""
+
     batches_published: int
     events_published: int
     ring_batches: int
@@ -126,7 +131,9 @@ class RangeAnswer:
 class SnapshotAnswer:
     """Snapshot payloads, every frame carrying ``seq`` (see :func:`snapshot_frame_seq`), then the end marker.
 
-    Call :meth:`close` when the answer ends early: the mirror stays frozen while a snapshot is open.
+    ``seq`` is the last batch the snapshot includes: ``last_seq`` when it was made, or older when another
+    snapshot was still open then. Call :meth:`close` when the answer ends early: the mirror stays frozen
+    while a snapshot is open.
     """
 
     seq: int
@@ -161,11 +168,12 @@ class RepublishState:
         self._ring: deque[tuple[int, bytes]] = deque()
         self._ring_bytes = 0
         self._next_seq = 0
-        self._mirror: dict[StorageTier, dict[int, _Entry]] = {}
+        self._mirror: dict[StorageTier, _TierBlocks] = {}
         self._mirror_seq: int | None = None  # the last batch applied to the mirror
-        self._order = 0
+        # Published batches not yet in the mirror (only while a snapshot is open).
         self._deferred: deque[tuple[int, list[RouterEvent]]] = deque()
         self._snapshots_open = 0
+        self._applying = False
         self._batches = 0
         self._events = 0
         self._without_tokens = 0
@@ -197,11 +205,8 @@ class RepublishState:
         self._batches += 1
         self._events += published
         self._without_tokens += without_tokens
-        if self._snapshots_open:
-            self._deferred.append((seq, worker))
-        else:
-            self._apply(worker)
-            self._mirror_seq = seq
+        self._deferred.append((seq, worker))
+        self._apply_deferred()
         return seq, payload
 
     def _append_ring(self, seq: int, payload: bytes) -> None:
@@ -220,48 +225,41 @@ class RepublishState:
                 # AllBlocksCleared carries no medium on the wire: a consumer forgets every tier.
                 mirror.clear()
                 continue
-            hashes = data.block_hashes
-            if not hashes:
+            if not data.block_hashes:
                 continue
             tier = event.storage_tier
             blocks = mirror.get(tier)
             if type(data) is Stored:
                 if blocks is None:
-                    blocks = mirror[tier] = {}
-                self._store(blocks, data)
+                    blocks = mirror[tier] = _TierBlocks(4 * self.block_size)
+                blocks.store(data)
             elif blocks is not None:
-                pop = blocks.pop
-                for block_hash in hashes:
-                    pop(block_hash, None)
-                if not blocks:
+                blocks.remove(data.block_hashes)
+                if not blocks.rows:
                     del mirror[tier]
-
-    def _store(self, blocks: dict[int, _Entry], data: Stored) -> None:
-        parent = data.parent_hash
-        token_bytes = data.token_bytes
-        width = 0 if token_bytes is None else len(token_bytes) // len(data.block_hashes)
-        order = self._order
-        get = blocks.get
-        for index, block_hash in enumerate(data.block_hashes):
-            tokens = None if token_bytes is None else token_bytes[index * width : (index + 1) * width]
-            existing = get(block_hash)
-            if existing is None:
-                order += 1
-                blocks[block_hash] = (parent, tokens, order)
-            else:  # a re-store keeps its place and takes the newest parent and tokens
-                blocks[block_hash] = (parent, tokens, existing[2])
-            parent = block_hash
-        self._order = order
 
     def _snapshot_closed(self) -> None:
         self._snapshots_open -= 1
-        if self._snapshots_open:
+        self._apply_deferred()
+
+    def _apply_deferred(self) -> None:
+        """Apply the published batches, in order, unless a snapshot is open.
+
+        Every batch goes through the queue, even with no snapshot open: a snapshot stream dropped in a
+        reference cycle is closed by the garbage collector at whatever allocation triggers it, and queueing
+        first keeps the order wherever that is. Re-entry (which that cannot cause today) does nothing.
+        """
+        if self._snapshots_open or self._applying:
             return
-        deferred = self._deferred
-        while deferred:
-            seq, events = deferred.popleft()
-            self._apply(events)
-            self._mirror_seq = seq
+        self._applying = True
+        try:
+            deferred = self._deferred
+            while deferred and not self._snapshots_open:
+                seq, events = deferred.popleft()
+                self._apply(events)
+                self._mirror_seq = seq
+        finally:
+            self._applying = False
 
     # --- replay -------------------------------------------------------------------------------------------
 
@@ -324,30 +322,12 @@ class RepublishState:
         (an open snapshot), or consume it before the next :meth:`publish`.
         """
         for tier, blocks in list(self._mirror.items()):
-            waiting: dict[int, list[int]] = {}  # parent hash -> children waiting for it
-            held: set[int] = set()  # every waiting child
-            for block_hash, (parent, tokens, order) in blocks.items():
-                if parent is not None:
-                    entry = blocks.get(parent)
-                    if entry is not None and (entry[2] > order or parent in held):
-                        waiting.setdefault(parent, []).append(block_hash)
-                        held.add(block_hash)
-                        continue
-                yield tier, block_hash, parent, tokens
-                if waiting:
-                    yield from _released(tier, blocks, block_hash, waiting, held)
-            while waiting:  # parent cycles
-                _, children = waiting.popitem()
-                for child in children:
-                    held.discard(child)
-                    entry = blocks[child]
-                    yield tier, child, entry[0], entry[1]
-                    yield from _released(tier, blocks, child, waiting, held)
+            yield from blocks.parents_first(tier)
 
     # --- reporting ----------------------------------------------------------------------------------------
 
     def resident_blocks(self) -> int:
-        return sum([len(blocks) for blocks in self._mirror.values()])
+        return sum([len(blocks.rows) for blocks in self._mirror.values()])
 
     def statistics(self) -> RepublishStatistics:
         return RepublishStatistics(
@@ -364,14 +344,167 @@ class RepublishState:
         )
 
 
-def _released(
-    tier: StorageTier, blocks: dict[int, _Entry], parent: int, waiting: dict[int, list[int]], held: set[int]
-) -> Iterator[SnapshotBlock]:
-    """The children waiting for ``parent`` (just yielded), and theirs in turn, depth first."""
-    stack = [parent]
-    while stack:
-        for child in waiting.pop(stack.pop(), ()):
-            held.discard(child)
-            entry = blocks[child]
-            yield tier, child, entry[0], entry[1]
-            stack.append(child)
+_HAS_PARENT = 1
+_HAS_TOKENS = 2
+_DEAD = 4
+_LIVE_MASK = bytes(0 if value & _DEAD else 1 for value in range(256))  # flags -> 1 for a live row
+_COMPACT_MIN_DEAD = 4096  # below this many dead rows a compaction is not worth its rebuild
+
+
+class _TierBlocks:
+    """One tier's mirrored blocks as append-only rows; row order is insertion order.
+
+    ``rows`` maps each resident hash to its row; the row's hash, parent, flags and tokens live in flat
+    columns, so a block costs its dict entry, 17 bytes and its tokens, and no Python object of its own. A
+    re-store keeps its row (taking the newest parent and tokens); a removed block's row is flagged dead and
+    the columns are compacted, in order, once more than half of them are dead. The row order tells at
+    snapshot time whether a block's parent was (re-)stored after it, which parents-first needs.
+    """
+
+    __slots__ = ("dead", "flags", "hashes", "parents", "rows", "tokens", "width")
+
+    def __init__(self, width: int) -> None:
+        self.width = width  # token bytes a block
+        self.rows: dict[int, int] = {}
+        self.hashes = array("Q")
+        self.parents = array("Q")
+        self.flags = bytearray()
+        self.tokens = bytearray()
+        self.dead = 0
+
+    def store(self, data: Stored) -> None:
+        hashes = data.block_hashes
+        count = len(hashes)
+        token_bytes = data.token_bytes
+        if token_bytes is not None and len(token_bytes) != self.width * count:
+            token_bytes = None  # not this slot's block size: no tokens rather than misaligned ones
+        parent = data.parent_hash
+        rows = self.rows
+        if not rows.keys().isdisjoint(hashes):  # a re-store: block by block, each keeps its row
+            width = self.width
+            for index, block_hash in enumerate(hashes):
+                tokens = None if token_bytes is None else token_bytes[index * width : (index + 1) * width]
+                self._put(block_hash, parent, tokens)
+                parent = block_hash
+            return
+        # The common case, new blocks: appended in bulk at C speed.
+        flags = self.flags
+        first = len(flags)
+        resident = len(rows)
+        row = first
+        for block_hash in hashes:  # faster than dict.update(zip(...)) for the few blocks of a store
+            rows[block_hash] = row
+            row += 1
+        self.hashes.extend(hashes)
+        known = 0 if token_bytes is None else _HAS_TOKENS
+        flags.append(known | (0 if parent is None else _HAS_PARENT))
+        self.parents.append(0 if parent is None else parent)
+        if count > 1:
+            flags.extend(bytes((known | _HAS_PARENT,)) * (count - 1))
+            self.parents.extend(hashes[:-1])
+        self.tokens.extend(bytes(self.width * count) if token_bytes is None else token_bytes)
+        if len(rows) != resident + count:
+            self._bury_repeats(first, hashes)
+
+    def _bury_repeats(self, first: int, hashes: Sequence[int]) -> None:
+        """A hash repeated within one chain lives in its last row; its earlier rows are dead."""
+        rows, flags = self.rows, self.flags
+        for offset, block_hash in enumerate(hashes):
+            if rows[block_hash] != first + offset:
+                flags[first + offset] = _DEAD
+                self.dead += 1
+
+    def _put(self, block_hash: int, parent: int | None, tokens: bytes | None) -> None:
+        flag = (0 if parent is None else _HAS_PARENT) | (0 if tokens is None else _HAS_TOKENS)
+        row = self.rows.get(block_hash)
+        if row is None:
+            self.rows[block_hash] = len(self.hashes)
+            self.hashes.append(block_hash)
+            self.parents.append(0 if parent is None else parent)
+            self.flags.append(flag)
+            self.tokens.extend(bytes(self.width) if tokens is None else tokens)
+            return
+        self.parents[row] = 0 if parent is None else parent
+        self.flags[row] = flag
+        if tokens is not None:
+            self.tokens[row * self.width : (row + 1) * self.width] = tokens
+
+    def remove(self, hashes: Sequence[int]) -> None:
+        pop = self.rows.pop
+        flags = self.flags
+        dead = self.dead
+        for block_hash in hashes:
+            row = pop(block_hash, None)
+            if row is not None:
+                flags[row] = _DEAD
+                dead += 1
+        self.dead = dead
+        if dead >= _COMPACT_MIN_DEAD and 2 * dead > len(flags):
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self.flags.translate(_LIVE_MASK)
+        width, tokens = self.width, self.tokens
+        self.hashes = array("Q", compress(self.hashes, live))
+        self.parents = array("Q", compress(self.parents, live))
+        self.flags = bytearray(compress(self.flags, live))
+        self.tokens = bytearray().join(
+            compress((tokens[start : start + width] for start in range(0, len(tokens), width)), live)
+        )
+        self.rows = dict(zip(self.hashes, range(len(self.hashes)), strict=True))
+        self.dead = 0
+
+    def block(self, tier: StorageTier, row: int) -> SnapshotBlock:
+        flag = self.flags[row]
+        parent = self.parents[row] if flag & _HAS_PARENT else None
+        width = self.width
+        tokens = bytes(self.tokens[row * width : (row + 1) * width]) if flag & _HAS_TOKENS else None
+        return tier, self.hashes[row], parent, tokens
+
+    def parents_first(self, tier: StorageTier) -> Iterator[SnapshotBlock]:
+        """Every live row in row order, except that a block whose parent is resident in a later row (or is
+        itself waiting) waits until that parent has been yielded."""
+        rows_get, hashes, parents, flags = self.rows.get, self.hashes, self.parents, self.flags
+        tokens, width = self.tokens, self.width
+        waiting: dict[int, list[int]] = {}  # parent hash -> rows of the children waiting for it
+        held: set[int] = set()  # the hashes of every waiting child
+        previous = None  # the hash yielded last in row order: a child right after it needs no lookup
+        for row, (block_hash, parent_column, flag) in enumerate(zip(hashes, parents, flags, strict=True)):
+            if flag & _DEAD:
+                continue
+            parent = parent_column if flag & _HAS_PARENT else None
+            if parent is not None and parent != previous:
+                parent_row = rows_get(parent)
+                if parent_row is not None and (parent_row > row or parent in held):
+                    waiting.setdefault(parent, []).append(row)
+                    held.add(block_hash)
+                    continue
+            start = row * width
+            yield (
+                tier,
+                block_hash,
+                parent,
+                bytes(tokens[start : start + width]) if flag & _HAS_TOKENS else None,
+            )
+            previous = block_hash
+            if waiting:
+                yield from self._released(tier, block_hash, waiting, held)
+        while waiting:  # parent cycles, which only contradictory re-stores can build
+            _, children = waiting.popitem()
+            for row in children:
+                block = self.block(tier, row)
+                held.discard(block[1])
+                yield block
+                yield from self._released(tier, block[1], waiting, held)
+
+    def _released(
+        self, tier: StorageTier, parent: int, waiting: dict[int, list[int]], held: set[int]
+    ) -> Iterator[SnapshotBlock]:
+        """The children waiting for ``parent`` (just yielded), and theirs in turn."""
+        stack = [parent]
+        while stack:
+            for row in waiting.pop(stack.pop(), ()):
+                block = self.block(tier, row)
+                held.discard(block[1])
+                yield block
+                stack.append(block[1])

@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 import errno
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, cast
 
 import attrs
 import structlog
@@ -32,7 +32,7 @@ from kvagent.model.errors import KvAgentError, SinkError
 from kvagent.model.events import RouterEvent
 from kvagent.model.status import RepublishStatus
 from kvagent.publish.republish_state import (
-    RangeAnswer,
+    ReplayAnswer,
     RepublishState,
     RepublishStatistics,
     SnapshotAnswer,
@@ -48,13 +48,16 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-# Messages one answer may send per round-robin turn: enough to keep a fast DEALER's pipe busy, few enough that
-# the other answers get their turn soon.
+# What one answer may send per round-robin turn: enough to keep a fast DEALER's pipe busy, little enough that
+# the other answers (and every other task: snapshot payloads are encoded as they are drawn) get their turn soon.
 ANSWER_BURST = 32
-# Queued requests per DEALER (answered one after the other) and active answers overall; beyond, a request is
-# refused (logged and counted, not answered: a consumer times out and asks again).
+ANSWER_BURST_BYTES = 256 << 10
+# Answers per DEALER (sent one after the other) and overall; beyond, a request is refused: logged, counted and
+# answered with just the end marker, because a consumer may wait for it without a timeout (Dynamo's indexer
+# does). A DEALER with MAX_QUEUED_PER_PEER answers queued is flooding: its further requests are dropped.
 MAX_ANSWERS_PER_PEER = 4
 MAX_ANSWERS = 64
+MAX_QUEUED_PER_PEER = 64
 # When every answer's peer pipe is full the task waits for libzmq's next command (a peer read, a request),
 # and at most this long: an edge consumed by a send attempt is noticed within it.
 BLOCKED_RETRY = 0.05
@@ -78,12 +81,14 @@ def _bind_endpoint(instance: object, attribute: attrs.Attribute[str], value: str
             )
 
 
-def _optional_bind_endpoint(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+def _optional_bind_endpoint(
+    instance: object, attribute: attrs.Attribute[str | None], value: str | None
+) -> None:
     if value is not None:
         _bind_endpoint(instance, attribute, value)  # type: ignore[arg-type]
 
 
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise KvAgentError(f"republish {attribute.name} must be > 0, got {value!r}", code="bad_request")
 
@@ -129,10 +134,12 @@ class RepublishConfig:
     legacy_replay: bool = False
     buffer_batches: int = attrs.field(default=10_000, validator=_positive)
     sndhwm: int = attrs.field(default=100_000, validator=_positive)
+    replay_sndhwm: int = attrs.field(default=1000, validator=_positive)  # a full peer pipe waits, never drops
     answer_deadline: float = attrs.field(default=10.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        ephemeral = self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0")
+        if self.replay_endpoint == self.endpoint and not ephemeral:
             raise KvAgentError(
                 f"republish replay_endpoint must differ from endpoint ({self.endpoint!r})", code="bad_request"
             )
@@ -181,18 +188,21 @@ class RepublisherStatistics:
 class _Answer:
     """One replay answer in flight: its remaining frames and the one a full pipe refused."""
 
-    frames: Iterator[list[bytes]]
+    frames: Generator[list[bytes], None, None]
     deadline: float
     pending: list[bytes] | None = None
 
     def close(self) -> None:
-        close = getattr(self.frames, "close", None)
-        if close is not None:
-            close()
+        self.frames.close()  # a started answer closes the state's answer in its ``finally``
 
 
 def _seq_frame(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
+
+
+def _worth_logging(count: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th... occurrence: a flood of bad requests cannot flood the log."""
+    return count & (count - 1) == 0
 
 
 class VllmRepublisher:
@@ -212,14 +222,18 @@ class VllmRepublisher:
     ) -> None:
         self.config = config
         self._topic = config.topic.encode()
-        self._state = RepublishState(dp_rank=dp_rank, block_size=block_size, ring_batches=config.buffer_batches)
+        self._state = RepublishState(
+            dp_rank=dp_rank, block_size=block_size, ring_batches=config.buffer_batches
+        )
         ctx = context if context is not None else zmq.Context.instance()
         self._pub, self.endpoint = self._bind_pub(ctx, config)
         self._router: TrioSocket | None = None
         self.replay_endpoint: str | None = None
         if config.replay_endpoint is not None:
             try:
-                self._router, self.replay_endpoint = self._bind_router(ctx, config.replay_endpoint)
+                self._router, self.replay_endpoint = self._bind_router(
+                    ctx, config.replay_endpoint, config.replay_sndhwm
+                )
             except BaseException:
                 self._pub.close()
                 raise
@@ -247,21 +261,26 @@ class VllmRepublisher:
             sock.bind(config.endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise KvAgentError(f"cannot bind republish endpoint {config.endpoint!r}: {exc}", code="bad_request") from exc
+            raise KvAgentError(
+                f"cannot bind republish endpoint {config.endpoint!r}: {exc}", code="bad_request"
+            ) from exc
         return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @staticmethod
-    def _bind_router(ctx: zmq.Context[Any], endpoint: str) -> tuple[TrioSocket, str]:
+    def _bind_router(ctx: zmq.Context[Any], endpoint: str, sndhwm: int) -> tuple[TrioSocket, str]:
         sock = ctx.socket(zmq.ROUTER)
         try:
             # A full peer pipe refuses the frame (EAGAIN: kept and retried) and a gone peer is reported
             # (EHOSTUNREACH) instead of both being dropped silently as vLLM's ROUTER does.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise KvAgentError(f"cannot bind republish replay endpoint {endpoint!r}: {exc}", code="bad_request") from exc
+            raise KvAgentError(
+                f"cannot bind republish replay endpoint {endpoint!r}: {exc}", code="bad_request"
+            ) from exc
         return TrioSocket(sock), sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # --- read side -------------------------------------------------------------------------------
@@ -270,7 +289,9 @@ class VllmRepublisher:
         return self._state.last_seq
 
     def status(self) -> RepublishStatus:
-        return RepublishStatus(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, seq=self._state.last_seq)
+        return RepublishStatus(
+            endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, seq=self._state.last_seq
+        )
 
     def statistics(self) -> RepublisherStatistics:
         return RepublisherStatistics(
@@ -350,9 +371,10 @@ class VllmRepublisher:
             await self._pub.wait_readable()
 
     async def _serve_replay(self, router: TrioSocket) -> None:
-        fd: int = router.socket.getsockopt(zmq.FD)
+        fd = cast(int, router.socket.getsockopt(zmq.FD))
         while True:
             self._take_requests(router)
+            self._abandon_stalled()
             if not self._answers:
                 await router.wait_readable()
                 continue
@@ -365,7 +387,6 @@ class VllmRepublisher:
             if self._send_round(router):
                 await trio.lowlevel.checkpoint()
                 continue
-            self._abandon_stalled()
             wait = min(BLOCKED_RETRY, max(0.0, self._nearest_deadline() - trio.current_time()))
             with trio.move_on_after(wait):
                 await trio.lowlevel.wait_readable(fd)
@@ -381,42 +402,57 @@ class VllmRepublisher:
 
     def _admit(self, frames: list[bytes]) -> None:
         identity = frames[0]
-        queue = self._answers.get(identity)
-        if (queue is not None and len(queue) >= MAX_ANSWERS_PER_PEER) or (
-            sum(len(q) for q in self._answers.values()) >= MAX_ANSWERS
-        ):
+        queue = self._answers.get(identity) or collections.deque()
+        answers = self._answer_frames(frames)
+        if len(queue) >= MAX_ANSWERS_PER_PEER or sum(len(q) for q in self._answers.values()) >= MAX_ANSWERS:
             self._refused_requests += 1
-            log.warning("republish_replay_refused", reason="too many answers queued", peer=identity.hex())
+            if _worth_logging(self._refused_requests):
+                log.warning(
+                    "republish_replay_refused",
+                    reason="too many answers queued",
+                    peer=identity.hex(),
+                    refused=self._refused_requests,
+                )
+            if len(queue) >= MAX_QUEUED_PER_PEER:
+                return
+            answers = self._end_marker()
+        self._answers[identity] = queue
+        queue.append(_Answer(answers, deadline=trio.current_time() + self.config.answer_deadline))
+
+    def _answer_frames(self, frames: list[bytes]) -> Generator[list[bytes], None, None]:
+        """The DEALER-bound messages (without the identity) answering one request, end marker included.
+
+        A generator: the state is asked when the answer's first message is drawn, so an answer queued behind
+        another of the same DEALER reflects the stream when it starts (and a queued snapshot holds nothing).
+        """
+        problem = (
+            f"{len(frames) - 1} frames, not [b'', start]" if len(frames) != 3 or frames[1] != b"" else ""
+        )
+        answer: ReplayAnswer | None = None
+        if not problem:
+            try:
+                answer = self._state.answer(frames[2])
+            except ValueError as exc:
+                problem = str(exc)
+        if answer is None:
+            self._malformed_requests += 1
+            if _worth_logging(self._malformed_requests):
+                log.warning("republish_replay_malformed", problem=problem, malformed=self._malformed_requests)
+            yield from self._end_marker()
             return
-        answer = _Answer(self._answer_frames(frames), deadline=trio.current_time() + self.config.answer_deadline)
-        self._answers.setdefault(identity, collections.deque()).append(answer)
-
-    def _answer_frames(self, frames: list[bytes]) -> Iterator[list[bytes]]:
-        """The DEALER-bound messages (without the identity) answering one request, end marker included."""
-        if len(frames) != 3 or frames[1] != b"":
-            self._malformed_requests += 1
-            log.warning("republish_replay_malformed", frames=len(frames) - 1)
-            return self._end_marker()
-        try:
-            answer = self._state.answer(frames[2])
-        except ValueError as exc:
-            self._malformed_requests += 1
-            log.warning("republish_replay_malformed", error=str(exc))
-            return self._end_marker()
         self._replay_requests += 1
-        return self._reply_frames(answer)
+        yield from self._reply_frames(answer)
 
-    def _end_marker(self) -> Iterator[list[bytes]]:
+    def _end_marker(self) -> Generator[list[bytes], None, None]:
+        # vLLM answers a malformed request with nothing at all; an end marker ends a consumer's wait at once.
         yield [b"", END_SEQ, b""] if self.config.legacy_replay else [b"", b"", END_SEQ, b""]
 
-    def _reply_frames(self, answer: RangeAnswer | SnapshotAnswer) -> Iterator[list[bytes]]:
+    def _reply_frames(self, answer: ReplayAnswer) -> Iterator[list[bytes]]:
         if isinstance(answer, SnapshotAnswer):
             seq_frame = _seq_frame(answer.seq)
             batches: Iterator[tuple[bytes, bytes]] = ((seq_frame, payload) for payload in answer.payloads)
-            source: Any = answer.payloads
         else:
             batches = ((_seq_frame(seq), payload) for seq, payload in answer.batches)
-            source = answer.batches
         try:
             if self.config.legacy_replay:
                 for seq, payload in batches:
@@ -425,10 +461,8 @@ class VllmRepublisher:
                 for seq, payload in batches:
                     yield [b"", self._topic, seq, payload]
         finally:
-            # Closing the state's iterator ends a snapshot's hold on the mirror (abandoned answers too).
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
+            # Closing ends a snapshot's hold on the state's mirror, also when the answer is abandoned.
+            answer.close()
         yield from self._end_marker()
 
     # --- answers ---------------------------------------------------------------------------------
@@ -460,9 +494,9 @@ class VllmRepublisher:
 
     @staticmethod
     def _send_burst(router: TrioSocket, identity: bytes, answer: _Answer) -> int:
-        """Send up to ``ANSWER_BURST`` messages; ``answer.pending`` is None afterwards iff it is finished."""
-        sent = 0
-        while sent < ANSWER_BURST:
+        """Send one turn's messages; ``answer.pending`` is None afterwards iff the answer is finished."""
+        sent = sent_bytes = 0
+        while sent < ANSWER_BURST and sent_bytes < ANSWER_BURST_BYTES:
             if answer.pending is None:
                 frames = next(answer.frames, None)
                 if frames is None:
@@ -470,6 +504,7 @@ class VllmRepublisher:
                 answer.pending = [identity, *frames]
             if not router.try_send_multipart(answer.pending):
                 return sent
+            sent_bytes += len(answer.pending[-1])
             answer.pending = None
             sent += 1
         # The burst is used up: mark the answer unfinished even when its next message is not drawn yet.

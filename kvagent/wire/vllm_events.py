@@ -166,11 +166,19 @@ def encode_snapshot_batches(
     events: list[VllmEvent] = [_CLEARED]
     in_payload = 0
     run: list[SnapshotBlock] = []
+    last_tier: StorageTier | None = None
+    last_hash: int | None = None
+    last_known = False
     for block in blocks:
-        if run and not _continues(run[-1], block):
+        tier, block_hash, parent, tokens = block
+        known = tokens is not None
+        # A run continues while each block's parent is the previous block, in the same tier, with tokens
+        # known for both or for neither.
+        if run and (parent != last_hash or tier is not last_tier or known is not last_known):
             events.append(_stored_run(run, block_size))
             run = []
         run.append(block)
+        last_tier, last_hash, last_known = tier, block_hash, known
         in_payload += 1
         if in_payload >= max_blocks:
             events.append(_stored_run(run, block_size))
@@ -180,10 +188,6 @@ def encode_snapshot_batches(
         events.append(_stored_run(run, block_size))
     if events:
         yield _encode(KVEventBatch(ts, events, dp_rank))
-
-
-def _continues(previous: SnapshotBlock, block: SnapshotBlock) -> bool:
-    return block[2] == previous[1] and block[0] is previous[0] and (block[3] is None) == (previous[3] is None)
 
 
 def _stored_run(run: Sequence[SnapshotBlock], block_size: int) -> BlockStored:

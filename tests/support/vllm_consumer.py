@@ -33,20 +33,25 @@ class VllmStyleConsumer:
         *,
         topic: bytes = b"",
         legacy_replay: bool = False,
+        rcvhwm: int = 100_000,
+        rcvbuf: int = -1,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.legacy_replay = legacy_replay
+        self.rcvhwm = rcvhwm
+        self.rcvbuf = rcvbuf  # -1: the OS default
         self.resident: set[tuple[str, int]] = set()
         self.last_seq: int | None = None
         self.clears = 0
         self.replays: list[int] = []  # the start of every replay asked
-        self.snapshot_answers = 0  # answers whose frames repeat one seq (a snapshot)
+        self.snapshot_answers = 0  # answers not starting at the seq asked (a snapshot)
         self.stores_without_tokens = 0
         self.token_counts_ok = True
         self._progress = trio.Event()
+        self.joined = trio.Event()  # set once the first replay (the late join) has been applied
 
     # --- applying ---------------------------------------------------------------------------------
     def apply(self, payload: bytes) -> None:
@@ -61,7 +66,9 @@ class VllmStyleConsumer:
                     self.token_counts_ok = False
                 self.resident.update((event["medium"], block_hash) for block_hash in hashes)
             elif kind == "BlockRemoved":
-                self.resident.difference_update((event["medium"], block_hash) for block_hash in event["block_hashes"])
+                self.resident.difference_update(
+                    (event["medium"], block_hash) for block_hash in event["block_hashes"]
+                )
             elif kind == "AllBlocksCleared":
                 self.resident.clear()
                 self.clears += 1
@@ -73,6 +80,14 @@ class VllmStyleConsumer:
 
     async def wait_for_seq(self, seq: int) -> None:
         while self.last_seq is None or self.last_seq < seq:
+            await self._progress.wait()
+
+    def hashes(self) -> set[int]:
+        return {block_hash for _, block_hash in self.resident}
+
+    async def wait_for_hashes(self, expected: set[int]) -> None:
+        """Return once the resident hashes are exactly ``expected`` (checked after every applied batch)."""
+        while self.hashes() != expected:
             await self._progress.wait()
 
     # --- replay -----------------------------------------------------------------------------------
@@ -100,7 +115,7 @@ class VllmStyleConsumer:
                 seqs.append(seq)
                 if seq >= start:
                     self.apply(payload)
-        if len(seqs) > 1 and len(set(seqs)) == 1:
+        if seqs and seqs[0] != start:  # a range answer starts at the start asked; a snapshot does not
             self.snapshot_answers += 1
         if seqs:
             self._advance(max(seqs))
@@ -114,13 +129,15 @@ class VllmStyleConsumer:
         dealer = self.context.socket(zmq.DEALER)
         for sock in (sub, dealer):
             sock.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.RCVBUF, self.rcvbuf)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         dealer.connect(self.replay_endpoint)
         with TrioSocket(sub) as live, TrioSocket(dealer) as replies:
             task_status.started()
             await self.replay(replies, 0)  # a late join: everything from the beginning
+            self.joined.set()
             while True:
                 topic, seq_frame, payload = await live.recv_multipart()
                 assert topic.startswith(self.topic)
