@@ -25,7 +25,6 @@ from tests.interop.dynamo import (
     DynamoIndexer,
     IndexerDump,
     blocks_of,
-    free_port,
     run_indexer,
 )
 from tests.interop.link import LossyLink
@@ -49,8 +48,8 @@ replay_endpoint = "{engine.replay_endpoint}"
 worker_id = {WORKER}
 
 [slots.republish]
-endpoint = "tcp://127.0.0.1:{free_port()}"
-replay_endpoint = "tcp://127.0.0.1:{free_port()}"
+endpoint = "tcp://127.0.0.1:0"
+replay_endpoint = "tcp://127.0.0.1:0"
 buffer_batches = {ring}
 legacy_replay = {"true" if legacy else "false"}
 """
