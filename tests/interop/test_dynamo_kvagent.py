@@ -19,7 +19,7 @@ import pytest
 import trio
 import zmq
 
-from kvagent.vllm.fake_engine import FakeVllmEngine
+from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed
 from tests.interop.blocks import BLOCK_SIZE, BlockMaker, PrefixClosedWorkload, stored
 from tests.interop.dynamo import (
     DynamoIndexer,
@@ -218,3 +218,26 @@ def _assert_recovery(indexer: DynamoIndexer, recovery: str) -> None:
     assert indexer.count("Replay complete") == 1
     snapshot = indexer.count("reason=started_after_requested") == 1
     assert snapshot == (recovery == "snapshot")
+
+
+async def test_duplicate_physical_copies_reach_the_indexer_exactly(dynamo: str, tmp_path: Path) -> None:
+    """vLLM stores a hash once per physical copy; read directly, Dynamo loses it at the first copy's removal
+    (test_dynamo_wire.py). Through kvagent the remove reaches the indexer only when the last copy goes."""
+    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        async with kvagent_serving(tmp_path, engine, 10_000) as (agent, endpoint, replay):
+            scenario = Scenario(engine, agent, seed=7)
+            await scenario.sentinel()  # history: the indexer joins late, so it does replay
+            async with run_indexer(dynamo) as indexer:
+                await join(indexer, endpoint, replay, scenario)
+                shared = BlockMaker(8).chain(1)
+                await engine.publish_batch([stored(shared)])
+                await engine.publish_batch([stored(shared)])  # a second physical copy of the same hash
+                await engine.publish_batch([block_removed([shared[0].hash])])  # one copy evicted
+                held = await scenario.check(indexer)
+                assert shared[0].hash in held.hashes()
+                await engine.publish_batch([block_removed([shared[0].hash])])  # the last copy evicted
+                gone = await scenario.check(indexer)
+                assert shared[0].hash not in gone.hashes()
+        nursery.cancel_scope.cancel()
