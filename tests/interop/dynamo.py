@@ -200,7 +200,7 @@ async def _wait_healthy(process: trio.Process, http: httpx.AsyncClient, base_url
 
 
 @asynccontextmanager
-async def run_indexer(python: str, *, threads: int = 1) -> AsyncIterator[DynamoIndexer]:
+async def run_indexer(python: str, *, threads: int = 4) -> AsyncIterator[DynamoIndexer]:
     """Start the indexer on a free 127.0.0.1 port; kill it (and wait for it) on exit."""
     env = {**os.environ, "NO_COLOR": "1", "RUST_LOG": "info", "PYTHONUNBUFFERED": "1"}
     async with httpx.AsyncClient(timeout=30.0) as http, trio.open_nursery() as nursery:

@@ -28,7 +28,15 @@ from tests.interop.dynamo import DynamoIndexer, run_indexer
 
 WAIT = 30.0
 WORKER = 1
-THREADS = 1
+
+
+@pytest.fixture(params=[1, 4], ids=["threads1", "threads4"])
+def threads(request: pytest.FixtureRequest) -> int:
+    """The indexer's --threads: 1 is its single KvIndexer, 4 (its default) a concurrent tree."""
+    value: int = request.param
+    return value
+
+
 Layout = Literal["v0.26", "v0.25"]
 
 
@@ -54,6 +62,7 @@ class SnapshotEngine(FakeVllmEngine):
 @asynccontextmanager
 async def indexer_and_engine(
     dynamo: str,
+    threads: int,
     *,
     layout: Layout = "v0.26",
     replay: bool = True,
@@ -62,7 +71,7 @@ async def indexer_and_engine(
     engine = engine_type(
         replay_endpoint="tcp://127.0.0.1:0" if replay else None, replay_layout=layout, block_size=BLOCK_SIZE
     )
-    async with run_indexer(dynamo, threads=THREADS) as indexer, trio.open_nursery() as nursery:
+    async with run_indexer(dynamo, threads=threads) as indexer, trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         yield indexer, engine
         nursery.cancel_scope.cancel()
@@ -85,10 +94,12 @@ def gpu_truth(engine: FakeVllmEngine) -> frozenset[object]:
 
 
 @pytest.mark.parametrize("layout", ["v0.26", "v0.25"])
-async def test_late_join_is_replayed_from_seq_0_in_either_replay_form(dynamo: str, layout: Layout) -> None:
+async def test_late_join_is_replayed_from_seq_0_in_either_replay_form(
+    dynamo: str, threads: int, layout: Layout
+) -> None:
     """A late joiner asks replay from 0 on its first live batch; 4-frame and legacy 3-frame answers both work."""
     maker = BlockMaker(1)
-    async with indexer_and_engine(dynamo, layout=layout) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads, layout=layout) as (indexer, engine):
         first, second = maker.chain(3), maker.chain(2)
         await engine.publish_batch([stored(first)])
         await engine.publish_batch([stored(second)])
@@ -105,9 +116,9 @@ async def test_late_join_is_replayed_from_seq_0_in_either_replay_form(dynamo: st
         assert dump.tokens_hashes() == expected_tokens
 
 
-async def test_first_live_seq_0_needs_no_replay(dynamo: str) -> None:
+async def test_first_live_seq_0_needs_no_replay(dynamo: str, threads: int) -> None:
     maker = BlockMaker(2)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         await engine.publish_batch([stored(maker.chain(2))])
         with trio.fail_after(WAIT):
@@ -115,9 +126,9 @@ async def test_first_live_seq_0_needs_no_replay(dynamo: str) -> None:
         assert engine.replay_starts == []
 
 
-async def test_a_gap_is_replayed_from_the_next_expected_seq(dynamo: str) -> None:
+async def test_a_gap_is_replayed_from_the_next_expected_seq(dynamo: str, threads: int) -> None:
     maker = BlockMaker(3)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         root = maker.chain(2)
         await engine.publish_batch([stored(root)])
@@ -130,10 +141,10 @@ async def test_a_gap_is_replayed_from_the_next_expected_seq(dynamo: str) -> None
         assert engine.replay_starts == [dropped]
 
 
-async def test_without_a_replay_endpoint_a_gap_is_lost(dynamo: str) -> None:
+async def test_without_a_replay_endpoint_a_gap_is_lost(dynamo: str, threads: int) -> None:
     """``--workers`` and a /register without ``replay_endpoint`` leave gaps unrepaired."""
     maker = BlockMaker(4)
-    async with indexer_and_engine(dynamo, replay=False) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads, replay=False) as (indexer, engine):
         await attach(indexer, engine, replay=False)
         kept = maker.chain(2)
         await engine.publish_batch([stored(kept)])
@@ -147,10 +158,12 @@ async def test_without_a_replay_endpoint_a_gap_is_lost(dynamo: str) -> None:
         assert indexer.count("No replay endpoint configured") == 1
 
 
-async def test_a_seq_regression_is_dropped_as_stale_until_it_passes_the_watermark(dynamo: str) -> None:
+async def test_a_seq_regression_is_dropped_as_stale_until_it_passes_the_watermark(
+    dynamo: str, threads: int
+) -> None:
     """An engine restart (seq back to 0, no AllBlocksCleared) is invisible: old blocks stay, new ones are lost."""
     maker = BlockMaker(5)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         before = [maker.chain(1) for _ in range(4)]  # seqs 0..3: watermark 3
         for chain in before:
@@ -169,9 +182,9 @@ async def test_a_seq_regression_is_dropped_as_stale_until_it_passes_the_watermar
         assert engine.replay_starts == []
 
 
-async def test_all_blocks_cleared_in_the_stream_clears_the_worker(dynamo: str) -> None:
+async def test_all_blocks_cleared_in_the_stream_clears_the_worker(dynamo: str, threads: int) -> None:
     maker = BlockMaker(6)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         await engine.publish_batch([stored(maker.chain(3))])
         with trio.fail_after(WAIT):
@@ -183,10 +196,10 @@ async def test_all_blocks_cleared_in_the_stream_clears_the_worker(dynamo: str) -
         assert gpu_truth(engine) == {b.hash for b in fresh}
 
 
-async def test_a_store_whose_parent_is_unknown_is_dropped(dynamo: str) -> None:
+async def test_a_store_whose_parent_is_unknown_is_dropped(dynamo: str, threads: int) -> None:
     """Why a snapshot must list parents first: a child sent before its parent never reaches the tree."""
     maker = BlockMaker(7)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         parent = maker.chain(1)
         child = maker.chain(1, after=parent[0])
@@ -196,10 +209,10 @@ async def test_a_store_whose_parent_is_unknown_is_dropped(dynamo: str) -> None:
         assert dump.hashes() == {parent[0].hash}
 
 
-async def test_a_store_without_token_ids_is_dropped(dynamo: str) -> None:
+async def test_a_store_without_token_ids_is_dropped(dynamo: str, threads: int) -> None:
     """Dynamo hashes token_ids itself: a store with ``token_ids=[]`` never reaches the tree, nor do its children."""
     maker = BlockMaker(11)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         tokenless = maker.chain(2)
         await engine.publish_batch([block_stored([b.hash for b in tokenless], None, [], BLOCK_SIZE)])
@@ -215,14 +228,17 @@ async def test_a_store_without_token_ids_is_dropped(dynamo: str) -> None:
 
 @pytest.mark.parametrize("layout", ["v0.26", "v0.25"])
 @pytest.mark.parametrize("frame_seq", ["last_included", "next_live"])
-async def test_snapshot_frame_seq(dynamo: str, layout: Layout, frame_seq: str) -> None:
+async def test_snapshot_frame_seq(dynamo: str, threads: int, layout: Layout, frame_seq: str) -> None:
     """Snapshot frames must carry the seq of the last batch the snapshot includes.
 
     With vLLM PR #50134's choice (the next live seq) the indexer's watermark ends one ahead and the next
     live batch is dropped as stale: its blocks never reach the index.
     """
     maker = BlockMaker(8)
-    async with indexer_and_engine(dynamo, layout=layout, engine_type=SnapshotEngine) as (indexer, raw):
+    async with indexer_and_engine(dynamo, threads, layout=layout, engine_type=SnapshotEngine) as (
+        indexer,
+        raw,
+    ):
         assert isinstance(raw, SnapshotEngine)
         engine = raw
         resident: list[Block] = []
@@ -253,10 +269,10 @@ async def test_snapshot_frame_seq(dynamo: str, layout: Layout, frame_seq: str) -
             assert dump.hashes() == truth - {after_snapshot[0].hash}
 
 
-async def test_a_snapshot_answering_a_gap_replaces_the_workers_state(dynamo: str) -> None:
+async def test_a_snapshot_answering_a_gap_replaces_the_workers_state(dynamo: str, threads: int) -> None:
     """``AllBlocksCleared`` first makes a snapshot safe for an indexer that already holds (stale) blocks."""
     maker = BlockMaker(9)
-    async with indexer_and_engine(dynamo, engine_type=SnapshotEngine) as (indexer, raw):
+    async with indexer_and_engine(dynamo, threads, engine_type=SnapshotEngine) as (indexer, raw):
         assert isinstance(raw, SnapshotEngine)
         engine = raw
         await attach(indexer, engine)
@@ -276,14 +292,14 @@ async def test_a_snapshot_answering_a_gap_replaces_the_workers_state(dynamo: str
         assert engine.replay_starts == [1]
 
 
-async def test_duplicate_physical_copies_are_not_counted(dynamo: str) -> None:
+async def test_duplicate_physical_copies_are_not_counted(dynamo: str, threads: int) -> None:
     """vLLM stores a hash once per physical copy and removes each copy; Dynamo keeps one: the first remove wins.
 
     A consumer fed by vLLM directly loses a still-resident block here; kvagent's republished stream removes a
     block only when its last copy goes, so the indexer stays exact.
     """
     maker = BlockMaker(10)
-    async with indexer_and_engine(dynamo) as (indexer, engine):
+    async with indexer_and_engine(dynamo, threads) as (indexer, engine):
         await attach(indexer, engine)
         shared = maker.chain(1)
         await engine.publish_batch([stored(shared)])
