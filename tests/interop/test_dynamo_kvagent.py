@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import zmq
@@ -36,11 +37,22 @@ STEPS = 40  # engine steps per phase
 _REPUBLISHING = "republishes vLLM KV events on "
 
 
-def _config(engine: FakeVllmEngine, ring: int, legacy: bool) -> str:
+@attrs.frozen(slots=True)
+class Variant:
+    """How kvagent republishes: its ring (a small one makes recoveries snapshots), replay form, DP rank."""
+
+    ring: int = 10_000
+    recovery: str = "range"
+    legacy: bool = False
+    dp_rank: int = 0
+
+
+def _config(engine: FakeVllmEngine, variant: Variant) -> str:
     return f"""
 [[slots]]
 name = "s0"
 kv_block_size = {BLOCK_SIZE}
+dp_rank = {variant.dp_rank}
 
 [slots.engine]
 endpoint = "{engine.endpoint}"
@@ -50,18 +62,18 @@ worker_id = {WORKER}
 [slots.republish]
 endpoint = "tcp://127.0.0.1:0"
 replay_endpoint = "tcp://127.0.0.1:0"
-buffer_batches = {ring}
-legacy_replay = {"true" if legacy else "false"}
+buffer_batches = {variant.ring}
+legacy_replay = {"true" if variant.legacy else "false"}
 """
 
 
 @asynccontextmanager
 async def kvagent_serving(
-    tmp: Path, engine: FakeVllmEngine, ring: int, legacy: bool = False
+    tmp: Path, engine: FakeVllmEngine, variant: Variant
 ) -> AsyncIterator[tuple[ServeProcess, str, str]]:
     """``kvagent serve`` attached to ``engine``, republishing; yields it and its PUB and replay endpoints."""
     config = tmp / "kvagent.toml"
-    config.write_text(_config(engine, ring, legacy))
+    config.write_text(_config(engine, variant))
     async with serve(tmp, "--config", str(config)) as agent:
         with trio.fail_after(WAIT):
             line = await agent.log.wait_for(lambda text: _REPUBLISHING in text)
@@ -153,36 +165,43 @@ async def until_replayed(indexer: DynamoIndexer, scenario: Scenario) -> None:
         raise
 
 
-async def join(indexer: DynamoIndexer, endpoint: str, replay: str, scenario: Scenario) -> None:
+async def join(
+    indexer: DynamoIndexer, endpoint: str, replay: str, scenario: Scenario, dp_rank: int = 0
+) -> None:
     """Register kvagent's stream with its replay ROUTER (as docs/interop.md tells operators to)."""
     await indexer.register(
-        instance_id=WORKER, endpoint=endpoint, replay_endpoint=replay, block_size=BLOCK_SIZE
+        instance_id=WORKER, endpoint=endpoint, replay_endpoint=replay, block_size=BLOCK_SIZE, dp_rank=dp_rank
     )
     await until_replayed(indexer, scenario)
 
 
 @pytest.mark.parametrize(
-    ("ring", "recovery", "legacy"),
-    [(4, "snapshot", False), (10_000, "range", False), (4, "snapshot", True)],
-    ids=["snapshot", "range", "snapshot-legacy-replay"],
+    "variant",
+    [
+        Variant(ring=4, recovery="snapshot"),
+        Variant(),
+        Variant(ring=4, recovery="snapshot", legacy=True),
+        Variant(dp_rank=1),
+    ],
+    ids=["snapshot", "range", "snapshot-legacy-replay", "dp-rank-1"],
 )
-async def test_dynamo_indexer_follows_kvagent(
-    dynamo: str, tmp_path: Path, ring: int, recovery: str, legacy: bool
-) -> None:
-    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE)
+async def test_dynamo_indexer_follows_kvagent(dynamo: str, tmp_path: Path, variant: Variant) -> None:
+    engine = FakeVllmEngine(
+        replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE, dp_rank=variant.dp_rank
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        async with kvagent_serving(tmp_path, engine, ring, legacy) as (agent, endpoint, replay):
-            scenario = Scenario(engine, agent, seed=ring)
+        async with kvagent_serving(tmp_path, engine, variant) as (agent, endpoint, replay):
+            scenario = Scenario(engine, agent, seed=variant.ring + variant.dp_rank)
             await scenario.steps(STEPS)  # history before the indexer exists: it joins late
             link = LossyLink(endpoint, zmq.Context.instance())  # the indexer's SUB reads kvagent through it
             await nursery.start(link.run)
 
             async with run_indexer(dynamo) as indexer:
-                await join(indexer, link.endpoint, replay, scenario)
+                await join(indexer, link.endpoint, replay, scenario, variant.dp_rank)
                 late_join = await scenario.check(indexer)
                 assert late_join.hashes(), "the late joiner recovered the resident blocks"
-                _assert_recovery(indexer, recovery)
+                _assert_recovery(indexer, variant.recovery)
 
                 await scenario.steps(STEPS)  # live stores and removes
                 await scenario.check(indexer)
@@ -195,7 +214,7 @@ async def test_dynamo_indexer_follows_kvagent(
 
                 engine.kill()
                 await engine.revive(restart=True)  # a new engine: seq 0, empty cache, no AllBlocksCleared
-                scenario.workload = PrefixClosedWorkload(ring + 1)
+                scenario.workload = PrefixClosedWorkload(variant.ring + 1)
                 await scenario.steps(STEPS)
                 await scenario.check(indexer)  # the dead engine's blocks are gone from both
 
@@ -206,9 +225,9 @@ async def test_dynamo_indexer_follows_kvagent(
 
             await scenario.steps(STEPS)  # history while no indexer runs
             async with run_indexer(dynamo) as indexer:  # the indexer restarts with nothing
-                await join(indexer, link.endpoint, replay, scenario)
+                await join(indexer, link.endpoint, replay, scenario, variant.dp_rank)
                 await scenario.check(indexer)
-                _assert_recovery(indexer, recovery)
+                _assert_recovery(indexer, variant.recovery)
         nursery.cancel_scope.cancel()
 
 
@@ -226,7 +245,7 @@ async def test_duplicate_physical_copies_reach_the_indexer_exactly(dynamo: str, 
     engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        async with kvagent_serving(tmp_path, engine, 10_000) as (agent, endpoint, replay):
+        async with kvagent_serving(tmp_path, engine, Variant()) as (agent, endpoint, replay):
             scenario = Scenario(engine, agent, seed=7)
             await scenario.sentinel()  # history: the indexer joins late, so it does replay
             async with run_indexer(dynamo) as indexer:
