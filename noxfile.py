@@ -1,6 +1,9 @@
-"""Developer sessions: `nox -s lint typecheck tests`, plus `bench`, `fuzz` and `soak`."""
+"""Developer sessions: `nox -s lint typecheck tests`, plus `bench`, `fuzz`, `soak` and `interop`."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import nox
 
@@ -48,3 +51,24 @@ def soak(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.env["KVAGENT_SOAK_SECONDS"] = session.posargs[0] if session.posargs else "600"
     session.run("pytest", "-m", "slow", "tests/io/test_soak.py", "-s")
+
+
+# Dynamo's standalone KV indexer, the real consumer `interop` runs against (docs/interop.md).
+DYNAMO_RUNTIME = "ai-dynamo-runtime==1.6.1"
+
+
+@nox.session
+def interop(session: nox.Session) -> None:
+    """kvagent's streams against Dynamo's real standalone KV indexer, installed in a venv of its own.
+
+    KVAGENT_DYNAMO_PACKAGE overrides what is installed there (e.g. a downloaded wheel's path).
+    """
+    session.install("-e", ".[test]")
+    dynamo_venv = Path(session.virtualenv.location) / "dynamo"
+    dynamo_python = dynamo_venv / "bin" / "python"
+    if not dynamo_python.exists():
+        session.run("python", "-m", "venv", str(dynamo_venv))
+    package = os.environ.get("KVAGENT_DYNAMO_PACKAGE", DYNAMO_RUNTIME)
+    session.run(str(dynamo_python), "-m", "pip", "install", "--quiet", package, external=True)
+    session.env["KVAGENT_DYNAMO_PYTHON"] = str(dynamo_python)
+    session.run("pytest", "tests/interop", *session.posargs)
