@@ -33,6 +33,7 @@ import zmq
 
 from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.durable import DurableSlot, open_durable_slot, run_durably
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
@@ -50,7 +51,8 @@ from kvagent.model.events import (
     KV_STATE_ATTACHMENTS_TOPIC,
 )
 from kvagent.model.ids import KvStateAgentIdentity, attachment_record_id, new_publisher_id
-from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
+from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, PersistenceStatus
+from kvagent.persist.writer import PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics, VllmRepublisher
 from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
 from kvagent.vllm.listener import ListenerCounters, ListenerStatistics, run_listener
@@ -75,6 +77,7 @@ class SlotStatistics:
     listener: ListenerStatistics | None
     withdrawal: WithdrawalStatistics
     republish: RepublisherStatistics | None = None
+    persistence: PersistenceStatistics | None = None  # None: the slot keeps its state in memory only
 
 
 @attrs.define
@@ -102,6 +105,8 @@ class _SlotParts:
     withdraw_rx: trio.MemoryReceiveChannel[int]
     request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
     republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
+    core: SlotCoordinator
+    durable: DurableSlot | None  # the slot's state file (None: in memory only)
 
 
 class SlotAgent:
@@ -121,6 +126,8 @@ class SlotAgent:
         self._status = parts.status_cell
         self._coordinator = parts.coordinator
         self.republisher = parts.republisher
+        self.durable = parts.durable
+        self._core = parts.core
         self._discovery = discovery
         self._holder = parts.holder
         self._listener_nursery = listener_nursery
@@ -160,9 +167,20 @@ class SlotAgent:
 
     def status(self) -> AgentStatus:
         status = self._status.get()
-        if self.republisher is None:
-            return status
-        return attrs.evolve(status, republish=self.republisher.status())
+        if self.republisher is not None:
+            status = attrs.evolve(status, republish=self.republisher.status())
+        writer = None if self.durable is None else self.durable.writer
+        persistence = PersistenceStatus() if writer is None else writer.statistics().status()
+        return attrs.evolve(status, persistence=persistence)
+
+    @property
+    def current_attachment(self) -> Attachment | None:
+        """The attachment this slot last attached and has not detached (with its source)."""
+        return self._attachment
+
+    def persisted_attachment(self) -> AttachmentConfig | None:
+        """The engine the slot's loaded state followed (None: no state file or none attached)."""
+        return None if self.durable is None else self.durable.persisted_attachment()
 
     def statistics(self) -> SlotStatistics:
         listener = self._latest_listener_counters
@@ -171,6 +189,9 @@ class SlotAgent:
             listener=None if listener is None else listener.statistics(),
             withdrawal=self._holder.statistics(),
             republish=None if self.republisher is None else self.republisher.statistics(),
+            persistence=None
+            if self.durable is None or self.durable.writer is None
+            else self.durable.writer.statistics(),
         )
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -200,10 +221,11 @@ class SlotAgent:
         self.ad_keeper.interrupt()
         async with self._lifecycle:
             self._check_attachable(config)
-            attached = await self._coordinator.attach(config.to_attachment())
+            resume = None if self.durable is None else self.durable.take_resume_point(config)
+            attached = await self._coordinator.attach(config.to_attachment(), resume=resume is not None)
             generation = attached.generation
             try:
-                await self._start_listener(attached)
+                await self._start_listener(attached, resume)
             except Exception as exc:
                 log.warning("listener_start_failed", generation=generation, error=str(exc))
                 await self._coordinator.abort_attach(generation)
@@ -289,16 +311,17 @@ class SlotAgent:
         await self.quarantine(generation, reason)
 
     # --- internals -----------------------------------------------------------------------------
-    async def _start_listener(self, attachment: Attachment) -> None:
+    async def _start_listener(self, attachment: Attachment, resume: tuple[int, int] | None = None) -> None:
         task = _ListenerTask(attachment.generation)
         self._latest_listener_counters = task.counters
-        await self._listener_nursery.start(self._run_listener_task, attachment, task)
+        await self._listener_nursery.start(self._run_listener_task, attachment, task, resume)
         self._listener = task
 
     async def _run_listener_task(
         self,
         attachment: Attachment,
         task: _ListenerTask,
+        resume: tuple[int, int] | None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -315,6 +338,7 @@ class SlotAgent:
             options=self.config.listener,
             zmq_context=self._zmq_context,
             stats=task.counters,
+            resume=resume,
         )
         try:
             with task.scope:
@@ -401,12 +425,20 @@ class SlotAgent:
 
 
 def _build_slot(
-    config: SlotAgentConfig, sink: EventSink | None, republisher: VllmRepublisher | None
+    config: SlotAgentConfig,
+    sink: EventSink | None,
+    republisher: VllmRepublisher | None,
+    durable: DurableSlot | None = None,
 ) -> _SlotParts:
-    """The slot's objects, wired together; nothing runs yet and nothing is advertised."""
-    publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
+    """The slot's objects, wired together (and restored from ``durable``); nothing runs yet."""
+    if durable is not None:
+        publisher_id = durable.publisher_id
+    else:
+        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
     identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
     index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
+    if durable is not None:
+        durable.restore(index, republisher)
     status_cell = StatusCell(AgentStatus(identity))
     # Unbounded as in the seed: the coordinator must never block on a withdrawal request, and the
     # queue is bounded in practice by the number of quarantines (at most a few per attachment).
@@ -428,6 +460,8 @@ def _build_slot(
         on_status=status_cell.set,
         request_withdrawal=request_withdrawal,
         strict_cache_owner=config.strict_cache_owner,
+        first_outbound_id=1 if durable is None else durable.first_outbound_id,
+        lease_end=None if durable is None else durable.lease_end,
     )
     coordinator, run_coordinator = open_coordinator(core)
     source_record = source_advertisement(
@@ -451,6 +485,8 @@ def _build_slot(
         withdraw_rx=withdraw_rx,
         request_withdrawal=request_withdrawal,
         republisher=republisher,
+        core=core,
+        durable=durable,
     )
 
 
@@ -490,29 +526,43 @@ async def _slot_nurseries(
                 await supervisor_nursery.start(_logged_task, supervisor, parts.config.name, supervisor_done)
                 if parts.republisher is not None:  # outlives the coordinator, which publishes into it
                     await supervisor_nursery.start(_logged_task, parts.republisher.run, parts.config.name)
-                async with trio.open_nursery() as coordinator_nursery:
-                    await coordinator_nursery.start(_logged_task, parts.run_coordinator, parts.config.name)
-                    try:
-                        async with trio.open_nursery() as listener_nursery:
-                            agent = SlotAgent(
-                                parts,
-                                discovery=discovery,
-                                listener_nursery=listener_nursery,
-                                zmq_context=zmq_context,
-                            )
-                            await listener_nursery.start(_logged_task, agent.ad_keeper.run, parts.config.name)
-                            try:
-                                yield agent
-                            finally:
-                                with trio.move_on_after(3 * step, shield=True):
-                                    await agent._shutdown_attachment()
-                                listener_nursery.cancel_scope.cancel()
-                    finally:
-                        with trio.move_on_after(step, shield=True) as stopping:
-                            await parts.coordinator.shutdown()
-                        if stopping.cancelled_caught:
-                            log.warning("coordinator_shutdown_timed_out", timeout=step)
-                        coordinator_nursery.cancel_scope.cancel()
+                async with run_durably(
+                    parts.durable,
+                    index=parts.index,
+                    status=parts.status_cell,
+                    core=parts.core,
+                    republisher=parts.republisher,
+                    nursery=supervisor_nursery,
+                    step_timeout=step,
+                ) as agent_ready:
+                    async with trio.open_nursery() as coordinator_nursery:
+                        await coordinator_nursery.start(
+                            _logged_task, parts.run_coordinator, parts.config.name
+                        )
+                        try:
+                            async with trio.open_nursery() as listener_nursery:
+                                agent = SlotAgent(
+                                    parts,
+                                    discovery=discovery,
+                                    listener_nursery=listener_nursery,
+                                    zmq_context=zmq_context,
+                                )
+                                agent_ready(agent)
+                                await listener_nursery.start(
+                                    _logged_task, agent.ad_keeper.run, parts.config.name
+                                )
+                                try:
+                                    yield agent
+                                finally:
+                                    with trio.move_on_after(3 * step, shield=True):
+                                        await agent._shutdown_attachment()
+                                    listener_nursery.cancel_scope.cancel()
+                        finally:
+                            with trio.move_on_after(step, shield=True) as stopping:
+                                await parts.coordinator.shutdown()
+                            if stopping.cancelled_caught:
+                                log.warning("coordinator_shutdown_timed_out", timeout=step)
+                            coordinator_nursery.cancel_scope.cancel()
         finally:
             # The supervisor drains queued withdrawals now that its channel is closed; bound the wait.
             with trio.move_on_after(step, shield=True):
@@ -546,21 +596,28 @@ async def open_slot_agent(
     discovery: Discovery,
     sink: EventSink | None = None,
     zmq_context: zmq.Context[Any] | None = None,
+    durable: DurableSlot | None = None,
 ) -> AsyncIterator[SlotAgent]:
     """Run one slot agent for the duration of the ``async with`` block.
 
     ``sink`` receives the slot's outbound events; a sink that names its publisher (the event plane's) must
     be built for ``config.publisher_id``.  An exception from the block is re-raised as itself once the
-    slot has shut down, not wrapped in one exception group per nursery level.
+    slot has shut down, not wrapped in one exception group per nursery level.  ``durable`` is the slot's
+    opened state file (opened here from ``config.state_path`` when not given); the slot closes it.
     """
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
+    if durable is None:
+        durable = await open_durable_slot(config, new_publisher_id())
     republisher = _open_republisher(config, context)
-    parts = _build_slot(config, sink, republisher)
+    parts = _build_slot(config, sink, republisher, durable)
     try:
         await discovery.register(parts.source_record)
     except Exception as exc:
         if republisher is not None:
             republisher.close()
+        if durable is not None:
+            with trio.CancelScope(shield=True):
+                await durable.close()
         raise KvAgentError("failed to advertise persistent state source", code="internal") from exc
     try:
         with unwrap_sole_exception():

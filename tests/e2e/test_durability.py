@@ -1,0 +1,259 @@
+"""Issue #17 end to end: ``kvagent serve --state-dir D`` killed with SIGKILL and restarted on the same D.
+
+A fake vLLM engine (live PUB + replay ROUTER) runs in the test process; the agent is a subprocess. Batches
+are streamed, the agent is killed with ``kill -9``, more batches are streamed while it is down, and it is
+started again with the same state directory. A ``follow`` client that saw every event before the kill
+reconnects with its last id and must get exactly what it missed: applying those events to what it had
+gives the engine's truth.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+import zmq
+
+from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
+from tests.support.serve import Client, ServeProcess, client, follow_until, serve
+
+TIMEOUT = 90
+BLOCK = 16
+SENTINEL_BASE = 1 << 60
+
+
+class Churn:
+    """One new block per engine step; past ``capacity`` the oldest is removed (so truth is the last N)."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self.next_hash = 1
+
+    def step(self) -> list[dict[str, Any]]:
+        block = self.next_hash
+        self.next_hash += 1
+        events = [block_stored([block], None, [block % 50_000] * BLOCK, BLOCK)]
+        if block > self.capacity:
+            events.append(block_removed([block - self.capacity]))
+        return events
+
+
+def worker_device(event: dict[str, Any]) -> bool:
+    return bool(event["residency_domain"] == "worker" and event["storage_tier"] == "device")
+
+
+def is_cleared(event: dict[str, Any]) -> bool:
+    data = event["event"]["data"]
+    return data == "cleared" or (isinstance(data, dict) and "cleared" in data)
+
+
+def apply_events(state: set[int], events: list[dict[str, Any]]) -> set[int]:
+    """A router's Worker GPU residency after ``events`` (set based, as every router keeps it)."""
+    state = set(state)
+    for event in filter(worker_device, events):
+        data = event["event"]["data"]
+        if is_cleared(event):
+            state.clear()
+        elif "stored" in data:
+            state.update(block["block_hash"] for block in data["stored"]["blocks"])
+        elif "removed" in data:
+            state.difference_update(data["removed"]["block_hashes"])
+    return state
+
+
+def event_ids(events: list[dict[str, Any]]) -> list[int]:
+    return [event["event"]["event_id"] for event in events]
+
+
+async def worker_dump(c: Client) -> set[int]:
+    dump = await c.request("recover", start=None, end=None)
+    assert dump["ok"] and dump["kind"] == "tree_dump", dump
+    return apply_events(set(), dump["events"])
+
+
+async def wait_persisted(c: Client, event_id: int) -> dict[str, Any]:
+    """Poll the status (a real observable) until the state file holds ``event_id``."""
+    while True:
+        status: dict[str, Any] = (await c.request("status"))["status"]
+        if status["persistence"]["persisted_id"] >= event_id:
+            return status
+        await trio.sleep(0.05)
+
+
+class Rig:
+    def __init__(self, tmp: Path, engine: FakeVllmEngine) -> None:
+        self.tmp = tmp
+        self.engine = engine
+        self.workload = Churn()
+        self.sentinels = 0
+        self.state_dir = tmp / "state"
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        replay = self.engine.replay_endpoint
+        assert replay is not None
+        return (
+            "--slot",
+            f"s0={self.engine.endpoint}",
+            "--replay",
+            replay,
+            "--topic",
+            self.engine.topic.decode(),
+            "--block-size",
+            str(BLOCK),
+            "--state-dir",
+            str(self.state_dir),
+        )
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "slots" / "s0.sqlite3"
+
+    async def publish(self, batches: int) -> None:
+        for _ in range(batches):
+            await self.engine.publish_batch(self.workload.step())
+
+    async def sentinel(self) -> int:
+        block = SENTINEL_BASE + self.sentinels
+        self.sentinels += 1
+        await self.engine.publish_batch([block_stored([block], None, [7] * BLOCK, BLOCK)])
+        return block
+
+    async def remove(self, block: int) -> None:
+        await self.engine.publish_batch([block_removed([block])])
+
+    def truth(self) -> set[int]:
+        return {int(block) for block in self.engine.truth.blocks("GPU")}  # type: ignore[call-overload]
+
+
+@asynccontextmanager
+async def open_rig(tmp: Path, buffer_steps: int = 10_000) -> AsyncIterator[Rig]:
+    context: zmq.Context[Any] = zmq.Context()
+    engine = FakeVllmEngine(
+        replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK, buffer_steps=buffer_steps, context=context
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            yield Rig(tmp, engine)
+            nursery.cancel_scope.cancel()
+    finally:
+        context.destroy(linger=0)
+
+
+async def first_life(rig: Rig, batches: int) -> tuple[int, int, set[int], list[dict[str, Any]]]:
+    """Serve, stream ``batches``, follow everything, wait until it is on disk, then ``kill -9``.
+
+    Returns (publisher id, last id seen, the follower's Worker state, every event it saw).
+    """
+    async with serve(rig.tmp, *rig.args) as agent:
+        await rig.engine.wait_for_subscriber()
+        async with client(agent.url) as c:
+            status = (await c.request("status"))["status"]
+            assert status["persistence"]["state"] == "ok"
+            publisher_id = status["identity"]["publisher_id"]
+            await rig.publish(batches)
+            seen = await follow_until(c, await rig.sentinel(), None)
+        async with client(agent.url) as c:
+            last_id = max(event_ids(seen))
+            await wait_persisted(c, last_id)
+        kill9(agent)
+        await agent.process.wait()
+    return publisher_id, last_id, apply_events(set(), seen), seen
+
+
+def kill9(agent: ServeProcess) -> None:
+    agent.process.kill()  # SIGKILL: no shutdown step runs, the state file stays as the crash left it
+
+
+async def test_kill9_then_restart_resumes_from_the_engine_replay_without_a_reset(tmp_path: Path) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_rig(tmp_path) as rig:
+            publisher_id, last_id, follower, _ = await first_life(rig, 200)
+            await rig.publish(150)  # while the agent is down: only the engine's replay buffer has them
+
+            async with serve(tmp_path, *rig.args) as agent:
+                await rig.engine.wait_for_subscriber()
+                async with client(agent.url) as c:
+                    missed = await follow_until(c, await rig.sentinel(), last_id)
+                    status = (await c.request("status"))["status"]
+                    dump = await worker_dump(c)
+                ids = event_ids(missed)
+                assert ids and ids[0] > last_id, "an outbound id was issued twice"
+                assert ids == sorted(set(ids)), "ids only grow"
+                assert status["identity"]["publisher_id"] == publisher_id
+                assert not [event for event in missed if worker_device(event) and is_cleared(event)]
+                assert dump == rig.truth()
+                assert apply_events(follower, missed) == rig.truth()
+                assert status["attachment"]["state"] == "ready"
+
+
+async def test_kill9_with_the_gap_beyond_the_replay_buffer_resets_then_reaches_the_exact_state(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_rig(tmp_path, buffer_steps=100) as rig:
+            publisher_id, last_id, follower, seen = await first_life(rig, 50)
+            await rig.remove(SENTINEL_BASE)  # the first life's sentinel goes, so the truth is the last 64
+            await rig.publish(300)  # 300 > 100: the batch after the persisted one is gone from the buffer
+
+            async with serve(tmp_path, *rig.args) as agent:
+                await rig.engine.wait_for_subscriber()
+                async with client(agent.url) as c:
+                    missed = await follow_until(c, await rig.sentinel(), last_id)
+                    status = (await c.request("status"))["status"]
+                    dump = await worker_dump(c)
+                ids = event_ids(missed)
+                assert ids and ids[0] > last_id
+                assert status["identity"]["publisher_id"] == publisher_id
+                resets = [event for event in missed if worker_device(event) and is_cleared(event)]
+                assert resets, "history was lost: the Worker state must be reset"
+                assert dump == rig.truth()
+                assert apply_events(follower, missed) == rig.truth()
+
+
+async def test_a_clean_stop_continues_the_ids_without_a_jump(tmp_path: Path) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_rig(tmp_path) as rig:
+            async with serve(tmp_path, *rig.args) as agent:
+                await rig.engine.wait_for_subscriber()
+                async with client(agent.url) as c:
+                    await rig.publish(20)
+                    seen = await follow_until(c, await rig.sentinel(), None)
+                agent.process.terminate()  # SIGTERM: the clean stop
+                assert await agent.process.wait() == 0
+            last_id = max(event_ids(seen))
+            await rig.publish(10)
+            async with serve(tmp_path, *rig.args) as agent:
+                await rig.engine.wait_for_subscriber()
+                async with client(agent.url) as c:
+                    missed = await follow_until(c, await rig.sentinel(), last_id)
+                assert event_ids(missed)[0] == last_id + 1
+                assert apply_events(apply_events(set(), seen), missed) == rig.truth()
+
+
+async def test_a_corrupt_state_file_is_refused_in_one_line_set_aside_and_the_slot_starts_cold(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_rig(tmp_path) as rig:
+            rig.state_file.parent.mkdir(parents=True)
+            rig.state_file.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)  # a header, then garbage
+            async with serve(tmp_path, *rig.args) as agent:
+                await rig.engine.wait_for_subscriber()
+                refused = [line for line in agent.stderr_lines if "state_file_refused" in line]
+                assert len(refused) == 1 and str(rig.state_file) in refused[0]
+                aside = list(rig.state_file.parent.glob("s0.sqlite3.refused-*"))
+                assert len(aside) == 1
+                async with client(agent.url) as c:
+                    await rig.publish(5)
+                    await follow_until(c, await rig.sentinel(), None)
+                    status = (await c.request("status"))["status"]
+                assert status["attachment"]["state"] == "ready"
+                assert status["persistence"]["state"] == "ok"
+            with sqlite3.connect(rig.state_file) as db:  # the new file is a sound database
+                assert db.execute("PRAGMA quick_check").fetchone() == ("ok",)
