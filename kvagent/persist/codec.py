@@ -1,0 +1,389 @@
+"""The persisted records of one slot and their bytes in the state database (sans-IO).
+
+Suffix events are stored one row each: the RouterEvent msgpack map of :mod:`kvagent.wire.router_event`
+(the recovery protocol's own bytes) plus the Stored tokens in a separate column, since the wire map carries
+none. Snapshots and the republish mirror hold every resident block, so they are stored as columns instead:
+runs of one-block Stored events that share a route become packed u64 arrays (about 25 bytes a block
+instead of about 130 for a map), in chunks of bounded size. Anything that is not such a run (multi-block,
+multimodal, a Removed in a hand-made snapshot) is kept as a map, so every event round-trips exactly.
+
+Every decoder raises :class:`~kvagent.model.errors.CodecError` on bytes it cannot read; the store turns that
+into a refused state file.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+import attrs
+import msgpack
+
+from kvagent.model.errors import CodecError, IdentityError
+from kvagent.model.events import U64_MAX, ResidencyDomain, RouterEvent, StorageTier, Stored
+from kvagent.model.ids import CacheOwnerId
+from kvagent.wire.router_event import Encoding, encode_event, router_event_from_wire
+
+__all__ = [
+    "CHUNK_ROWS",
+    "AttachmentProgress",
+    "MirrorRow",
+    "SlotIdentityRecord",
+    "attachment_from_bytes",
+    "attachment_to_bytes",
+    "decode_event_row",
+    "decode_mirror_chunk",
+    "decode_snapshot_chunk",
+    "encode_event_row",
+    "encode_mirror_chunks",
+    "encode_snapshot_chunks",
+]
+
+CHUNK_ROWS = 8192  # blocks (or events) per snapshot/mirror row: rows of about 200 KiB
+_NO_TOKENS = 0xFFFFFFFF  # the token length that stands for ``token_bytes is None``
+_RUN = 0  # a run of one-block Stored events sharing a route
+_EVENT = 1  # one event as a wire map
+
+
+@attrs.frozen(slots=True)
+class SlotIdentityRecord:
+    """What a restarted agent keeps: the slot's name, its publisher id, its CacheOwnerId (canonical text)."""
+
+    slot: str
+    publisher_id: int
+    cache_owner_id: str
+
+
+@attrs.frozen(slots=True)
+class AttachmentProgress:
+    """The engine attachment and how far its stream was applied: ``engine_seq`` is the last applied batch's
+    seq and ``digest`` the xxh3 digest of its raw bytes (None before any batch)."""
+
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    generation: int
+    engine_seq: int | None
+    digest: int | None
+
+
+@attrs.frozen(slots=True)
+class MirrorRow:
+    """One block of the republisher's Worker mirror; ``token_bytes`` is None where the tokens are unknown."""
+
+    tier: StorageTier
+    block_hash: int
+    parent_hash: int | None
+    token_bytes: bytes | None
+
+
+_TIERS = {tier.value: tier for tier in StorageTier}
+_DOMAINS = {domain.value: domain for domain in ResidencyDomain}
+
+
+def _unpack(body: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+        raise CodecError(f"{what} is not valid msgpack: {exc}") from None
+
+
+def _pack(value: object) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
+
+
+# --- u64 and token columns ----------------------------------------------------------------------------
+
+
+def _u64s(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
+def _from_u64s(blob: object, count: int, what: str) -> tuple[int, ...]:
+    if type(blob) is not bytes or len(blob) != 8 * count:
+        raise CodecError(f"{what} must be {count} packed u64 values")
+    return struct.unpack(f"<{count}Q", blob)
+
+
+def _tokens_column(tokens: Sequence[bytes | None]) -> tuple[bytes, bytes] | None:
+    """(u32 lengths, concatenated bytes), or None when no row has tokens."""
+    if all(t is None for t in tokens):
+        return None
+    lengths = [_NO_TOKENS if t is None else len(t) for t in tokens]
+    return struct.pack(f"<{len(lengths)}I", *lengths), b"".join(t for t in tokens if t is not None)
+
+
+def _from_tokens_column(column: object, count: int, what: str) -> list[bytes | None]:
+    if column is None:
+        return [None] * count
+    if not isinstance(column, list) or len(column) != 2:
+        raise CodecError(f"{what} must be [lengths, bytes]")
+    raw_lengths, blob = column
+    if type(raw_lengths) is not bytes or len(raw_lengths) != 4 * count or type(blob) is not bytes:
+        raise CodecError(f"{what} lengths must be {count} packed u32 values")
+    tokens: list[bytes | None] = []
+    offset = 0
+    for length in struct.unpack(f"<{count}I", raw_lengths):
+        if length == _NO_TOKENS:
+            tokens.append(None)
+            continue
+        tokens.append(blob[offset : offset + length])
+        offset += length
+    if offset != len(blob):
+        raise CodecError(f"{what} bytes do not match their lengths")
+    return tokens
+
+
+def _parents_column(parents: Sequence[int | None]) -> tuple[bytes, bytes]:
+    """(a flag byte a row, 1 when it has a parent; the parents as u64, 0 where absent)."""
+    flags = bytes(0 if p is None else 1 for p in parents)
+    return flags, _u64s([0 if p is None else p for p in parents])
+
+
+def _from_parents_column(flags: object, values: object, count: int, what: str) -> list[int | None]:
+    if type(flags) is not bytes or len(flags) != count or flags.strip(b"\x00\x01"):
+        raise CodecError(f"{what} flags must be {count} bytes of 0 or 1")
+    parents = _from_u64s(values, count, what)
+    return [parent if flag else None for flag, parent in zip(flags, parents, strict=True)]
+
+
+# --- suffix events: one row each ------------------------------------------------------------------------
+
+
+def encode_event_row(event: RouterEvent) -> tuple[int, bytes, bytes | None]:
+    """(event id, the wire map's msgpack bytes, the Stored tokens or None)."""
+    body = encode_event(Encoding.MSGPACK, event)
+    assert isinstance(body, bytes)  # msgpack encoding is bytes by construction
+    data = event.data
+    tokens = data.token_bytes if type(data) is Stored else None
+    return event.event_id, body, tokens
+
+
+def decode_event_row(body: bytes, tokens: bytes | None) -> RouterEvent:
+    event = router_event_from_wire(_unpack(body, "event row"), "event row")
+    if tokens is None:
+        return event
+    if type(event.data) is not Stored:
+        raise CodecError(f"event {event.event_id} carries tokens but is not a Stored event")
+    return attrs.evolve(event, data=attrs.evolve(event.data, token_bytes=tokens))
+
+
+# --- snapshots: runs of one-block Stored events as columns -------------------------------------------
+
+
+def _run_route(event: RouterEvent) -> tuple[object, ...] | None:
+    """The key shared by a run's events, or None for an event that cannot be part of a run."""
+    data = event.data
+    if type(data) is not Stored or len(data.block_hashes) != 1:
+        return None
+    if data.mm_extra_infos is not None or data.start_position is not None:
+        return None
+    source = None if event.state_source is None else str(event.state_source)
+    domain = event.residency_domain.value
+    return (event.worker_id, event.storage_tier.value, domain, event.dp_rank, source, event.session_id)
+
+
+def _encode_run(route: tuple[object, ...], run: list[RouterEvent]) -> list[object]:
+    blocks: list[Stored] = [event.data for event in run]  # type: ignore[misc]  # Stored by _run_route
+    flags, parents = _parents_column([data.parent_hash for data in blocks])
+    return [
+        _RUN,
+        list(route),
+        run[0].event_id,
+        len(run),
+        _u64s([data.block_hashes[0] for data in blocks]),
+        _u64s([data.tokens_hashes[0] for data in blocks]),
+        flags,
+        parents,
+        _tokens_column([data.token_bytes for data in blocks]),
+    ]
+
+
+def _encode_runs(events: Iterable[RouterEvent]) -> list[object]:
+    """Consecutive events with the same route and consecutive ids form one run; others stay maps."""
+    items: list[object] = []
+    run: list[RouterEvent] = []
+    run_route: tuple[object, ...] | None = None
+    for event in events:
+        route = _run_route(event)
+        if route is None or route != run_route or event.event_id != run[-1].event_id + 1:
+            if run:
+                items.append(_encode_run(run_route or (), run))  # run_route is set whenever run is
+                run = []
+            run_route = route
+            if route is None:
+                _, body, tokens = encode_event_row(event)
+                items.append([_EVENT, body, tokens])
+                continue
+        run.append(event)
+    if run:
+        items.append(_encode_run(run_route or (), run))
+    return items
+
+
+def encode_snapshot_chunks(events: Iterable[RouterEvent], chunk_rows: int = CHUNK_ROWS) -> Iterator[bytes]:
+    """The snapshot as row bodies of at most ``chunk_rows`` events each (in order)."""
+    iterator = iter(events)
+    while chunk := list(islice(iterator, chunk_rows)):
+        yield _pack(_encode_runs(chunk))
+
+
+def _route_fields(
+    route: object,
+) -> tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, str | None]:
+    if not isinstance(route, list) or len(route) != 6:
+        raise CodecError("snapshot run route must have 6 fields")
+    worker_id, tier_name, domain_name, dp_rank, source, session_id = route
+    tier, domain = _TIERS.get(tier_name), _DOMAINS.get(domain_name)
+    if tier is None or domain is None:
+        raise CodecError(f"snapshot run has an unknown tier or domain: {tier_name!r}, {domain_name!r}")
+    for value, what in ((worker_id, "worker_id"), (dp_rank, "dp_rank")):
+        if type(value) is not int or not 0 <= value <= U64_MAX:
+            raise CodecError(f"snapshot run {what} must be a u64")
+    if session_id is not None and type(session_id) is not str:
+        raise CodecError("snapshot run session_id must be a string")
+    if source is not None and type(source) is not str:
+        raise CodecError("snapshot run state_source must be a string")
+    try:
+        owner = None if source is None else CacheOwnerId.parse(source)
+    except IdentityError as exc:
+        raise CodecError(f"snapshot run state_source: {exc}") from None
+    return worker_id, tier, domain, dp_rank, owner, session_id
+
+
+def _decode_run(item: list[object], out: list[RouterEvent]) -> None:
+    if len(item) != 9:
+        raise CodecError("snapshot run must have 9 fields")
+    _, route, first_id, count, hashes, tokens_hashes, flags, parents, tokens = item
+    if type(first_id) is not int or type(count) is not int or first_id < 0 or count < 1:
+        raise CodecError("snapshot run has a bad first id or count")
+    worker_id, tier, domain, dp_rank, source, session_id = _route_fields(route)
+    columns = zip(
+        range(first_id, first_id + count),
+        _from_u64s(hashes, count, "snapshot block hashes"),
+        _from_u64s(tokens_hashes, count, "snapshot tokens hashes"),
+        _from_parents_column(flags, parents, count, "snapshot parents"),
+        _from_tokens_column(tokens, count, "snapshot tokens"),
+        strict=True,
+    )
+    out.extend(
+        RouterEvent(
+            worker_id,
+            tier,
+            domain,
+            event_id,
+            Stored(parent, (block,), (tokens_hash,), token_bytes=token_bytes),
+            dp_rank,
+            source,
+            session_id,
+        )
+        for event_id, block, tokens_hash, parent, token_bytes in columns
+    )
+
+
+def decode_snapshot_chunk(body: bytes) -> list[RouterEvent]:
+    items = _unpack(body, "snapshot row")
+    if not isinstance(items, list):
+        raise CodecError("snapshot row must be a list")
+    events: list[RouterEvent] = []
+    for item in items:
+        if not isinstance(item, list) or not item:
+            raise CodecError("snapshot item must be a non-empty list")
+        if item[0] == _RUN:
+            _decode_run(item, events)
+        elif item[0] == _EVENT and len(item) == 3 and type(item[1]) is bytes:
+            tokens = item[2]
+            if tokens is not None and type(tokens) is not bytes:
+                raise CodecError("snapshot event tokens must be bytes")
+            events.append(decode_event_row(item[1], tokens))
+        else:
+            raise CodecError(f"snapshot item has an unknown kind {item[0]!r}")
+    return events
+
+
+# --- the republish mirror -------------------------------------------------------------------------------
+
+
+def _encode_mirror_run(tier: StorageTier, rows: list[MirrorRow]) -> list[object]:
+    flags, parents = _parents_column([row.parent_hash for row in rows])
+    hashes = _u64s([row.block_hash for row in rows])
+    return [tier.value, len(rows), hashes, flags, parents, _tokens_column([row.token_bytes for row in rows])]
+
+
+def encode_mirror_chunks(rows: Iterable[MirrorRow], chunk_rows: int = CHUNK_ROWS) -> Iterator[bytes]:
+    """The mirror as row bodies of at most ``chunk_rows`` blocks, each a list of per-tier runs (in order)."""
+    iterator = iter(rows)
+    while chunk := list(islice(iterator, chunk_rows)):
+        runs: list[object] = []
+        start = 0
+        for end in range(1, len(chunk) + 1):
+            if end == len(chunk) or chunk[end].tier is not chunk[start].tier:
+                runs.append(_encode_mirror_run(chunk[start].tier, chunk[start:end]))
+                start = end
+        yield _pack(runs)
+
+
+def decode_mirror_chunk(body: bytes) -> list[MirrorRow]:
+    runs = _unpack(body, "mirror row")
+    if not isinstance(runs, list):
+        raise CodecError("mirror row must be a list")
+    rows: list[MirrorRow] = []
+    for run in runs:
+        if not isinstance(run, list) or len(run) != 6:
+            raise CodecError("mirror run must have 6 fields")
+        tier_name, count, hashes, flags, parents, tokens = run
+        tier = _TIERS.get(tier_name)
+        if tier is None or type(count) is not int or count < 1:
+            raise CodecError(f"mirror run has a bad tier or count: {tier_name!r}, {count!r}")
+        columns = zip(
+            _from_u64s(hashes, count, "mirror block hashes"),
+            _from_parents_column(flags, parents, count, "mirror parents"),
+            _from_tokens_column(tokens, count, "mirror tokens"),
+            strict=True,
+        )
+        rows.extend(MirrorRow(tier, block, parent, token_bytes) for block, parent, token_bytes in columns)
+    return rows
+
+
+# --- the attachment -----------------------------------------------------------------------------------------
+
+
+def attachment_to_bytes(progress: AttachmentProgress) -> bytes:
+    return _pack(attrs.astuple(progress, recurse=False))
+
+
+def _optional_u64(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= U64_MAX:
+        raise CodecError(f"attachment {what} must be a u64 or nil")
+    return value
+
+
+def attachment_from_bytes(body: bytes) -> AttachmentProgress:
+    fields = _unpack(body, "attachment")
+    if not isinstance(fields, list) or len(fields) != 8:
+        raise CodecError("attachment must have 8 fields")
+    worker_id, dp_rank, endpoint, replay_endpoint, topic, generation, engine_seq, digest = fields
+    for value, what in ((worker_id, "worker_id"), (dp_rank, "dp_rank"), (generation, "generation")):
+        if _optional_u64(value, what) is None:
+            raise CodecError(f"attachment {what} must be a u64")
+    if type(endpoint) is not str or type(topic) is not str:
+        raise CodecError("attachment endpoint and topic must be strings")
+    if replay_endpoint is not None and type(replay_endpoint) is not str:
+        raise CodecError("attachment replay_endpoint must be a string or nil")
+    return AttachmentProgress(
+        worker_id,
+        dp_rank,
+        endpoint,
+        replay_endpoint,
+        topic,
+        generation,
+        _optional_u64(engine_seq, "engine_seq"),
+        _optional_u64(digest, "digest"),
+    )
