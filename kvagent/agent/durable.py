@@ -28,13 +28,14 @@ from kvagent.coordinator.task import StatusCell
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.status import Attachment
 from kvagent.persist.store import (
+    LEASE_BLOCK,
     AttachmentProgress,
     LoadedSlot,
     SlotIdentityRecord,
     SlotStore,
     StateFileError,
 )
-from kvagent.persist.writer import IO_ERRORS, LEASE_BLOCK, LeaseHolder, PersistenceWriter, RepublishMirror
+from kvagent.persist.writer import IO_ERRORS, LeaseHolder, PersistenceWriter, RepublishMirror
 from kvagent.publish.republisher import VllmRepublisher
 
 __all__ = ["DurableSlot", "open_durable_slot", "run_durably", "slot_state_path"]
@@ -122,6 +123,8 @@ class DurableSlot:
             progress=progress,
             lease=lease,
             persisted_id=index.current_event_id(),
+            first_id=self.first_outbound_id,
+            republish_first_seq=self.republish_next_seq,
             lease_end=self.lease_end,
             republish_lease_end=self.republish_lease_end,
             suffix_length=0 if loaded is None else len(loaded.suffix_events),

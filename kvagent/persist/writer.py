@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import sqlite3
+from functools import partial
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol
 
@@ -32,7 +33,7 @@ from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT
 from kvagent.model.events import RouterEvent, Stored
 from kvagent.model.status import PersistenceStatus
-from kvagent.persist.store import AttachmentProgress, MirrorRow, SlotStore
+from kvagent.persist.store import LEASE_BLOCK, AttachmentProgress, MirrorRow, SlotStore, StoreWriteError
 
 __all__ = [
     "IO_ERRORS",
@@ -47,9 +48,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-
-LEASE_BLOCK = 1 << 24
-
 
 class PersistenceState(enum.Enum):
     OK = "ok"
@@ -99,7 +97,7 @@ class PersistenceStatistics:
 
 
 # Errors of the disk, not of our logic: the slot keeps serving from memory and the writer retries.
-IO_ERRORS = (OSError, sqlite3.OperationalError, sqlite3.DatabaseError)
+IO_ERRORS = (StoreWriteError, OSError, sqlite3.Error)
 
 
 class PersistenceWriter:
@@ -114,8 +112,10 @@ class PersistenceWriter:
         progress: Callable[[], AttachmentProgress | None],
         lease: LeaseHolder,
         persisted_id: int,
+        first_id: int,
         lease_end: int,
-        republish_lease_end: int = 0,
+        republish_lease_end: int = 1,
+        republish_first_seq: int = 0,
         suffix_length: int = 0,
         republish: RepublishMirror | None = None,
         options: PersistenceOptions = PersistenceOptions(),
@@ -128,9 +128,11 @@ class PersistenceWriter:
         self._republish = republish
         self._options = options
         self._persisted_id = persisted_id
+        self._first_id = first_id  # the first outbound id this run may stamp
         self._persisted_progress: AttachmentProgress | None = None
         self._lease_end = lease_end
         self._republish_lease_end = republish_lease_end
+        self._republish_first_seq = republish_first_seq
         self._suffix = suffix_length
         self._state = PersistenceState.OK
         self._needs_snapshot = False
@@ -265,8 +267,14 @@ class PersistenceWriter:
         """
         await self.flush()
         last = self._index.current_event_id()
+        stamped = last if last >= self._first_id else None  # None: this run stamped no id
+        republish_seq = None if self._republish is None else self._republish.last_seq()
+        if republish_seq is not None and republish_seq < self._republish_first_seq:
+            republish_seq = None
         async with self._lock:
-            await trio.to_thread.run_sync(self._store.mark_clean, last if last > 0 else None)
+            await trio.to_thread.run_sync(
+                partial(self._store.mark_clean, stamped, last_republish_seq=republish_seq)
+            )
 
 
 def snapshot_events(snapshot: DumpSnapshot) -> Iterator[RouterEvent]:
