@@ -14,7 +14,7 @@ One SQLite file per slot (docs/durability.md). What this module decides:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
@@ -24,21 +24,30 @@ import structlog
 import trio
 
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
-from kvagent.coordinator.task import StatusCell
+from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.coordinator.task import CoordinatorHandle
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.status import Attachment
 from kvagent.persist.store import (
     LEASE_BLOCK,
     AttachmentProgress,
     LoadedSlot,
+    MirrorRow,
     SlotIdentityRecord,
     SlotStore,
     StateFileError,
 )
-from kvagent.persist.writer import IO_ERRORS, LeaseHolder, PersistenceWriter, RepublishMirror
+from kvagent.persist.writer import (
+    IO_ERRORS,
+    LeaseHolder,
+    MirrorSnapshot,
+    PersistenceWriter,
+    RepublishMirror,
+)
+from kvagent.publish.republish_state import MirrorRows, RepublishState
 from kvagent.publish.republisher import VllmRepublisher
 
-__all__ = ["DurableSlot", "open_durable_slot", "run_durably", "slot_state_path"]
+__all__ = ["DurableSlot", "attach_resuming", "open_durable_slot", "run_durably", "slot_state_path"]
 
 log = structlog.get_logger(__name__)
 
@@ -68,16 +77,24 @@ class DurableSlot:
     def restored(self) -> bool:
         return self.loaded is not None
 
-    def restore(self, index: RecoveryIndex, republisher: VllmRepublisher | None) -> None:
-        """Load the persisted index (and republish mirror), then skip the ids a crash left unpersisted."""
+    def restore(
+        self, index: RecoveryIndex, core: SlotCoordinator, republisher: VllmRepublisher | None
+    ) -> None:
+        """Load the persisted index, coordinator and republish mirror; skip the ids a crash left unpersisted.
+
+        Call before any task runs.
+        """
         loaded = self.loaded
         if loaded is None:
             return
-        index.restore(loaded.snapshot_events, loaded.suffix_events)
+        index.restore(loaded.snapshot_events, loaded.suffix_events, snapshot_id=loaded.snapshot_id)
         if self.first_outbound_id - 1 > index.current_event_id():
             index.skip_to(self.first_outbound_id - 1)
+        generation = 0 if loaded.attachment is None else loaded.attachment.generation
+        core.restore(next_generation=generation + 1, worker_blocks=index.resident_worker_blocks())
         if republisher is not None:
-            republisher.restore(loaded.mirror, loaded.suffix_events, self.republish_next_seq)
+            rows = [(r.tier, r.block_hash, r.parent_hash, r.token_bytes) for r in loaded.mirror]
+            _republish_state(republisher).restore(rows, loaded.suffix_events, self.republish_next_seq)
 
     def persisted_attachment(self) -> AttachmentConfig | None:
         """The engine the state was attached to (for a slot configured without an engine)."""
@@ -155,28 +172,62 @@ def attachment_progress(
     )
 
 
-class _Progress:
-    """The attachment progress the writer persists; sticky across a quarantine of the same generation."""
+def _republish_state(republisher: VllmRepublisher) -> RepublishState:
+    # TODO(wiring): VllmRepublisher.state once it exists (requested in WIRING-REQUESTS.md).
+    state: RepublishState = republisher._state
+    return state
 
-    def __init__(self, core: SourceProgress) -> None:
-        self._core = core
-        self._last: AttachmentProgress | None = None
+
+async def attach_resuming(
+    coordinator: CoordinatorHandle, attachment: Attachment, resume: tuple[int, int] | None
+) -> Attachment:
+    """``coordinator.attach``, resuming from ``resume`` (engine seq, digest) when given."""
+    if resume is None:
+        return await coordinator.attach(attachment)
+    # TODO(wiring): CoordinatorHandle.attach(..., resume=) once it exists (requested in WIRING-REQUESTS.md).
+    return await coordinator._call(
+        lambda core, _: core.attach(attachment, resume=resume), "state-agent attach was dropped"
+    )
+
+
+class _Progress:
+    """The attachment progress the writer persists (None: keep the recorded one)."""
+
+    def __init__(self, coordinator: CoordinatorHandle) -> None:
+        self._coordinator = coordinator
         self.attachment: Callable[[], Attachment | None] = lambda: None
 
     def __call__(self) -> AttachmentProgress | None:
-        attachment = self.attachment()
-        source = self._core.source_progress()
-        last = self._last
-        if attachment is None:
-            return last  # detached: the last engine stays the one to resume, if ever
-        if source is None and last is not None and last.generation == attachment.generation:
-            return last
-        self._last = attachment_progress(attachment, source)
-        return self._last
+        # Detached or not yet re-attached: the engine recorded stays the one to resume. The source progress
+        # is None after a Worker reset and while degraded: then nothing may be resumed (seq None).
+        return attachment_progress(self.attachment(), self._coordinator.source_progress())
 
 
-class SourceProgress(LeaseHolder, Protocol):
-    def source_progress(self) -> tuple[int, int, int] | None: ...
+class _RepublishMirror:
+    """The republisher's seq and mirror, as the writer wants them."""
+
+    def __init__(self, republisher: VllmRepublisher) -> None:
+        self._state = _republish_state(republisher)
+
+    def last_seq(self) -> int | None:
+        return self._state.last_seq
+
+    def open_mirror(self) -> MirrorSnapshot | None:
+        if not self._state.mirror_current:
+            return None
+        return _MirrorRows(self._state.mirror_rows())
+
+
+class _MirrorRows:
+    def __init__(self, rows: MirrorRows) -> None:
+        self._rows = rows
+
+    def __iter__(self) -> Iterator[MirrorRow]:
+        for tier, block_hash, parent_hash, token_bytes in self._rows:
+            yield MirrorRow(tier, block_hash, parent_hash, token_bytes)
+
+    def close(self) -> None:
+        self._rows.close()
 
 
 class HasAttachment(Protocol):
@@ -189,8 +240,7 @@ async def run_durably(
     durable: DurableSlot | None,
     *,
     index: RecoveryIndex,
-    status: StatusCell,
-    core: SourceProgress,
+    coordinator: CoordinatorHandle,
     republisher: VllmRepublisher | None,
     nursery: trio.Nursery,
     step_timeout: float,
@@ -202,13 +252,18 @@ async def run_durably(
     if durable is None:
         yield lambda _agent: None
         return
-    progress = _Progress(core)
+    progress = _Progress(coordinator)
 
-    def wait_until(predicate: Callable[[], bool]) -> Awaitable[object]:
-        return status.wait_for(lambda _status: predicate())
+    async def wait_until(predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await coordinator.wait_progress()  # after each drain or command, and when blocked on the lease
 
     writer = durable.start_writer(
-        index=index, wait_until=wait_until, progress=progress, lease=core, republish=republisher
+        index=index,
+        wait_until=wait_until,
+        progress=progress,
+        lease=coordinator,
+        republish=None if republisher is None else _RepublishMirror(republisher),
     )
     scope = trio.CancelScope()
 

@@ -33,7 +33,7 @@ import zmq
 
 from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
-from kvagent.agent.durable import DurableSlot, open_durable_slot, run_durably
+from kvagent.agent.durable import DurableSlot, attach_resuming, open_durable_slot, run_durably
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
@@ -222,7 +222,7 @@ class SlotAgent:
         async with self._lifecycle:
             self._check_attachable(config)
             resume = None if self.durable is None else self.durable.take_resume_point(config)
-            attached = await self._coordinator.attach(config.to_attachment(), resume=resume is not None)
+            attached = await attach_resuming(self._coordinator, config.to_attachment(), resume)
             generation = attached.generation
             try:
                 await self._start_listener(attached, resume)
@@ -437,8 +437,6 @@ def _build_slot(
         publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
     identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
     index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
-    if durable is not None:
-        durable.restore(index, republisher)
     status_cell = StatusCell(AgentStatus(identity))
     # Unbounded as in the seed: the coordinator must never block on a withdrawal request, and the
     # queue is bounded in practice by the number of quarantines (at most a few per attachment).
@@ -463,6 +461,8 @@ def _build_slot(
         first_outbound_id=1 if durable is None else durable.first_outbound_id,
         lease_end=None if durable is None else durable.lease_end,
     )
+    if durable is not None:
+        durable.restore(index, core, republisher)
     coordinator, run_coordinator = open_coordinator(core)
     source_record = source_advertisement(
         identity=identity,
@@ -526,43 +526,40 @@ async def _slot_nurseries(
                 await supervisor_nursery.start(_logged_task, supervisor, parts.config.name, supervisor_done)
                 if parts.republisher is not None:  # outlives the coordinator, which publishes into it
                     await supervisor_nursery.start(_logged_task, parts.republisher.run, parts.config.name)
-                async with run_durably(
-                    parts.durable,
-                    index=parts.index,
-                    status=parts.status_cell,
-                    core=parts.core,
-                    republisher=parts.republisher,
-                    nursery=supervisor_nursery,
-                    step_timeout=step,
-                ) as agent_ready:
-                    async with trio.open_nursery() as coordinator_nursery:
-                        await coordinator_nursery.start(
-                            _logged_task, parts.run_coordinator, parts.config.name
-                        )
-                        try:
-                            async with trio.open_nursery() as listener_nursery:
-                                agent = SlotAgent(
-                                    parts,
-                                    discovery=discovery,
-                                    listener_nursery=listener_nursery,
-                                    zmq_context=zmq_context,
-                                )
-                                agent_ready(agent)
-                                await listener_nursery.start(
-                                    _logged_task, agent.ad_keeper.run, parts.config.name
-                                )
-                                try:
-                                    yield agent
-                                finally:
-                                    with trio.move_on_after(3 * step, shield=True):
-                                        await agent._shutdown_attachment()
-                                    listener_nursery.cancel_scope.cancel()
-                        finally:
-                            with trio.move_on_after(step, shield=True) as stopping:
-                                await parts.coordinator.shutdown()
-                            if stopping.cancelled_caught:
-                                log.warning("coordinator_shutdown_timed_out", timeout=step)
-                            coordinator_nursery.cancel_scope.cancel()
+                async with (
+                    run_durably(
+                        parts.durable,
+                        index=parts.index,
+                        coordinator=parts.coordinator,
+                        republisher=parts.republisher,
+                        nursery=supervisor_nursery,
+                        step_timeout=step,
+                    ) as agent_ready,
+                    trio.open_nursery() as coordinator_nursery,
+                ):
+                    await coordinator_nursery.start(_logged_task, parts.run_coordinator, parts.config.name)
+                    try:
+                        async with trio.open_nursery() as listener_nursery:
+                            agent = SlotAgent(
+                                parts,
+                                discovery=discovery,
+                                listener_nursery=listener_nursery,
+                                zmq_context=zmq_context,
+                            )
+                            agent_ready(agent)
+                            await listener_nursery.start(_logged_task, agent.ad_keeper.run, parts.config.name)
+                            try:
+                                yield agent
+                            finally:
+                                with trio.move_on_after(3 * step, shield=True):
+                                    await agent._shutdown_attachment()
+                                listener_nursery.cancel_scope.cancel()
+                    finally:
+                        with trio.move_on_after(step, shield=True) as stopping:
+                            await parts.coordinator.shutdown()
+                        if stopping.cancelled_caught:
+                            log.warning("coordinator_shutdown_timed_out", timeout=step)
+                        coordinator_nursery.cancel_scope.cancel()
         finally:
             # The supervisor drains queued withdrawals now that its channel is closed; bound the wait.
             with trio.move_on_after(step, shield=True):

@@ -16,11 +16,11 @@ import trio
 import zmq
 
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.durable import slot_state_path
 from kvagent.agent.host import Host, open_host
 from kvagent.agent.http import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
-from kvagent.agent.durable import slot_state_path
 from kvagent.cli.config import STATE_DIR_NONE, ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
 from kvagent.discovery import Discovery, open_discovery

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import enum
 import sqlite3
-from functools import partial
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Protocol
 
 import attrs
@@ -49,6 +49,7 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+
 class PersistenceState(enum.Enum):
     OK = "ok"
     FAILED = "failed"
@@ -60,13 +61,26 @@ class LeaseHolder(Protocol):
 
     def set_lease_end(self, lease_end: int) -> None: ...
 
+    @property
+    def lease_blocked(self) -> bool: ...
+
+
+class MirrorSnapshot(Protocol):
+    """The republish mirror frozen as of now: iterate it anywhere, close it on the event loop."""
+
+    def __iter__(self) -> Iterator[MirrorRow]: ...
+
+    def close(self) -> None: ...
+
 
 class RepublishMirror(Protocol):
     """The republished stream's persisted part: its last seq and its Worker mirror (with tokens)."""
 
     def last_seq(self) -> int | None: ...
 
-    def mirror_rows(self) -> list[MirrorRow]: ...
+    def open_mirror(self) -> MirrorSnapshot | None:
+        """The mirror frozen now, or None while it lags the published batches (try again shortly)."""
+        ...
 
 
 @attrs.frozen(slots=True)
@@ -95,6 +109,8 @@ class PersistenceStatistics:
     def status(self) -> PersistenceStatus:
         return PersistenceStatus(self.state.value, self.persisted_id, self.lag_events, self.bytes)
 
+
+MIRROR_RETRY = 0.05
 
 # Errors of the disk, not of our logic: the slot keeps serving from memory and the writer retries.
 IO_ERRORS = (StoreWriteError, OSError, sqlite3.Error)
@@ -169,6 +185,8 @@ class PersistenceWriter:
         )
 
     def _lease_due(self) -> bool:
+        if self._lease.lease_blocked:
+            return True
         half = self._options.lease_block // 2
         if self._index.current_event_id() + half >= self._lease_end:
             return True
@@ -214,7 +232,10 @@ class PersistenceWriter:
             current = self._index.current_event_id()
             progress = self._progress()
             if self._snapshot_due(current):
-                await self._write_snapshot(current, progress)
+                if not await self._write_snapshot(progress):
+                    self._needs_snapshot = True
+                    await trio.sleep(MIRROR_RETRY)  # a republish snapshot stream holds the mirror back
+                    return
             elif current > self._persisted_id or progress != self._persisted_progress:
                 tail = self._index.ring_tail(self._persisted_id + 1)
                 await trio.to_thread.run_sync(self._store.append, tail, progress)
@@ -236,16 +257,30 @@ class PersistenceWriter:
         bound = max(options.compact_min_events, options.compact_factor * self._index.resident_block_count)
         return self._suffix + (current - self._persisted_id) > bound
 
-    async def _write_snapshot(self, current: int, progress: AttachmentProgress | None) -> None:
+    async def _write_snapshot(self, progress: AttachmentProgress | None) -> bool:
+        """Write a snapshot (False: the republish mirror lags just now; the caller tries again)."""
+        mirror: MirrorSnapshot | None = None
+        if self._republish is not None:
+            mirror = self._republish.open_mirror()
+            if mirror is None:
+                return False
         snapshot = self._index.dump_snapshot()
-        mirror = [] if self._republish is None else self._republish.mirror_rows()
-        await trio.to_thread.run_sync(
-            self._store.write_snapshot, snapshot.last_event_id, snapshot_events(snapshot), mirror, progress
-        )
+        try:
+            await trio.to_thread.run_sync(
+                self._store.write_snapshot,
+                snapshot.last_event_id,
+                snapshot_events(snapshot),
+                () if mirror is None else mirror,
+                progress,
+            )
+        finally:
+            if mirror is not None:
+                mirror.close()
         self._snapshots += 1
         self._suffix = 0
         self._needs_snapshot = False
         log.debug("persistence_snapshot", at_id=snapshot.last_event_id, events=snapshot.events)
+        return True
 
     async def _extend_lease(self) -> None:
         block = self._options.lease_block

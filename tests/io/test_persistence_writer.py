@@ -7,8 +7,9 @@ on the same file loads: the state equals the index's at the persisted id.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -18,6 +19,7 @@ from kvagent.model.events import Removed, ResidencyDomain, RouterEvent, Stored
 from kvagent.persist.store import (
     AttachmentProgress,
     LoadedSlot,
+    MirrorRow,
     SlotIdentityRecord,
     SlotStore,
     StoreWriteError,
@@ -28,12 +30,14 @@ from tests.support.recovery import FakeSlot
 
 GUARD = 20
 FIRST_LEASE = 1 << 20
+DEFAULT_OPTIONS = PersistenceOptions()
 Key = tuple[ResidencyDomain, object, int]
 
 
 class Lease:
     def __init__(self) -> None:
         self.extensions: list[int] = []
+        self.lease_blocked = False
 
     def set_lease_end(self, lease_end: int) -> None:
         self.extensions.append(lease_end)
@@ -50,7 +54,9 @@ def resident(events: Iterable[RouterEvent]) -> set[Key]:
         if isinstance(data, Stored):
             state.update((event.residency_domain, event.storage_tier, h) for h in data.block_hashes)
         elif isinstance(data, Removed):
-            state.difference_update((event.residency_domain, event.storage_tier, h) for h in data.block_hashes)
+            state.difference_update(
+                (event.residency_domain, event.storage_tier, h) for h in data.block_hashes
+            )
     return state
 
 
@@ -99,8 +105,10 @@ class Rig:
 
     async def wait(self, predicate: Callable[[PersistenceWriter], bool]) -> None:
         with trio.fail_after(GUARD):
-            while not predicate(self.writer):
-                await trio.sleep(0.01)  # polling the writer's statistics (a real observable), bounded
+            while True:  # polling the writer's statistics (a real observable), bounded
+                if predicate(self.writer):
+                    return
+                await trio.sleep(0.01)
 
     async def settled(self) -> None:
         current = self.slot.index.current_event_id()
@@ -112,7 +120,7 @@ async def running_writer(
     tmp_path: Path,
     *,
     ring_capacity: int = 1024,
-    options: PersistenceOptions = PersistenceOptions(),
+    options: PersistenceOptions = DEFAULT_OPTIONS,
     store_type: type[SlotStore] = SlotStore,
     start: bool = True,
     lease_end: int = FIRST_LEASE,
@@ -208,8 +216,7 @@ async def test_the_lease_is_extended_durably_before_half_of_it_is_used(tmp_path:
 
         for block in range(600):
             if rig.slot.next_id >= lease_end():  # the coordinator waits for the extension here
-                next_id = rig.slot.next_id
-                await rig.wait(lambda _w: next_id < lease_end())
+                await rig.wait(partial(lease_above, rig.slot.next_id, lease_end))
             rig.step(block)
         await rig.settled()
         current = rig.slot.index.current_event_id()
@@ -219,20 +226,30 @@ async def test_the_lease_is_extended_durably_before_half_of_it_is_used(tmp_path:
         assert loaded.lease_end == rig.lease.extensions[-1] > current
 
 
+def lease_above(next_id: int, lease_end: Callable[[], int], _writer: PersistenceWriter) -> bool:
+    return next_id < lease_end()
+
+
 class FlakyStore(SlotStore):
     """A store whose appends and snapshots fail while ``failing`` is set (a full disk)."""
 
     failing = False
 
-    def append(self, events: object, attachment: object) -> None:  # type: ignore[override]
+    def append(self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None) -> None:
         if FlakyStore.failing:
             raise StoreWriteError("database or disk is full")
-        super().append(events, attachment)  # type: ignore[arg-type]
+        super().append(events, attachment)
 
-    def write_snapshot(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+    def write_snapshot(
+        self,
+        at_id: int,
+        events: Iterable[RouterEvent],
+        mirror: Iterable[MirrorRow],
+        attachment: AttachmentProgress | None,
+    ) -> None:
         if FlakyStore.failing:
             raise StoreWriteError("database or disk is full")
-        super().write_snapshot(*args, **kwargs)  # type: ignore[arg-type]
+        super().write_snapshot(at_id, events, mirror, attachment)
 
 
 async def test_a_full_disk_marks_persistence_failed_keeps_serving_and_recovers_with_a_snapshot(
