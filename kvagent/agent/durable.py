@@ -26,7 +26,10 @@ import trio
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.coordinator.task import CoordinatorHandle
+from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
+from kvagent.model.ids import attachment_record_id
 from kvagent.model.status import Attachment
 from kvagent.persist.store import (
     LEASE_BLOCK,
@@ -47,7 +50,14 @@ from kvagent.persist.writer import (
 from kvagent.publish.republish_state import MirrorRows, RepublishState
 from kvagent.publish.republisher import VllmRepublisher
 
-__all__ = ["DurableSlot", "attach_resuming", "open_durable_slot", "run_durably", "slot_state_path"]
+__all__ = [
+    "DurableSlot",
+    "attach_resuming",
+    "open_durable_slot",
+    "run_durably",
+    "slot_state_path",
+    "withdraw_stale_records",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -188,6 +198,28 @@ async def attach_resuming(
     return await coordinator._call(
         lambda core, _: core.attach(attachment, resume=resume), "state-agent attach was dropped"
     )
+
+
+async def withdraw_stale_records(
+    discovery: Discovery, durable: DurableSlot | None, source_record: DiscoveryRecord
+) -> None:
+    """Withdraw the ads a killed previous run of this slot left behind.
+
+    They are ours (the publisher id is kept) and would conflict with this run's (the recovery URL may have
+    changed); withdrawing an absent record is a no-op.
+    """
+    loaded = None if durable is None else durable.loaded
+    if durable is None or loaded is None:
+        return
+    stale = [(source_record.topic, source_record.record_id)]
+    if loaded.attachment is not None:
+        record_id = attachment_record_id(durable.publisher_id, loaded.attachment.generation)
+        stale.append((KV_STATE_ATTACHMENTS_TOPIC, record_id))
+    for topic, record_id in stale:
+        try:
+            await discovery.unregister(topic, record_id)
+        except Exception as exc:
+            log.warning("stale_record_withdrawal_failed", topic=topic, record_id=record_id, error=str(exc))
 
 
 class _Progress:

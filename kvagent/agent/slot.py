@@ -33,7 +33,13 @@ import zmq
 
 from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
-from kvagent.agent.durable import DurableSlot, attach_resuming, open_durable_slot, run_durably
+from kvagent.agent.durable import (
+    DurableSlot,
+    attach_resuming,
+    open_durable_slot,
+    run_durably,
+    withdraw_stale_records,
+)
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
@@ -608,6 +614,7 @@ async def open_slot_agent(
     republisher = _open_republisher(config, context)
     parts = _build_slot(config, sink, republisher, durable)
     try:
+        await withdraw_stale_records(discovery, durable, parts.source_record)
         await discovery.register(parts.source_record)
     except Exception as exc:
         if republisher is not None:
