@@ -14,6 +14,7 @@ One SQLite file per slot (docs/durability.md). What this module decides:
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -39,6 +40,7 @@ from kvagent.persist.store import (
     SlotIdentityRecord,
     SlotStore,
     StateFileError,
+    StoreWriteError,
 )
 from kvagent.persist.writer import (
     IO_ERRORS,
@@ -343,7 +345,6 @@ def _belongs(loaded: LoadedSlot, config: SlotAgentConfig) -> str | None:
 
 
 def _open_sync(path: Path, config: SlotAgentConfig, new_publisher: int) -> DurableSlot:
-    path.parent.mkdir(parents=True, exist_ok=True)
     store = _open_or_refuse(path)
     try:
         loaded = store.load()
@@ -382,7 +383,13 @@ async def open_durable_slot(config: SlotAgentConfig, new_publisher: int) -> Dura
     """The slot's store (None when the slot keeps its state in memory only), opened in a worker thread."""
     if config.state_path is None:
         return None
-    durable = await trio.to_thread.run_sync(_open_sync, config.state_path, config, new_publisher)
+    try:
+        durable = await trio.to_thread.run_sync(_open_sync, config.state_path, config, new_publisher)
+    except (OSError, sqlite3.Error, StoreWriteError) as exc:
+        # Not the file's content (that is refused and set aside above) but the disk or the directory: the
+        # slot still serves, from memory only, rather than not at all.
+        log.error("state_file_unusable", path=str(config.state_path), error=str(exc), persistence="off")
+        return None
     if durable.loaded is not None:
         loaded = durable.loaded
         log.info(

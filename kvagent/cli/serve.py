@@ -61,8 +61,12 @@ def _split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _state_dir(serve: ServeConfig) -> Path | None:
+    return None if serve.state_dir == STATE_DIR_NONE else Path(serve.state_dir).expanduser()
+
+
 def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str) -> SlotAgentConfig:
-    state_dir = None if serve.state_dir == STATE_DIR_NONE else Path(serve.state_dir).expanduser()
+    state_dir = _state_dir(serve)
     return SlotAgentConfig(
         name=slot.name,
         cache_owner_id=resolve_cache_owner_id(slot),
@@ -227,6 +231,10 @@ async def _serve_slots(
     config: ServeConfig, token: str, context: zmq.Context[Any], signals: AsyncIterator[int]
 ) -> None:
     """Host the configured slots behind the recovery server until a signal arrives."""
+    state_dir = _state_dir(config)
+    if state_dir is not None:
+        # Created here (the CLI owns the state root); a slot opens or creates its own file in it.
+        (state_dir / "slots").mkdir(parents=True, exist_ok=True)
     event_plane = ZmqEventPlane(config.publish, context=context) if config.publish else None
 
     def sink_factory(slot_config: SlotAgentConfig, publisher_id: int) -> EventSink | None:
