@@ -41,12 +41,11 @@ from kvagent.agent.durable import (
     withdraw_stale_records,
 )
 from kvagent.agent.groups import unwrap_sole_exception
-from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
-from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
-from kvagent.discovery.ads import source_advertisement
+from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
+from kvagent.coordinator.machine import CoordinatorStatistics
+from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import (
-    AttachmentRecordHolder,
     WithdrawalStatistics,
     run_withdrawal_supervisor,
     unregister_required,
@@ -56,11 +55,11 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import (
     KV_STATE_ATTACHMENTS_TOPIC,
 )
-from kvagent.model.ids import KvStateAgentIdentity, attachment_record_id, new_publisher_id
+from kvagent.model.ids import attachment_record_id, new_publisher_id
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, PersistenceStatus
 from kvagent.persist.writer import PersistenceStatistics
-from kvagent.publish.republisher import RepublisherStatistics, VllmRepublisher
-from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
+from kvagent.publish.republisher import RepublisherStatistics
+from kvagent.publish.sinks import EventSink
 from kvagent.vllm.listener import ListenerCounters, ListenerStatistics, run_listener
 
 __all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent"]
@@ -95,32 +94,12 @@ class _ListenerTask:
     running: bool = False  # set once the listener reported itself started (SUB connected)
 
 
-@attrs.frozen
-class _SlotParts:
-    """Everything one slot owns, built before any task starts (see :func:`_build_slot`)."""
-
-    config: SlotAgentConfig
-    identity: KvStateAgentIdentity
-    index: RecoveryIndex
-    status_cell: StatusCell
-    coordinator: CoordinatorHandle
-    run_coordinator: Callable[..., Awaitable[None]]
-    holder: AttachmentRecordHolder
-    source_record: DiscoveryRecord
-    withdraw_tx: trio.MemorySendChannel[int]
-    withdraw_rx: trio.MemoryReceiveChannel[int]
-    request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
-    republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
-    core: SlotCoordinator
-    durable: DurableSlot | None  # the slot's state file (None: in memory only)
-
-
 class SlotAgent:
     """A running slot agent. Lifecycle calls are serialized; ``status()`` never waits."""
 
     def __init__(
         self,
-        parts: _SlotParts,
+        parts: SlotParts,
         *,
         discovery: Discovery,
         listener_nursery: trio.Nursery,
@@ -430,72 +409,6 @@ class SlotAgent:
         await self._stop_listener()
 
 
-def _build_slot(
-    config: SlotAgentConfig,
-    sink: EventSink | None,
-    republisher: VllmRepublisher | None,
-    durable: DurableSlot | None = None,
-) -> _SlotParts:
-    """The slot's objects, wired together (and restored from ``durable``); nothing runs yet."""
-    if durable is not None:
-        publisher_id = durable.publisher_id
-    else:
-        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
-    identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
-    index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
-    status_cell = StatusCell(AgentStatus(identity))
-    # Unbounded as in the seed: the coordinator must never block on a withdrawal request, and the
-    # queue is bounded in practice by the number of quarantines (at most a few per attachment).
-    withdraw_tx, withdraw_rx = trio.open_memory_channel[int](math.inf)
-
-    def request_withdrawal(generation: int) -> None:
-        try:
-            withdraw_tx.send_nowait(generation)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.warning("withdrawal_request_dropped", generation=generation, reason="supervisor is gone")
-
-    sinks = [each for each in (sink, republisher) if each is not None]
-    outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
-    core = SlotCoordinator(
-        identity=identity,
-        slot_rank=config.dp_rank,
-        index=index,
-        sink=outbound,
-        on_status=status_cell.set,
-        request_withdrawal=request_withdrawal,
-        strict_cache_owner=config.strict_cache_owner,
-        first_outbound_id=1 if durable is None else durable.first_outbound_id,
-        lease_end=None if durable is None else durable.lease_end,
-    )
-    if durable is not None:
-        durable.restore(index, core, republisher)
-    coordinator, run_coordinator = open_coordinator(core)
-    source_record = source_advertisement(
-        identity=identity,
-        global_dp_rank=config.dp_rank,
-        kv_state_endpoint=config.kv_state_endpoint,
-        kv_block_size=config.kv_block_size,
-        ingress_protocol=config.ingress_protocol,
-        recovery_url=config.recovery_url,
-    )
-    return _SlotParts(
-        config=config,
-        identity=identity,
-        index=index,
-        status_cell=status_cell,
-        coordinator=coordinator,
-        run_coordinator=run_coordinator,
-        holder=AttachmentRecordHolder(),
-        source_record=source_record,
-        withdraw_tx=withdraw_tx,
-        withdraw_rx=withdraw_rx,
-        request_withdrawal=request_withdrawal,
-        republisher=republisher,
-        core=core,
-        durable=durable,
-    )
-
-
 async def _logged_task(
     run: Callable[..., Awaitable[None]],
     slot: str,
@@ -514,7 +427,7 @@ async def _logged_task(
 
 @asynccontextmanager
 async def _slot_nurseries(
-    parts: _SlotParts, discovery: Discovery, zmq_context: zmq.Context[Any]
+    parts: SlotParts, discovery: Discovery, zmq_context: zmq.Context[Any]
 ) -> AsyncIterator[SlotAgent]:
     """The nursery ladder: supervisor ⊃ coordinator ⊃ listeners; each level stops in its ``finally``."""
     step = parts.config.shutdown_step_timeout
@@ -573,25 +486,6 @@ async def _slot_nurseries(
             supervisor_nursery.cancel_scope.cancel()
 
 
-def _open_republisher(config: SlotAgentConfig, context: zmq.Context[Any]) -> VllmRepublisher | None:
-    """The slot's republisher, bound at its endpoints offset by its dp_rank (vLLM's convention)."""
-    if config.republish is None:
-        return None
-    republisher = VllmRepublisher(
-        config.republish.for_rank(config.dp_rank),
-        dp_rank=config.dp_rank,
-        block_size=config.kv_block_size,
-        context=context,
-    )
-    log.info(
-        "republishing",
-        slot=config.name,
-        endpoint=republisher.endpoint,
-        replay_endpoint=republisher.replay_endpoint,
-    )
-    return republisher
-
-
 @asynccontextmanager
 async def open_slot_agent(
     config: SlotAgentConfig,
@@ -611,8 +505,8 @@ async def open_slot_agent(
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
     if durable is None:
         durable = await open_durable_slot(config, new_publisher_id())
-    republisher = _open_republisher(config, context)
-    parts = _build_slot(config, sink, republisher, durable)
+    republisher = open_republisher(config, context)
+    parts = build_slot(config, sink, republisher, durable)
     try:
         await withdraw_stale_records(discovery, durable, parts.source_record)
         await discovery.register(parts.source_record)

@@ -126,6 +126,14 @@ class Rig:
     async def remove(self, block: int) -> None:
         await self.engine.publish_batch([block_removed([block])])
 
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[ServeProcess]:
+        """``kvagent serve`` on this rig, returned once its SUB has subscribed to the engine."""
+        subscriptions = self.engine.subscriptions  # cumulative: a restarted agent subscribes once more
+        async with serve(self.tmp, *self.args) as agent:
+            await self.engine.wait_for_subscriber(subscriptions + 1)
+            yield agent
+
     def truth(self) -> set[int]:
         return {int(block) for block in self.engine.truth.blocks("GPU")}  # type: ignore[call-overload]
 
@@ -150,8 +158,7 @@ async def first_life(rig: Rig, batches: int) -> tuple[int, int, set[int], list[d
 
     Returns (publisher id, last id seen, the follower's Worker state, every event it saw).
     """
-    async with serve(rig.tmp, *rig.args) as agent:
-        await rig.engine.wait_for_subscriber()
+    async with rig.serving() as agent:
         async with client(agent.url) as c:
             status = (await c.request("status"))["status"]
             assert status["persistence"]["state"] == "ok"
@@ -176,8 +183,7 @@ async def test_kill9_then_restart_resumes_from_the_engine_replay_without_a_reset
             publisher_id, last_id, follower, _ = await first_life(rig, 200)
             await rig.publish(150)  # while the agent is down: only the engine's replay buffer has them
 
-            async with serve(tmp_path, *rig.args) as agent:
-                await rig.engine.wait_for_subscriber()
+            async with rig.serving() as agent:
                 async with client(agent.url) as c:
                     missed = await follow_until(c, await rig.sentinel(), last_id)
                     status = (await c.request("status"))["status"]
@@ -201,8 +207,7 @@ async def test_kill9_with_the_gap_beyond_the_replay_buffer_resets_then_reaches_t
             await rig.remove(SENTINEL_BASE)  # the first life's sentinel goes, so the truth is the last 64
             await rig.publish(300)  # 300 > 100: the batch after the persisted one is gone from the buffer
 
-            async with serve(tmp_path, *rig.args) as agent:
-                await rig.engine.wait_for_subscriber()
+            async with rig.serving() as agent:
                 async with client(agent.url) as c:
                     missed = await follow_until(c, await rig.sentinel(), last_id)
                     status = (await c.request("status"))["status"]
@@ -219,8 +224,7 @@ async def test_kill9_with_the_gap_beyond_the_replay_buffer_resets_then_reaches_t
 async def test_a_clean_stop_continues_the_ids_without_a_jump(tmp_path: Path) -> None:
     with trio.fail_after(TIMEOUT):
         async with open_rig(tmp_path) as rig:
-            async with serve(tmp_path, *rig.args) as agent:
-                await rig.engine.wait_for_subscriber()
+            async with rig.serving() as agent:
                 async with client(agent.url) as c:
                     await rig.publish(20)
                     seen = await follow_until(c, await rig.sentinel(), None)
@@ -228,8 +232,7 @@ async def test_a_clean_stop_continues_the_ids_without_a_jump(tmp_path: Path) -> 
                 assert await agent.process.wait() == 0
             last_id = max(event_ids(seen))
             await rig.publish(10)
-            async with serve(tmp_path, *rig.args) as agent:
-                await rig.engine.wait_for_subscriber()
+            async with rig.serving() as agent:
                 async with client(agent.url) as c:
                     missed = await follow_until(c, await rig.sentinel(), last_id)
                 assert event_ids(missed)[0] == last_id + 1
@@ -243,8 +246,7 @@ async def test_a_corrupt_state_file_is_refused_in_one_line_set_aside_and_the_slo
         async with open_rig(tmp_path) as rig:
             rig.state_file.parent.mkdir(parents=True)
             rig.state_file.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)  # a header, then garbage
-            async with serve(tmp_path, *rig.args) as agent:
-                await rig.engine.wait_for_subscriber()
+            async with rig.serving() as agent:
                 refused = [line for line in agent.stderr_lines if "state_file_refused" in line]
                 assert len(refused) == 1 and str(rig.state_file) in refused[0]
                 aside = list(rig.state_file.parent.glob("s0.sqlite3.refused-*"))
