@@ -10,15 +10,22 @@ gives the engine's truth.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import zmq
 
+from kvagent.cli.main import build_parser, serve_config_from_args
+from kvagent.cli.serve import slot_agent_config
+from kvagent.model.errors import CodecError
+from kvagent.model.status import AgentStatus, PersistenceStatus
+from kvagent.persist.store import SCHEMA_VERSION, SlotIdentityRecord, SlotStore
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
+from tests.support.ids import IDENTITY
 from tests.support.serve import Client, ServeProcess, client, follow_until, serve
 
 TIMEOUT = 90
@@ -239,17 +246,34 @@ async def test_a_clean_stop_continues_the_ids_without_a_jump(tmp_path: Path) -> 
                 assert apply_events(apply_events(set(), seen), missed) == rig.truth()
 
 
-async def test_a_corrupt_state_file_is_refused_in_one_line_set_aside_and_the_slot_starts_cold(
-    tmp_path: Path,
+def write_garbage(path: Path) -> None:
+    path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)  # a header, then garbage
+
+
+def write_newer_version(path: Path) -> None:
+    store = SlotStore.open(path)
+    store.initialize(SlotIdentityRecord("s0", 41, "x"), 1 << 24, 1 << 24)
+    store.close()
+    with sqlite3.connect(path) as db:
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+
+
+@pytest.mark.parametrize("damage", [write_garbage, write_newer_version], ids=["corrupt", "newer-version"])
+async def test_a_refused_state_file_is_named_in_one_line_set_aside_and_the_slot_starts_cold(
+    tmp_path: Path, damage: Callable[[Path], None]
 ) -> None:
     with trio.fail_after(TIMEOUT):
         async with open_rig(tmp_path) as rig:
             rig.state_file.parent.mkdir(parents=True)
-            rig.state_file.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)  # a header, then garbage
+            damage(rig.state_file)
             async with rig.serving() as agent:
                 refused = [line for line in agent.stderr_lines if "state_file_refused" in line]
                 assert len(refused) == 1 and str(rig.state_file) in refused[0]
-                aside = list(rig.state_file.parent.glob("s0.sqlite3.refused-*"))
+                aside = [
+                    path
+                    for path in rig.state_file.parent.glob("s0.sqlite3.refused-*")
+                    if not path.name.endswith(("-wal", "-shm"))  # its WAL moves along with it
+                ]
                 assert len(aside) == 1
                 async with client(agent.url) as c:
                     await rig.publish(5)
@@ -259,3 +283,39 @@ async def test_a_corrupt_state_file_is_refused_in_one_line_set_aside_and_the_slo
                 assert status["persistence"]["state"] == "ok"
             with sqlite3.connect(rig.state_file) as db:  # the new file is a sound database
                 assert db.execute("PRAGMA quick_check").fetchone() == ("ok",)
+
+
+def agent_config_for(tmp_path: Path, *options: str) -> object:
+    args = build_parser().parse_args(["serve", "--slot", "s:0=tcp://127.0.0.1:5557", *options])
+    config = serve_config_from_args(args)
+    return slot_agent_config(config.slots[0], config, recovery_url="ws://x").state_path
+
+
+def test_the_state_dir_option_default_none_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVAGENT_STATE_DIR", str(tmp_path / "root"))
+    assert agent_config_for(tmp_path) == tmp_path / "root" / "state" / "slots" / "s%3A0.sqlite3"
+    assert agent_config_for(tmp_path, "--state-dir", "none") is None
+    assert (
+        agent_config_for(tmp_path, "--state-dir", str(tmp_path / "d")) == tmp_path / "d/slots/s%3A0.sqlite3"
+    )
+    toml = tmp_path / "kvagent.toml"
+    toml.write_text(f'state_dir = "{tmp_path / "t"}"\n[[slots]]\nname = "s:0"\n')
+    assert agent_config_for(tmp_path, "--config", str(toml)) == tmp_path / "t" / "slots" / "s%3A0.sqlite3"
+    toml.write_text('state_dir = "none"\n')
+    assert agent_config_for(tmp_path, "--config", str(toml)) is None
+
+
+def test_the_persistence_status_round_trips_through_json() -> None:
+    status = AgentStatus(IDENTITY, persistence=PersistenceStatus("failed", 12, 3, 4096))
+    encoded = status.to_json()
+    assert encoded["persistence"] == {
+        "state": "failed",
+        "persisted_id": 12,
+        "lag_events": 3,
+        "disk_bytes": 4096,
+    }
+    assert AgentStatus.from_json(encoded) == status
+    assert "persistence" not in AgentStatus(IDENTITY).to_json()
+    bad = {**encoded, "persistence": {**encoded["persistence"], "state": "maybe"}}
+    with pytest.raises(CodecError, match="status.persistence.state"):
+        AgentStatus.from_json(bad)
