@@ -64,6 +64,7 @@ _I64_MAX: Final = (1 << 63) - 1
 # SQLite result codes that mean "this file is not a usable database" (the primary code, low byte).
 _SQLITE_CORRUPT: Final = 11
 _SQLITE_NOTADB: Final = 26
+_SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 
 _SCHEMA = (
     """CREATE TABLE slot (
@@ -127,6 +128,13 @@ class _Leases(NamedTuple):
     snapshot_id: int | None
 
 
+class _Found(NamedTuple):
+    """What opening an existing state file reads besides the checks."""
+
+    suffix_count: int
+    lease_end: int
+
+
 def _is_refusal(exc: sqlite3.Error) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     return code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
@@ -139,14 +147,15 @@ def _sidecars(path: Path) -> tuple[Path, Path]:
 class SlotStore:
     """The state database of one slot. Not thread-safe: one call at a time, from any one thread."""
 
-    def __init__(self, path: Path, db: sqlite3.Connection, suffix_count: int | None) -> None:
-        """Use :meth:`open`. ``suffix_count`` None: the file holds no state yet."""
+    def __init__(self, path: Path, db: sqlite3.Connection, found: _Found | None) -> None:
+        """Use :meth:`open`. ``found`` None: the file holds no state yet."""
         self.path = path
         self._db: sqlite3.Connection | None = db
-        self._initialized = suffix_count is not None
-        self._suffix_count = suffix_count or 0
-        # The first outbound id this run may use: a clean stop never lowers the lease below it.
-        self._run_floor = 1
+        self._initialized = found is not None
+        self._suffix_count = 0 if found is None else found.suffix_count
+        # The first outbound id this run may use (the lease end found at open): a clean stop never lowers
+        # the lease below it, since a crashed run before this one may have published ids up to there.
+        self._run_floor = 1 if found is None else found.lease_end
 
     # --- opening and refusing --------------------------------------------------------------------------
 
@@ -160,13 +169,14 @@ class SlotStore:
         path = Path(path)
         if not create and not path.exists():
             raise FileNotFoundError(f"no state file {path}")
+        _check_header(path)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
-            suffix_count = _prepare(path, db)
+            found = _prepare(path, db)
         except BaseException:
             db.close()
             raise
-        return cls(path, db, suffix_count)
+        return cls(path, db, found)
 
     @staticmethod
     def set_aside(path: Path) -> Path:
@@ -209,7 +219,6 @@ class SlotStore:
                 raise
             self.close()
             raise StateFileError(self.path, f"row does not decode: {exc}") from exc
-        self._run_floor = loaded.lease_end
         self._suffix_count = len(loaded.suffix_events)
         return loaded
 
@@ -415,8 +424,20 @@ def _is_schema_error(exc: sqlite3.Error) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "no such" in str(exc)
 
 
-def _prepare(path: Path, db: sqlite3.Connection) -> int | None:
-    """Set the connection up and check the file's header and integrity; the suffix length (None: new)."""
+def _check_header(path: Path) -> None:
+    """Refuse a file that is not SQLite before SQLite sees it: SQLite would delete a -wal beside it, and
+    the refused file is kept with its WAL for inspection."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(len(_SQLITE_MAGIC))
+    except FileNotFoundError:
+        return
+    if header and header != _SQLITE_MAGIC:
+        raise StateFileError(path, "not a SQLite database (bad header)")
+
+
+def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
+    """Set the connection up and check the file's header and integrity (None: a new file)."""
     try:
         # auto_vacuum takes effect only if set before the first table is made, and before WAL mode
         # writes the header; on an existing file it is a no-op without a VACUUM.
@@ -440,8 +461,11 @@ def _prepare(path: Path, db: sqlite3.Connection) -> int | None:
         if problems != ["ok"]:
             raise StateFileError(path, f"integrity check failed: {'; '.join(problems)}")
         _configure(db)
-        count: int = db.execute("SELECT count(*) FROM events").fetchone()[0]
-        return count
+        (count,) = db.execute("SELECT count(*) FROM events").fetchone()
+        row = db.execute("SELECT lease_end FROM slot").fetchone()
+        if row is None or not isinstance(row[0], int):
+            raise StateFileError(path, "the slot row is missing")
+        return _Found(count, row[0])
     except sqlite3.DatabaseError as exc:
         if _is_refusal(exc) or _is_schema_error(exc):
             raise StateFileError(path, str(exc)) from exc
