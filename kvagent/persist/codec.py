@@ -14,15 +14,19 @@ into a refused state file.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
-from typing import Any
+import sys
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import compress, islice
+from typing import Any, TypeAlias
 
 import attrs
 import msgpack
 
+from kvagent.index.recovery_index import DumpGroup, DumpSnapshot
 from kvagent.model.errors import CodecError, IdentityError
-from kvagent.model.events import U64_MAX, ResidencyDomain, RouterEvent, StorageTier, Stored
+from kvagent.model.events import U64_MAX, MmExtraInfo, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.model.ids import CacheOwnerId
 from kvagent.wire.router_event import Encoding, encode_event, router_event_from_wire
 
@@ -36,6 +40,7 @@ __all__ = [
     "decode_event_row",
     "decode_mirror_chunk",
     "decode_snapshot_chunk",
+    "encode_dump_chunks",
     "encode_event_row",
     "encode_mirror_chunks",
     "encode_snapshot_chunks",
@@ -168,9 +173,28 @@ def decode_event_row(body: bytes, tokens: bytes | None) -> RouterEvent:
     event = router_event_from_wire(_unpack(body, "event row"), "event row")
     if tokens is None:
         return event
-    if type(event.data) is not Stored:
+    data = event.data
+    if type(data) is not Stored:
         raise CodecError(f"event {event.event_id} carries tokens but is not a Stored event")
-    return attrs.evolve(event, data=attrs.evolve(event.data, token_bytes=tokens))
+    # Built directly: attrs.evolve costs several times a constructor call, and loads decode millions.
+    with_tokens = Stored(
+        data.parent_hash,
+        data.block_hashes,
+        data.tokens_hashes,
+        data.mm_extra_infos,
+        data.start_position,
+        tokens,
+    )
+    return RouterEvent(
+        event.worker_id,
+        event.storage_tier,
+        event.residency_domain,
+        event.event_id,
+        with_tokens,
+        event.dp_rank,
+        event.state_source,
+        event.session_id,
+    )
 
 
 # --- snapshots: runs of one-block Stored events as columns -------------------------------------------
@@ -304,6 +328,86 @@ def decode_snapshot_chunk(body: bytes) -> list[RouterEvent]:
         else:
             raise CodecError(f"snapshot item has an unknown kind {item[0]!r}")
     return events
+
+
+# --- snapshots straight from the index's columns --------------------------------------------------------
+
+_Slice: TypeAlias = Callable[[int, int], list[object]]
+
+
+def _little_endian(values: array[int]) -> bytes:
+    if sys.byteorder != "little":
+        values = array("Q", values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def _group_slicer(group: DumpGroup, first_id: int) -> tuple[_Slice, int]:
+    """(the items of the group's dump events [start, end), the group's event count).
+
+    Live rows become runs of packed columns; a row with multimodal info breaks the run and is written as
+    one event map, exactly as :func:`_encode_runs` treats the tree dump's events.
+    """
+    worker_id, tier, domain, dp_rank, source, columns = group
+    live, has_parent = columns.masks()
+    every = len(columns.hashes) == columns.live
+    hashes, parents, tokens = (
+        column if every else array("Q", compress(column, live))
+        for column in (columns.hashes, columns.parents, columns.tokens)
+    )
+    flags = has_parent if every else bytes(compress(has_parent, live))
+    route = [worker_id, tier.value, domain.value, dp_rank, None if source is None else str(source), None]
+    # (position among the live rows, info) of each live multimodal row, in order
+    special = [(live.count(1, 0, row), info) for row, info in sorted(columns.mm.items()) if live[row]]
+    positions = [position for position, _ in special]
+
+    def run(start: int, end: int) -> list[object]:
+        key_columns = (_little_endian(hashes[start:end]), _little_endian(tokens[start:end]))
+        parent_columns = (flags[start:end], _little_endian(parents[start:end]))
+        return [_RUN, route, first_id + start, end - start, *key_columns, *parent_columns, None]
+
+    def event(position: int, info: MmExtraInfo) -> list[object]:
+        parent = parents[position] if flags[position] else None
+        data = Stored(parent, (hashes[position],), (tokens[position],), (info,))
+        _, body, _ = encode_event_row(
+            RouterEvent(worker_id, tier, domain, first_id + position, data, dp_rank, source)
+        )
+        return [_EVENT, body, None]
+
+    def items(start: int, end: int) -> list[object]:
+        found: list[object] = []
+        for index in range(bisect_left(positions, start), bisect_left(positions, end)):
+            position, info = special[index]
+            if start < position:
+                found.append(run(start, position))
+            found.append(event(position, info))
+            start = position + 1
+        if start < end:
+            found.append(run(start, end))
+        return found
+
+    return items, len(hashes)
+
+
+def encode_dump_chunks(snapshot: DumpSnapshot, chunk_rows: int = CHUNK_ROWS) -> Iterator[bytes]:
+    """The index's dump snapshot as row bodies: what :func:`encode_snapshot_chunks` makes of the tree dump's
+    events (one-block Stored events numbered from 0), from the block columns without building them."""
+    pending: list[object] = []
+    filled = first_id = 0
+    for group in snapshot.groups:
+        items_for, count = _group_slicer(group, first_id)
+        start = 0
+        while start < count:
+            end = min(count, start + chunk_rows - filled)
+            pending.extend(items_for(start, end))
+            filled += end - start
+            start = end
+            if filled == chunk_rows:
+                yield _pack(pending)
+                pending, filled = [], 0
+        first_id += count
+    if pending:
+        yield _pack(pending)
 
 
 # --- the republish mirror -------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from typing import Final, NamedTuple
 
 import attrs
 
+from kvagent._util.gcutil import gc_paused
+from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.errors import CodecError, KvAgentError
 from kvagent.model.events import RouterEvent
 from kvagent.persist.codec import (
@@ -38,6 +40,7 @@ from kvagent.persist.codec import (
     decode_event_row,
     decode_mirror_chunk,
     decode_snapshot_chunk,
+    encode_dump_chunks,
     encode_event_row,
     encode_mirror_chunks,
     encode_snapshot_chunks,
@@ -206,7 +209,7 @@ class SlotStore:
         if not self._initialized:
             return None
         try:
-            with self._read():
+            with self._read(), gc_paused():  # millions of acyclic objects: see gc_paused
                 row = db.execute(
                     "SELECT name, publisher_id, cache_owner_id, lease_end, republish_lease_end,"
                     " last_event_id, snapshot_id, clean, attachment FROM slot"
@@ -294,12 +297,19 @@ class SlotStore:
     def write_snapshot(
         self,
         at_id: int,
-        events: Iterable[RouterEvent],
+        events: Iterable[RouterEvent] | DumpSnapshot,
         mirror: Iterable[MirrorRow],
         attachment: AttachmentProgress | None,
     ) -> None:
         """Replace the snapshot with the state at outbound id ``at_id`` and drop the suffix <= ``at_id``, in
-        one transaction; then give the freed pages back to the file system."""
+        one transaction; then give the freed pages back to the file system.
+
+        ``events`` is the tree dump at ``at_id``: its events, or (much cheaper, and the same rows) the
+        index's :class:`~kvagent.index.recovery_index.DumpSnapshot`, which is a copy safe to read here.
+        """
+        chunks = (
+            encode_dump_chunks(events) if isinstance(events, DumpSnapshot) else encode_snapshot_chunks(events)
+        )
         _check_id(at_id, "snapshot id", minimum=0)
         progress = None if attachment is None else attachment_to_bytes(attachment)
         with self._transaction() as db:
@@ -311,9 +321,7 @@ class SlotStore:
             db.execute("DELETE FROM events WHERE event_id <= ?", (at_id,))
             db.execute("DELETE FROM snapshot")
             db.execute("DELETE FROM mirror")
-            db.executemany(
-                "INSERT INTO snapshot (chunk, body) VALUES (?, ?)", enumerate(encode_snapshot_chunks(events))
-            )
+            db.executemany("INSERT INTO snapshot (chunk, body) VALUES (?, ?)", enumerate(chunks))
             db.executemany(
                 "INSERT INTO mirror (chunk, body) VALUES (?, ?)", enumerate(encode_mirror_chunks(mirror))
             )
