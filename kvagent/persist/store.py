@@ -9,8 +9,8 @@ initialization and a clean stop are committed with ``synchronous=FULL`` because 
 would let a restarted agent reuse an outbound id.
 
 Layout (schema version 1): a single ``slot`` row (identity, leases, the last persisted outbound id P, the
-snapshot id S, the clean flag, the attachment progress), ``events`` (the outbound events with id > S, one row
-each), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; see
+snapshot id S, the clean flag, the attachment progress), ``batches`` (the outbound events with id > S, one
+row per append), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; see
 :mod:`kvagent.persist.codec`). The file is marked with an application id and the schema version in
 ``user_version``; a file that is not ours, newer than us, corrupt or undecodable is refused with a
 :class:`StateFileError` naming it, and :meth:`SlotStore.set_aside` moves it out of the way.
@@ -19,6 +19,7 @@ each), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; 
 from __future__ import annotations
 
 import datetime
+import itertools
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -37,11 +38,11 @@ from kvagent.persist.codec import (
     SlotIdentityRecord,
     attachment_from_bytes,
     attachment_to_bytes,
-    decode_event_row,
+    decode_batch,
     decode_mirror_chunk,
     decode_snapshot_chunk,
+    encode_batch,
     encode_dump_chunks,
-    encode_event_row,
     encode_mirror_chunks,
     encode_snapshot_chunks,
 )
@@ -82,7 +83,9 @@ _SCHEMA = (
     clean INTEGER NOT NULL,
     attachment BLOB
     )""",
-    "CREATE TABLE events (event_id INTEGER PRIMARY KEY, body BLOB NOT NULL, tokens BLOB)",
+    # One row per append: its events' ids are first_id..last_id (ascending), ``count`` of them.
+    "CREATE TABLE batches (first_id INTEGER PRIMARY KEY, last_id INTEGER NOT NULL, count INTEGER NOT NULL,"
+    " body BLOB NOT NULL)",
     "CREATE TABLE snapshot (chunk INTEGER PRIMARY KEY, body BLOB NOT NULL)",
     "CREATE TABLE mirror (chunk INTEGER PRIMARY KEY, body BLOB NOT NULL)",
 )
@@ -280,19 +283,24 @@ class SlotStore:
         they reflect, in one transaction. ``attachment`` None keeps the recorded progress."""
         if not events and attachment is None:
             return
-        rows = [encode_event_row(event) for event in events]
+        body = encode_batch(events) if events else None
         progress = None if attachment is None else attachment_to_bytes(attachment)
         with self._transaction() as db:
             current = self._leases(db)
-            floor = max(current.last_event_id or 0, current.snapshot_id or 0)
-            _check_ascending([row[0] for row in rows], floor, current.lease_end)
-            db.executemany("INSERT INTO events (event_id, body, tokens) VALUES (?, ?, ?)", rows)
-            new_last = rows[-1][0] if rows else current.last_event_id
+            new_last = current.last_event_id
+            if events:
+                floor = max(current.last_event_id or 0, current.snapshot_id or 0)
+                _check_ascending([event.event_id for event in events], floor, current.lease_end)
+                new_last = events[-1].event_id
+                db.execute(
+                    "INSERT INTO batches (first_id, last_id, count, body) VALUES (?, ?, ?, ?)",
+                    (events[0].event_id, new_last, len(events), body),
+                )
             db.execute(
                 "UPDATE slot SET last_event_id = ?, attachment = coalesce(?, attachment), clean = 0",
                 (new_last, progress),
             )
-        self._suffix_count += len(rows)
+        self._suffix_count += len(events)
 
     def write_snapshot(
         self,
@@ -318,7 +326,7 @@ class SlotStore:
                 raise ValueError(
                     f"snapshot id {at_id} is outside [{current.snapshot_id}, {current.lease_end})"
                 )
-            db.execute("DELETE FROM events WHERE event_id <= ?", (at_id,))
+            db.execute("DELETE FROM batches WHERE last_id <= ?", (at_id,))
             db.execute("DELETE FROM snapshot")
             db.execute("DELETE FROM mirror")
             db.executemany("INSERT INTO snapshot (chunk, body) VALUES (?, ?)", enumerate(chunks))
@@ -330,7 +338,7 @@ class SlotStore:
                 " clean = 0",
                 (at_id, max(at_id, current.last_event_id or 0), progress),
             )
-            suffix_count = db.execute("SELECT count(*) FROM events").fetchone()[0]
+            suffix_count = _suffix_count(db)
         self._suffix_count = suffix_count
         self._shrink()
 
@@ -469,11 +477,10 @@ def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
         if problems != ["ok"]:
             raise StateFileError(path, f"integrity check failed: {'; '.join(problems)}")
         _configure(db)
-        (count,) = db.execute("SELECT count(*) FROM events").fetchone()
         row = db.execute("SELECT lease_end FROM slot").fetchone()
         if row is None or not isinstance(row[0], int):
             raise StateFileError(path, "the slot row is missing")
-        return _Found(count, row[0])
+        return _Found(_suffix_count(db), row[0])
     except sqlite3.DatabaseError as exc:
         if _is_refusal(exc) or _is_schema_error(exc):
             raise StateFileError(path, str(exc)) from exc
@@ -508,10 +515,7 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         for (body,) in db.execute("SELECT body FROM mirror ORDER BY chunk")
         for row in decode_mirror_chunk(body)
     ]
-    suffix = [
-        decode_event_row(body, tokens)
-        for body, tokens in db.execute("SELECT body, tokens FROM events ORDER BY event_id")
-    ]
+    suffix = _suffix_after(db, snapshot_id or 0)
     _check_consistent(suffix, last, snapshot_id, lease_end)
     return LoadedSlot(
         identity=SlotIdentityRecord(name, _from_i64(publisher_id), cache_owner_id),
@@ -525,6 +529,31 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         suffix_events=tuple(suffix),
         mirror=tuple(mirror),
     )
+
+
+def _suffix_count(db: sqlite3.Connection) -> int:
+    """The events stored after the snapshot (a batch that straddles the snapshot id counts whole)."""
+    (count,) = db.execute("SELECT coalesce(sum(count), 0) FROM batches").fetchone()
+    return int(count)
+
+
+def _suffix_after(db: sqlite3.Connection, snapshot_id: int) -> list[RouterEvent]:
+    """The stored events with ids above the snapshot's, checked against their rows' id ranges."""
+    suffix: list[RouterEvent] = []
+    previous = -1
+    for first_id, last_id, count, body in db.execute(
+        "SELECT first_id, last_id, count, body FROM batches ORDER BY first_id"
+    ):
+        events = decode_batch(body)
+        ids = [event.event_id for event in events]
+        if len(ids) != count or not ids or (ids[0], ids[-1]) != (first_id, last_id) or first_id <= previous:
+            raise CodecError(f"batch row {first_id}..{last_id} does not hold its events")
+        if any(later <= earlier for earlier, later in itertools.pairwise(ids)):
+            raise CodecError(f"batch row {first_id}..{last_id} has ids out of order")
+        previous = last_id
+        # A batch that straddles the snapshot keeps only its events after it.
+        suffix.extend(events if first_id > snapshot_id else [e for e in events if e.event_id > snapshot_id])
+    return suffix
 
 
 def _check_consistent(

@@ -13,11 +13,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import attrs
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import CodecError
 from kvagent.model.events import (
     CLEARED,
     U64_MAX,
@@ -176,7 +178,8 @@ def test_appends_that_break_the_id_order_are_refused_whole(
 
 
 def test_a_snapshot_replaces_the_old_one_and_drops_the_covered_suffix(store: SlotStore) -> None:
-    store.append([stored(n, n) for n in range(1, 11)], PROGRESS)
+    store.append([stored(n, n) for n in range(1, 5)], PROGRESS)
+    store.append([stored(n, n) for n in range(5, 11)], PROGRESS)  # straddles the snapshot at 6
     dump = [stored(n, n, parent=n - 1 if n else None, tokens=TOKENS if n % 2 else None) for n in range(8)]
     odd = every_kind(8)  # not one-block runs: kept as maps, in their place
     mirror = [
@@ -185,7 +188,7 @@ def test_a_snapshot_replaces_the_old_one_and_drops_the_covered_suffix(store: Slo
         MirrorRow(StorageTier.HOST_PINNED, U64_MAX, U64_MAX - 1, b""),
     ]
     store.write_snapshot(6, [*dump, *odd], mirror, None)
-    assert store.suffix_length() == 4  # ids 7..10
+    assert store.suffix_length() == 6  # the straddling batch counts whole; 7..10 are loaded
     store.write_snapshot(6, [*dump, *odd], mirror, None)  # again at the same id: the same state
     loaded = reopen(store)
     assert loaded.snapshot_id == 6 and loaded.last_event_id == 10
@@ -273,6 +276,23 @@ def test_a_dump_snapshot_is_stored_as_the_tree_dumps_events_would_be(store: Slot
     loaded = reopen(store)
     assert loaded.snapshot_events == dump.events and loaded.snapshot_id == 603
     assert [event.event_id for event in loaded.suffix_events] == list(range(604, 614))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [[], [[1, 0, 0]]],  # a route index with no route
+        [[[17, "device", "worker", 0, None, None]], [[1, 0, 9]]],  # an unknown kind
+        [[[17, "device", "worker", 0, None, None]], [[1, 0, 1, ["x"]]]],  # a hash that is not a u64
+        [[[17, "device", "worker", 0, None, None]], [[-1, 0, 2]]],  # a negative id
+        [[[17, "nowhere", "worker", 0, None, None]], [[1, 0, 2]]],  # an unknown tier
+        [[[17, "device", "worker", 0, None, None]], [[1, 0, 0, None, [1], [1], "tokens", None, None]]],
+        "not a batch",
+    ],
+)
+def test_a_batch_row_that_is_not_one_does_not_decode(body: object) -> None:
+    with pytest.raises(CodecError):
+        codec.decode_batch(msgpack.packb(body))
 
 
 # --- leases and clean stops ------------------------------------------------------------------------------
@@ -399,10 +419,11 @@ def test_a_truncated_file_is_refused(store: SlotStore) -> None:
 
 
 def test_a_row_that_does_not_decode_is_refused_by_load(store: SlotStore) -> None:
-    store.append([stored(1, 1), stored(2, 2)], PROGRESS)
+    store.append([stored(1, 1)], PROGRESS)
+    store.append([stored(2, 2)], PROGRESS)
     store.close()
     db = sqlite3.connect(store.path)
-    db.execute("UPDATE events SET body = x'c1' WHERE event_id = 2")  # 0xc1: never valid msgpack
+    db.execute("UPDATE batches SET body = x'c1' WHERE first_id = 2")  # 0xc1: never valid msgpack
     db.commit()
     db.close()
     opened = SlotStore.open(store.path)  # the file itself is sound
