@@ -9,8 +9,8 @@ initialization and a clean stop are committed with ``synchronous=FULL`` because 
 would let a restarted agent reuse an outbound id.
 
 Layout (schema version 1): a single ``slot`` row (identity, leases, the last persisted outbound id P, the
-snapshot id S, the clean flag, the attachment progress), ``events`` (the outbound events with id > S, one row
-each), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; see
+snapshot id S, the clean flag, the attachment progress), ``batches`` (the outbound events with id > S, one
+row per append), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; see
 :mod:`kvagent.persist.codec`). The file is marked with an application id and the schema version in
 ``user_version``; a file that is not ours, newer than us, corrupt or undecodable is refused with a
 :class:`StateFileError` naming it, and :meth:`SlotStore.set_aside` moves it out of the way.
@@ -19,6 +19,7 @@ each), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; 
 from __future__ import annotations
 
 import datetime
+import itertools
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -27,6 +28,8 @@ from typing import Final, NamedTuple
 
 import attrs
 
+from kvagent._util.gcutil import gc_paused
+from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.errors import CodecError, KvAgentError
 from kvagent.model.events import RouterEvent
 from kvagent.persist.codec import (
@@ -35,10 +38,11 @@ from kvagent.persist.codec import (
     SlotIdentityRecord,
     attachment_from_bytes,
     attachment_to_bytes,
-    decode_event_row,
+    decode_batch,
     decode_mirror_chunk,
     decode_snapshot_chunk,
-    encode_event_row,
+    encode_batch,
+    encode_dump_chunks,
     encode_mirror_chunks,
     encode_snapshot_chunks,
 )
@@ -64,6 +68,7 @@ _I64_MAX: Final = (1 << 63) - 1
 # SQLite result codes that mean "this file is not a usable database" (the primary code, low byte).
 _SQLITE_CORRUPT: Final = 11
 _SQLITE_NOTADB: Final = 26
+_SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 
 _SCHEMA = (
     """CREATE TABLE slot (
@@ -78,7 +83,9 @@ _SCHEMA = (
     clean INTEGER NOT NULL,
     attachment BLOB
     )""",
-    "CREATE TABLE events (event_id INTEGER PRIMARY KEY, body BLOB NOT NULL, tokens BLOB)",
+    # One row per append: its events' ids are first_id..last_id (ascending), ``count`` of them.
+    "CREATE TABLE batches (first_id INTEGER PRIMARY KEY, last_id INTEGER NOT NULL, count INTEGER NOT NULL,"
+    " body BLOB NOT NULL)",
     "CREATE TABLE snapshot (chunk INTEGER PRIMARY KEY, body BLOB NOT NULL)",
     "CREATE TABLE mirror (chunk INTEGER PRIMARY KEY, body BLOB NOT NULL)",
 )
@@ -127,6 +134,13 @@ class _Leases(NamedTuple):
     snapshot_id: int | None
 
 
+class _Found(NamedTuple):
+    """What opening an existing state file reads besides the checks."""
+
+    suffix_count: int
+    lease_end: int
+
+
 def _is_refusal(exc: sqlite3.Error) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     return code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
@@ -139,14 +153,15 @@ def _sidecars(path: Path) -> tuple[Path, Path]:
 class SlotStore:
     """The state database of one slot. Not thread-safe: one call at a time, from any one thread."""
 
-    def __init__(self, path: Path, db: sqlite3.Connection, suffix_count: int | None) -> None:
-        """Use :meth:`open`. ``suffix_count`` None: the file holds no state yet."""
+    def __init__(self, path: Path, db: sqlite3.Connection, found: _Found | None) -> None:
+        """Use :meth:`open`. ``found`` None: the file holds no state yet."""
         self.path = path
         self._db: sqlite3.Connection | None = db
-        self._initialized = suffix_count is not None
-        self._suffix_count = suffix_count or 0
-        # The first outbound id this run may use: a clean stop never lowers the lease below it.
-        self._run_floor = 1
+        self._initialized = found is not None
+        self._suffix_count = 0 if found is None else found.suffix_count
+        # The first outbound id this run may use (the lease end found at open): a clean stop never lowers
+        # the lease below it, since a crashed run before this one may have published ids up to there.
+        self._run_floor = 1 if found is None else found.lease_end
 
     # --- opening and refusing --------------------------------------------------------------------------
 
@@ -160,13 +175,14 @@ class SlotStore:
         path = Path(path)
         if not create and not path.exists():
             raise FileNotFoundError(f"no state file {path}")
+        _check_header(path)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
-            suffix_count = _prepare(path, db)
+            found = _prepare(path, db)
         except BaseException:
             db.close()
             raise
-        return cls(path, db, suffix_count)
+        return cls(path, db, found)
 
     @staticmethod
     def set_aside(path: Path) -> Path:
@@ -196,7 +212,7 @@ class SlotStore:
         if not self._initialized:
             return None
         try:
-            with self._read():
+            with self._read(), gc_paused():  # millions of acyclic objects: see gc_paused
                 row = db.execute(
                     "SELECT name, publisher_id, cache_owner_id, lease_end, republish_lease_end,"
                     " last_event_id, snapshot_id, clean, attachment FROM slot"
@@ -209,7 +225,6 @@ class SlotStore:
                 raise
             self.close()
             raise StateFileError(self.path, f"row does not decode: {exc}") from exc
-        self._run_floor = loaded.lease_end
         self._suffix_count = len(loaded.suffix_events)
         return loaded
 
@@ -268,29 +283,41 @@ class SlotStore:
         they reflect, in one transaction. ``attachment`` None keeps the recorded progress."""
         if not events and attachment is None:
             return
-        rows = [encode_event_row(event) for event in events]
+        body = encode_batch(events) if events else None
         progress = None if attachment is None else attachment_to_bytes(attachment)
         with self._transaction() as db:
             current = self._leases(db)
-            floor = max(current.last_event_id or 0, current.snapshot_id or 0)
-            _check_ascending([row[0] for row in rows], floor, current.lease_end)
-            db.executemany("INSERT INTO events (event_id, body, tokens) VALUES (?, ?, ?)", rows)
-            new_last = rows[-1][0] if rows else current.last_event_id
+            new_last = current.last_event_id
+            if events:
+                floor = max(current.last_event_id or 0, current.snapshot_id or 0)
+                _check_ascending([event.event_id for event in events], floor, current.lease_end)
+                new_last = events[-1].event_id
+                db.execute(
+                    "INSERT INTO batches (first_id, last_id, count, body) VALUES (?, ?, ?, ?)",
+                    (events[0].event_id, new_last, len(events), body),
+                )
             db.execute(
                 "UPDATE slot SET last_event_id = ?, attachment = coalesce(?, attachment), clean = 0",
                 (new_last, progress),
             )
-        self._suffix_count += len(rows)
+        self._suffix_count += len(events)
 
     def write_snapshot(
         self,
         at_id: int,
-        events: Iterable[RouterEvent],
+        events: Iterable[RouterEvent] | DumpSnapshot,
         mirror: Iterable[MirrorRow],
         attachment: AttachmentProgress | None,
     ) -> None:
         """Replace the snapshot with the state at outbound id ``at_id`` and drop the suffix <= ``at_id``, in
-        one transaction; then give the freed pages back to the file system."""
+        one transaction; then give the freed pages back to the file system.
+
+        ``events`` is the tree dump at ``at_id``: its events, or (much cheaper, and the same rows) the
+        index's :class:`~kvagent.index.recovery_index.DumpSnapshot`, which is a copy safe to read here.
+        """
+        chunks = (
+            encode_dump_chunks(events) if isinstance(events, DumpSnapshot) else encode_snapshot_chunks(events)
+        )
         _check_id(at_id, "snapshot id", minimum=0)
         progress = None if attachment is None else attachment_to_bytes(attachment)
         with self._transaction() as db:
@@ -299,12 +326,10 @@ class SlotStore:
                 raise ValueError(
                     f"snapshot id {at_id} is outside [{current.snapshot_id}, {current.lease_end})"
                 )
-            db.execute("DELETE FROM events WHERE event_id <= ?", (at_id,))
+            db.execute("DELETE FROM batches WHERE last_id <= ?", (at_id,))
             db.execute("DELETE FROM snapshot")
             db.execute("DELETE FROM mirror")
-            db.executemany(
-                "INSERT INTO snapshot (chunk, body) VALUES (?, ?)", enumerate(encode_snapshot_chunks(events))
-            )
+            db.executemany("INSERT INTO snapshot (chunk, body) VALUES (?, ?)", enumerate(chunks))
             db.executemany(
                 "INSERT INTO mirror (chunk, body) VALUES (?, ?)", enumerate(encode_mirror_chunks(mirror))
             )
@@ -313,7 +338,7 @@ class SlotStore:
                 " clean = 0",
                 (at_id, max(at_id, current.last_event_id or 0), progress),
             )
-            suffix_count = db.execute("SELECT count(*) FROM events").fetchone()[0]
+            suffix_count = _suffix_count(db)
         self._suffix_count = suffix_count
         self._shrink()
 
@@ -415,8 +440,20 @@ def _is_schema_error(exc: sqlite3.Error) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "no such" in str(exc)
 
 
-def _prepare(path: Path, db: sqlite3.Connection) -> int | None:
-    """Set the connection up and check the file's header and integrity; the suffix length (None: new)."""
+def _check_header(path: Path) -> None:
+    """Refuse a file that is not SQLite before SQLite sees it: SQLite would delete a -wal beside it, and
+    the refused file is kept with its WAL for inspection."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(len(_SQLITE_MAGIC))
+    except FileNotFoundError:
+        return
+    if header and header != _SQLITE_MAGIC:
+        raise StateFileError(path, "not a SQLite database (bad header)")
+
+
+def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
+    """Set the connection up and check the file's header and integrity (None: a new file)."""
     try:
         # auto_vacuum takes effect only if set before the first table is made, and before WAL mode
         # writes the header; on an existing file it is a no-op without a VACUUM.
@@ -440,8 +477,10 @@ def _prepare(path: Path, db: sqlite3.Connection) -> int | None:
         if problems != ["ok"]:
             raise StateFileError(path, f"integrity check failed: {'; '.join(problems)}")
         _configure(db)
-        count: int = db.execute("SELECT count(*) FROM events").fetchone()[0]
-        return count
+        row = db.execute("SELECT lease_end FROM slot").fetchone()
+        if row is None or not isinstance(row[0], int):
+            raise StateFileError(path, "the slot row is missing")
+        return _Found(_suffix_count(db), row[0])
     except sqlite3.DatabaseError as exc:
         if _is_refusal(exc) or _is_schema_error(exc):
             raise StateFileError(path, str(exc)) from exc
@@ -476,10 +515,7 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         for (body,) in db.execute("SELECT body FROM mirror ORDER BY chunk")
         for row in decode_mirror_chunk(body)
     ]
-    suffix = [
-        decode_event_row(body, tokens)
-        for body, tokens in db.execute("SELECT body, tokens FROM events ORDER BY event_id")
-    ]
+    suffix = _suffix_after(db, snapshot_id or 0)
     _check_consistent(suffix, last, snapshot_id, lease_end)
     return LoadedSlot(
         identity=SlotIdentityRecord(name, _from_i64(publisher_id), cache_owner_id),
@@ -493,6 +529,31 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         suffix_events=tuple(suffix),
         mirror=tuple(mirror),
     )
+
+
+def _suffix_count(db: sqlite3.Connection) -> int:
+    """The events stored after the snapshot (a batch that straddles the snapshot id counts whole)."""
+    (count,) = db.execute("SELECT coalesce(sum(count), 0) FROM batches").fetchone()
+    return int(count)
+
+
+def _suffix_after(db: sqlite3.Connection, snapshot_id: int) -> list[RouterEvent]:
+    """The stored events with ids above the snapshot's, checked against their rows' id ranges."""
+    suffix: list[RouterEvent] = []
+    previous = -1
+    for first_id, last_id, count, body in db.execute(
+        "SELECT first_id, last_id, count, body FROM batches ORDER BY first_id"
+    ):
+        events = decode_batch(body)
+        ids = [event.event_id for event in events]
+        if len(ids) != count or not ids or (ids[0], ids[-1]) != (first_id, last_id) or first_id <= previous:
+            raise CodecError(f"batch row {first_id}..{last_id} does not hold its events")
+        if any(later <= earlier for earlier, later in itertools.pairwise(ids)):
+            raise CodecError(f"batch row {first_id}..{last_id} has ids out of order")
+        previous = last_id
+        # A batch that straddles the snapshot keeps only its events after it.
+        suffix.extend(events if first_id > snapshot_id else [e for e in events if e.event_id > snapshot_id])
+    return suffix
 
 
 def _check_consistent(
