@@ -76,6 +76,12 @@ def before_crash() -> Slot:
     return slot
 
 
+def test_a_restored_coordinator_shows_where_ids_continue_and_cache_owner_unready() -> None:
+    restored = Restored(before_crash(), first_id=100)
+    status = restored.status.get()
+    assert (status.outbound_cursor, status.cache_owner_ready, status.attachment) == (99, False, None)
+
+
 def test_a_resumed_attach_publishes_no_barrier_and_continues_at_the_first_id() -> None:
     restored = Restored(before_crash(), first_id=100)
     attachment = restored.core.attach(attachment_for(FIRST), resume=RESUME)
@@ -164,6 +170,17 @@ def test_an_in_place_restart_forgets_the_progress() -> None:
     slot.core.handle_ingress(digest_chunk(generation, 5, [store(W, None, 1, 1)], digest=10, final=False))
     slot.core.handle_ingress(digest_chunk(generation, 2, [store(W, None, 2, 2)], digest=20, final=False))
     assert slot.core.counters.restarts == 1
+    assert slot.core.source_progress() is None
+
+
+def test_a_detach_barrier_leaves_nothing_to_resume_but_a_quarantine_keeps_the_progress() -> None:
+    slot = Slot()
+    generation = slot.core.attach(attachment_for(FIRST)).generation
+    slot.core.handle_ingress(digest_chunk(generation, 0, [store(W, None, 1, 1)], digest=10))
+    slot.core.quarantine(generation, "test")
+    assert slot.core.source_progress() == (generation, 0, 10), "the applied state is still that batch's"
+    slot.core.begin_detach(generation)
+    slot.core.complete_detach(generation, [])
     assert slot.core.source_progress() is None
 
 
