@@ -23,6 +23,7 @@ from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.counters import CoordinatorCounters, CoordinatorStatistics
 from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCursorTracker
 from kvagent.coordinator.dedup import DedupFilter
+from kvagent.coordinator.lease import OutboundIdLease
 from kvagent.coordinator.signals import SourceProgress, SourceSignalHandling
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
@@ -62,7 +63,7 @@ class LocalIndex(Protocol):
     def current_event_id(self) -> int: ...
 
 
-class SlotCoordinator(SourceSignalHandling):
+class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
     """Sans-IO coordinator of one stable DP slot; see the module docstring.
 
     ``first_outbound_id`` is where a restarted agent's ids continue; ``lease_end`` (None: no lease) is the
@@ -180,7 +181,6 @@ class SlotCoordinator(SourceSignalHandling):
         self._publish_status()
         if resume is None:
             barrier_cursor = self._attach_barrier(attachment)
-            self._source_progress = None
         else:
             barrier_cursor = self.outbound_cursor
             attachment = attrs.evolve(attachment, source_state=SourceState.DISCONNECTED)
@@ -213,6 +213,7 @@ class SlotCoordinator(SourceSignalHandling):
         """A restarted agent's restored state, before anything is attached: attachment generations continue
         at ``next_generation``, and the Worker dedup counts each restored resident ``(dp_rank, tier, hash)``
         once (the index keeps sets; copies the engine held twice are forgotten, so their first remove passes).
+        Publishes a status: the outbound cursor where ids continue, CacheOwner unready.
         """
         if self._attachment is not None:
             raise CoordinatorError("restore needs a coordinator with no attachment", code="conflict")
@@ -220,29 +221,10 @@ class SlotCoordinator(SourceSignalHandling):
             raise ValueError(f"next_generation must be in [1, U64_MAX), got {next_generation}")
         self._next_attachment_generation = next_generation
         self._dedup.seed(ResidencyDomain.WORKER, worker_blocks)
-
-    # -- the outbound id lease (issue #17) ---------------------------------------------------------
-
-    @property
-    def lease_end(self) -> int | None:
-        return self._lease_end
-
-    def set_lease_end(self, lease_end: int) -> None:
-        """The persisted lease now reaches ``lease_end`` (never moves back)."""
-        if self._lease_end is None or lease_end > self._lease_end:
-            self._lease_end = lease_end
-            self._id_limit = min(lease_end, U64_MAX)
-
-    def ids_available(self) -> int | None:
-        """Ids that may still be stamped under the lease (None: no lease)."""
-        return None if self._lease_end is None else max(0, self._id_limit - self._next_outbound_id)
-
-    @staticmethod
-    def ids_needed(item: IngressChunk | SourceSignal) -> int:
-        """The most outbound ids handling ``item`` can take (an event each, plus a restart barrier)."""
-        if type(item) is IngressChunk:
-            return len(item.events) + 1
-        return 1 if isinstance(item, SourceSignal) and item.reset else 0
+        # The restored CacheOwner state is the persisted one: unready until a resumed attach is proven (a
+        # fresh attach makes it advisory again, as any fresh attach does).
+        self._cache_owner_resyncing = True
+        self._publish_status()
 
     def begin_detach(self, generation: int) -> None:
         attachment = self._require_attachment()
@@ -386,7 +368,6 @@ class SlotCoordinator(SourceSignalHandling):
             raise CoordinatorError("failed to publish Worker restart barrier", code="internal") from error
         self._continuity.reset()
         self._dedup.reset_domain(attachment.worker.dp_rank, ResidencyDomain.WORKER)
-        self._source_progress = None
 
     # -- failure functions (3.6) -------------------------------------------------------------------
 
@@ -436,6 +417,8 @@ class SlotCoordinator(SourceSignalHandling):
     def _apply_and_publish_reset(self, worker: WorkerWithDpRank) -> int:
         """Publish a Worker-domain Cleared for ``worker`` as its own chunk; returns its outbound id."""
         barrier = PlacementEvent(CLEARED, StorageTier.DEVICE, ResidencyDomain.WORKER, worker.dp_rank)
+        # The Worker state no longer follows any engine batch: nothing to resume from until the next one.
+        self._source_progress = None
         self._apply_and_publish([barrier])
         return self._next_outbound_id - 1
 

@@ -50,7 +50,8 @@ class SourceSignalHandling:
         """(generation, engine seq, digest) of the last batch applied with complete history, or None.
 
         Updated when the final chunk of a batch is handled (also when dedup left nothing to publish);
-        None after a reset or a degradation, until a batch completes again while not degraded.
+        None after any Worker barrier (attach, detach, reset, in-place restart) or a degradation, until a
+        batch completes again while not degraded.
         """
         return self._source_progress
 
@@ -101,7 +102,6 @@ class SourceSignalHandling:
             ) from error
         self._continuity.reset()
         self._dedup.reset_domain(worker.dp_rank, ResidencyDomain.WORKER)
-        self._source_progress = None
         self._reset_since_loss = True
         attachment = self._require_attachment()
         if (signal.state or attachment.source_state) is SourceState.READY:

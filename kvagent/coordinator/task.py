@@ -288,8 +288,11 @@ class CoordinatorHandle:
         """Return once :attr:`ingress_bytes` is at most ``limit`` (woken by the coordinator, no polling)."""
         await self._meter.wait_at_most(limit)
 
-    async def attach(self, attachment: Attachment) -> Attachment:
-        return await self._call(lambda core, _: core.attach(attachment), "state-agent attach was dropped")
+    async def attach(self, attachment: Attachment, *, resume: tuple[int, int] | None = None) -> Attachment:
+        """Attach (``resume``: a restarted agent's resumed attach, see SlotCoordinator.attach)."""
+        return await self._call(
+            lambda core, _: core.attach(attachment, resume=resume), "state-agent attach was dropped"
+        )
 
     async def begin_detach(self, generation: int) -> None:
         await self._call(

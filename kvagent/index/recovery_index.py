@@ -389,14 +389,50 @@ class RecoveryIndex:
         if self._ring or self._stores or self._subscribers or self._gap_end:
             raise RuntimeError("restore needs an empty index with no subscribers")
         with gc_paused():
-            for event in snapshot_events:
-                self._restore_state(event)
+            self._restore_snapshot(snapshot_events)
         if snapshot_id:
             self._gap_floor = self._gap_end = snapshot_id
         self._applied += 1
         self._dump_cache = self._snapshot_cache = None
         for event in suffix_events:
             self.apply(event)
+
+    def _restore_snapshot(self, events: Iterable[RouterEvent]) -> None:
+        """Apply a dump's one-block stores, a chain at a time: a dump lists each chain's blocks in a row, so
+        consecutive blocks of one route, each the child of the one before, are one store (as when live)."""
+        first: RouterEvent | None = None  # the first event of the chain being gathered
+        hashes: list[int] = []
+        tokens: list[int] = []
+        for event in events:
+            data = event.data
+            if (
+                first is not None
+                and type(data) is Stored
+                and data.parent_hash == hashes[-1]
+                and len(data.block_hashes) == 1
+                and data.mm_extra_infos is None
+                and event.storage_tier is first.storage_tier
+                and event.worker_id == first.worker_id
+                and event.dp_rank == first.dp_rank
+                and event.residency_domain is first.residency_domain
+                and event.state_source == first.state_source
+            ):
+                hashes.append(data.block_hashes[0])
+                tokens.append(data.tokens_hashes[0])
+                continue
+            if first is not None:
+                self._restore_chain(first, hashes, tokens)
+                first = None
+            if type(data) is Stored and len(data.block_hashes) == 1 and data.mm_extra_infos is None:
+                first, hashes, tokens = event, [data.block_hashes[0]], [data.tokens_hashes[0]]
+            else:
+                self._restore_state(event)
+        if first is not None:
+            self._restore_chain(first, hashes, tokens)
+
+    def _restore_chain(self, first: RouterEvent, hashes: list[int], tokens: list[int]) -> None:
+        parent = first.data.parent_hash if type(first.data) is Stored else None
+        self._restore_state(attrs.evolve(first, data=Stored(parent, tuple(hashes), tuple(tokens))))
 
     def _restore_state(self, event: RouterEvent) -> None:
         data = event.data
