@@ -194,12 +194,7 @@ async def attach_resuming(
     coordinator: CoordinatorHandle, attachment: Attachment, resume: tuple[int, int] | None
 ) -> Attachment:
     """``coordinator.attach``, resuming from ``resume`` (engine seq, digest) when given."""
-    if resume is None:
-        return await coordinator.attach(attachment)
-    # TODO(wiring): CoordinatorHandle.attach(..., resume=) once it exists (requested in WIRING-REQUESTS.md).
-    return await coordinator._call(
-        lambda core, _: core.attach(attachment, resume=resume), "state-agent attach was dropped"
-    )
+    return await coordinator.attach(attachment, resume=resume)
 
 
 async def withdraw_stale_records(

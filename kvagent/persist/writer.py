@@ -29,9 +29,7 @@ import attrs
 import structlog
 import trio
 
-from kvagent.index.recovery_index import DumpSnapshot, RecoveryIndex
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT
-from kvagent.model.events import RouterEvent, Stored
+from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.status import PersistenceStatus
 from kvagent.persist.store import LEASE_BLOCK, AttachmentProgress, MirrorRow, SlotStore, StoreWriteError
 
@@ -44,7 +42,6 @@ __all__ = [
     "PersistenceStatistics",
     "PersistenceWriter",
     "RepublishMirror",
-    "snapshot_events",
 ]
 
 log = structlog.get_logger(__name__)
@@ -269,7 +266,7 @@ class PersistenceWriter:
             await trio.to_thread.run_sync(
                 self._store.write_snapshot,
                 snapshot.last_event_id,
-                snapshot_events(snapshot),
+                snapshot,  # a consistent copy: encoded in the worker thread
                 () if mirror is None else mirror,
                 progress,
             )
@@ -310,26 +307,3 @@ class PersistenceWriter:
             await trio.to_thread.run_sync(
                 partial(self._store.mark_clean, stamped, last_republish_seq=republish_seq)
             )
-
-
-def snapshot_events(snapshot: DumpSnapshot) -> Iterator[RouterEvent]:
-    """The events of a tree dump of ``snapshot`` (one one-block Stored per live row, parents first).
-
-    Safe in a worker thread: a DumpSnapshot is a copy that nothing mutates.
-    """
-    event_id = 0
-    for worker_id, tier, domain, dp_rank, source, columns in snapshot.groups:
-        mm = columns.mm
-        rows = zip(columns.hashes, columns.parents, columns.tokens, columns.flags, strict=True)
-        for row, (block, parent, tokens, flag) in enumerate(rows):
-            if flag == FLAG_DEAD:
-                continue
-            info = mm.get(row) if mm else None
-            data = Stored(
-                parent if flag == FLAG_PARENT else None,
-                (block,),
-                (tokens,),
-                None if info is None else (info,),
-            )
-            yield RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, source)
-            event_id += 1
