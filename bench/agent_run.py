@@ -91,7 +91,9 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
                     while agent.statistics().persistence.lag_events > 0:  # type: ignore[union-attr]
                         await trio.sleep(0.01)  # polling the writer's lag, bounded
                 result["persisted_seconds"] = time.perf_counter() - started
-                result["persistence"] = _attrs_dict(agent.statistics().persistence)
+                persistence = agent.statistics().persistence
+                assert persistence is not None
+                result["persistence"] = {**_attrs_dict(persistence), "state": persistence.state.value}
                 result["resident_blocks"] = agent.index.resident_block_count
             result.update(
                 seconds=finished - started,

@@ -30,6 +30,7 @@ import structlog
 import trio
 
 from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.events import RouterEvent
 from kvagent.model.status import PersistenceStatus
 from kvagent.persist.store import LEASE_BLOCK, AttachmentProgress, MirrorRow, SlotStore, StoreWriteError
 
@@ -86,6 +87,8 @@ class PersistenceOptions:
     # Compaction: a snapshot once the suffix holds more than max(min, factor x resident blocks) events.
     compact_min_events: int = 4096
     compact_factor: int = 2
+    # Events held for the next write beyond which a snapshot is written instead (a very slow disk).
+    max_held_events: int = 1 << 20
     retry_initial: float = 1.0
     retry_max: float = 30.0
 
@@ -154,6 +157,10 @@ class PersistenceWriter:
         self._failures = 0
         self._bytes = 0
         self._lock = trio.Lock()  # one thread at a time on the slot's connection
+        # The events applied since the last write, collected by an index subscription (the index's ring is
+        # far too short to be read back at burst rates).
+        self._events: list[RouterEvent] = []
+        self._unsubscribe: Callable[[], None] | None = None
 
     # --- read side ---------------------------------------------------------------------------------
 
@@ -173,7 +180,7 @@ class PersistenceWriter:
             lease_end=self._lease_end,
         )
 
-    def _pending(self) -> bool:
+    def _has_work(self) -> bool:
         return (
             self._needs_snapshot
             or self._index.current_event_id() > self._persisted_id
@@ -196,14 +203,34 @@ class PersistenceWriter:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Persist until cancelled; never raises for a disk error (it retries with back-off)."""
+        self._follow()
+        if self._index.current_event_id() != self._persisted_id:
+            self._needs_snapshot = True  # applied before we followed: only a snapshot holds those
         self._bytes = await trio.to_thread.run_sync(self._store.disk_bytes)
         task_status.started()
+        await self._loop()
+
+    def _follow(self) -> None:
+        """Collect every event the index applies from now on (a C-level append per event)."""
+        self._stop_following()
+        self._events.clear()
+        self._unsubscribe = self._index.subscribe(self._events.append)
+
+    def _stop_following(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._events.clear()
+
+    async def _loop(self) -> None:
         delay = self._options.retry_initial
         while True:
-            await self._wait_until(self._pending)
+            await self._wait_until(self._has_work)
             try:
                 await self.flush()
-            except IO_ERRORS as exc:
+            except Exception as exc:
+                if not isinstance(exc, IO_ERRORS):  # a bug of ours: still never worth stopping the slot
+                    log.exception("persistence_write_failed")
                 self._fail(exc, delay)
                 await trio.sleep(delay)  # back-off between retries of a failing disk, not synchronisation
                 delay = min(delay * 2, self._options.retry_max)
@@ -215,8 +242,10 @@ class PersistenceWriter:
 
     def _fail(self, exc: BaseException, delay: float) -> None:
         self._failures += 1
-        # What failed may have been only half applied on our side: start over from a snapshot.
+        # What failed may have been only half applied on our side: start over from a snapshot, and hold no
+        # events meanwhile (a disk that fails for minutes must not grow our memory).
         self._needs_snapshot = True
+        self._stop_following()
         if self._state is not PersistenceState.FAILED:
             log.error("persistence_failed", error=str(exc), retry_in=delay)
         self._state = PersistenceState.FAILED
@@ -234,7 +263,8 @@ class PersistenceWriter:
                     await trio.sleep(MIRROR_RETRY)  # a republish snapshot stream holds the mirror back
                     return
             elif current > self._persisted_id or progress != self._persisted_progress:
-                tail = self._index.ring_tail(self._persisted_id + 1)
+                tail = self._events[:]  # every event after the persisted id, in this same synchronous step
+                self._events.clear()
                 await trio.to_thread.run_sync(self._store.append, tail, progress)
                 self._appends += 1
                 self._suffix += len(tail)
@@ -245,11 +275,10 @@ class PersistenceWriter:
     def _snapshot_due(self, current: int) -> bool:
         if self._needs_snapshot:
             return True
+        if self._unsubscribe is None or len(self._events) > self._options.max_held_events:
+            return True  # not following (after a failure), or far behind: a snapshot is cheaper
         if current <= self._persisted_id:
             return False
-        oldest = self._index.oldest_buffered_id()
-        if oldest is None or oldest > self._persisted_id + 1:
-            return True  # the ring no longer holds every event after the persisted id
         options = self._options
         bound = max(options.compact_min_events, options.compact_factor * self._index.resident_block_count)
         return self._suffix + (current - self._persisted_id) > bound
@@ -262,6 +291,10 @@ class PersistenceWriter:
             if mirror is None:
                 return False
         snapshot = self._index.dump_snapshot()
+        if self._unsubscribe is None:
+            self._follow()  # in the same synchronous step as the copy: the next events follow it
+        else:
+            self._events.clear()
         try:
             await trio.to_thread.run_sync(
                 self._store.write_snapshot,
@@ -307,3 +340,4 @@ class PersistenceWriter:
             await trio.to_thread.run_sync(
                 partial(self._store.mark_clean, stamped, last_republish_seq=republish_seq)
             )
+        self._stop_following()

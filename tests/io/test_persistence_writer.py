@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.events import Removed, ResidencyDomain, RouterEvent, Stored
 from kvagent.persist.store import (
     AttachmentProgress,
@@ -177,9 +178,9 @@ async def test_appends_trail_the_index_and_load_as_the_state_at_the_persisted_id
         assert not loaded.clean
 
 
-async def test_a_writer_behind_the_ring_writes_a_snapshot_instead(tmp_path: Path) -> None:
+async def test_a_writer_started_after_events_were_applied_writes_a_snapshot_first(tmp_path: Path) -> None:
     async with running_writer(tmp_path, ring_capacity=8, start=False) as rig:
-        for block in range(200, 240):  # 40 events through an 8-event ring before the writer runs
+        for block in range(200, 240):  # 40 events (through an 8-event ring) before the writer runs
             rig.step(block)
         async with trio.open_nursery() as nursery:
             await nursery.start(rig.writer.run)
@@ -243,7 +244,7 @@ class FlakyStore(SlotStore):
     def write_snapshot(
         self,
         at_id: int,
-        events: Iterable[RouterEvent],
+        events: Iterable[RouterEvent] | DumpSnapshot,
         mirror: Iterable[MirrorRow],
         attachment: AttachmentProgress | None,
     ) -> None:
