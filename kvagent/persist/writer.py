@@ -87,6 +87,8 @@ class PersistenceOptions:
     # Compaction: a snapshot once the suffix holds more than max(min, factor x resident blocks) events.
     compact_min_events: int = 4096
     compact_factor: int = 2
+    # The shortest time between two appends: more events a transaction, fewer commits and thread hops.
+    min_interval: float = 0.02
     # Events held for the next write beyond which a snapshot is written instead (a very slow disk).
     max_held_events: int = 1 << 20
     retry_initial: float = 1.0
@@ -239,6 +241,7 @@ class PersistenceWriter:
                 log.info("persistence_recovered", persisted_id=self._persisted_id)
             self._state = PersistenceState.OK
             delay = self._options.retry_initial
+            await trio.sleep(self._options.min_interval)  # batching: let a few drains accumulate
 
     def _fail(self, exc: BaseException, delay: float) -> None:
         self._failures += 1
