@@ -176,12 +176,15 @@ class SlotStore:
     # --- opening and refusing --------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: Path, *, create: bool = True) -> SlotStore:
+    def open(cls, path: Path, *, create: bool = True, exclusive: bool = False) -> SlotStore:
         """Open (or with ``create``, create) the state file; :class:`StateFileError` if it is refused.
 
-        The store holds the file exclusively until closed: another process that has it open makes this
-        raise :class:`StateFileInUse`. A missing file with ``create=False`` raises FileNotFoundError. Other
-        SQLite failures (an I/O error) propagate as ``sqlite3.Error``: they say nothing about the content.
+        With ``exclusive`` (what an agent should use) the store holds the file from open to close, so a
+        second agent configured with the same state directory gets :class:`StateFileInUse` instead of
+        sharing an id space; without it, other connections may read the file meanwhile (tests, tools), and
+        a writer that holds it also makes this raise StateFileInUse. A missing file with ``create=False``
+        raises FileNotFoundError. Other SQLite failures (an I/O error) propagate as ``sqlite3.Error``: they
+        say nothing about the file's content.
         """
         path = Path(path)
         if not create and not path.exists():
@@ -191,7 +194,7 @@ class SlotStore:
         _check_header(path)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
-            found = _prepare(path, db)
+            found = _prepare(path, db, exclusive=exclusive)
         except BaseException:
             db.close()
             raise
@@ -467,12 +470,13 @@ def _check_header(path: Path) -> None:
         raise StateFileError(path, "not a SQLite database (bad header)")
 
 
-def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
+def _prepare(path: Path, db: sqlite3.Connection, *, exclusive: bool) -> _Found | None:
     """Set the connection up and check the file's header and integrity (None: a new file)."""
     try:
-        # One agent per state file: the connection's first access takes a lock it keeps until closed
-        # (in WAL mode without a shared-memory index, so no -shm file either); a second opener gets BUSY.
-        db.execute("PRAGMA locking_mode = EXCLUSIVE")
+        if exclusive:
+            # One agent per state file: the first access takes a lock kept until the connection closes
+            # (in WAL mode without a shared-memory index, so no -shm file either); other openers get BUSY.
+            db.execute("PRAGMA locking_mode = EXCLUSIVE")
         # auto_vacuum takes effect only if set before the first table is made, and before WAL mode
         # writes the header; on an existing file it is a no-op without a VACUUM.
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")
@@ -510,7 +514,8 @@ def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
 
 
 def _take_lock(db: sqlite3.Connection) -> None:
-    """Take the write lock now; in exclusive locking mode it is kept until the connection closes."""
+    """Take the write lock once: BUSY now if another connection writes; in exclusive locking mode the lock
+    is then kept until the connection closes."""
     db.execute("BEGIN IMMEDIATE")
     db.execute("COMMIT")
 

@@ -373,12 +373,20 @@ def test_a_full_disk_fails_the_write_whole_and_the_store_stays_usable(store: Slo
     assert loaded.attachment == PROGRESS  # the failed write's progress never landed
 
 
-def test_a_state_file_in_use_cannot_be_opened_again(store: SlotStore) -> None:
-    with pytest.raises(StateFileInUse, match="in use by another process") as caught:
-        SlotStore.open(store.path)
-    assert caught.value.code == "conflict"
+def test_an_exclusive_store_keeps_every_other_opener_out(store: SlotStore) -> None:
+    reader = SlotStore.open(store.path)  # a non-exclusive store leaves the file readable by others
+    assert reader.load() is not None
+    reader.close()
     store.close()
-    assert SlotStore.open(store.path).load() is not None  # the file was never refused
+    agent = SlotStore.open(store.path, exclusive=True)
+    for exclusive in (True, False):
+        with pytest.raises(StateFileInUse, match="in use by another process") as caught:
+            SlotStore.open(store.path, exclusive=exclusive)
+        assert caught.value.code == "conflict"
+    agent.close()
+    again = SlotStore.open(store.path, exclusive=True)
+    assert again.load() is not None  # the file was never refused
+    again.close()
 
 
 # --- refused files ------------------------------------------------------------------------------------------
