@@ -56,6 +56,7 @@ __all__ = [
     "SlotIdentityRecord",
     "SlotStore",
     "StateFileError",
+    "StateFileInUse",
     "StoreWriteError",
 ]
 
@@ -68,6 +69,8 @@ _I64_MAX: Final = (1 << 63) - 1
 # SQLite result codes that mean "this file is not a usable database" (the primary code, low byte).
 _SQLITE_CORRUPT: Final = 11
 _SQLITE_NOTADB: Final = 26
+_SQLITE_BUSY: Final = 5
+_SQLITE_LOCKED: Final = 6
 _SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 
 _SCHEMA = (
@@ -100,6 +103,13 @@ class StateFileError(KvAgentError):
         self.path = path
         self.reason = " ".join(reason.split())  # one line, whatever SQLite said
         super().__init__(f"refused state file {path}: {self.reason}")
+
+
+class StateFileInUse(KvAgentError):
+    """Another process holds the state file (two agents configured with one state directory); the file is
+    fine and must not be set aside."""
+
+    default_code = "conflict"
 
 
 class StoreWriteError(KvAgentError):
@@ -166,19 +176,25 @@ class SlotStore:
     # --- opening and refusing --------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: Path, *, create: bool = True) -> SlotStore:
+    def open(cls, path: Path, *, create: bool = True, exclusive: bool = False) -> SlotStore:
         """Open (or with ``create``, create) the state file; :class:`StateFileError` if it is refused.
 
-        A missing file with ``create=False`` raises FileNotFoundError. Other SQLite failures (a busy lock,
-        an I/O error) propagate as ``sqlite3.Error``: they say nothing about the file's content.
+        With ``exclusive`` (what an agent should use) the store holds the file from open to close, so a
+        second agent configured with the same state directory gets :class:`StateFileInUse` instead of
+        sharing an id space; without it, other connections may read the file meanwhile (tests, tools), and
+        a writer that holds it also makes this raise StateFileInUse. A missing file with ``create=False``
+        raises FileNotFoundError. Other SQLite failures (an I/O error) propagate as ``sqlite3.Error``: they
+        say nothing about the file's content.
         """
         path = Path(path)
         if not create and not path.exists():
             raise FileNotFoundError(f"no state file {path}")
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
         _check_header(path)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
-            found = _prepare(path, db)
+            found = _prepare(path, db, exclusive=exclusive)
         except BaseException:
             db.close()
             raise
@@ -396,9 +412,11 @@ class SlotStore:
     def _transaction(self, *, durable: bool = False) -> Iterator[sqlite3.Connection]:
         """One write transaction, rolled back on any error; a SQLite failure becomes StoreWriteError."""
         db = self._connection()
-        if durable:
-            db.execute("PRAGMA synchronous = FULL")
         try:
+            if db.in_transaction:  # a ROLLBACK that failed after an earlier failure: try it again
+                db.execute("ROLLBACK")
+            if durable:
+                db.execute("PRAGMA synchronous = FULL")
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
@@ -452,9 +470,13 @@ def _check_header(path: Path) -> None:
         raise StateFileError(path, "not a SQLite database (bad header)")
 
 
-def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
+def _prepare(path: Path, db: sqlite3.Connection, *, exclusive: bool) -> _Found | None:
     """Set the connection up and check the file's header and integrity (None: a new file)."""
     try:
+        if exclusive:
+            # One agent per state file: the first access takes a lock kept until the connection closes
+            # (in WAL mode without a shared-memory index, so no -shm file either); other openers get BUSY.
+            db.execute("PRAGMA locking_mode = EXCLUSIVE")
         # auto_vacuum takes effect only if set before the first table is made, and before WAL mode
         # writes the header; on an existing file it is a no-op without a VACUUM.
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")
@@ -464,6 +486,7 @@ def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
         tables = db.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0]
         if application_id == 0 and version == 0 and tables == 0:
             _configure(db)
+            _take_lock(db)
             return None
         if application_id != APPLICATION_ID:
             raise StateFileError(path, "not a kvagent state file")
@@ -480,11 +503,21 @@ def _prepare(path: Path, db: sqlite3.Connection) -> _Found | None:
         row = db.execute("SELECT lease_end FROM slot").fetchone()
         if row is None or not isinstance(row[0], int):
             raise StateFileError(path, "the slot row is missing")
+        _take_lock(db)
         return _Found(_suffix_count(db), row[0])
     except sqlite3.DatabaseError as exc:
         if _is_refusal(exc) or _is_schema_error(exc):
             raise StateFileError(path, str(exc)) from exc
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+            raise StateFileInUse(f"state file {path} is in use by another process") from exc
         raise
+
+
+def _take_lock(db: sqlite3.Connection) -> None:
+    """Take the write lock once: BUSY now if another connection writes; in exclusive locking mode the lock
+    is then kept until the connection closes."""
+    db.execute("BEGIN IMMEDIATE")
+    db.execute("COMMIT")
 
 
 def _configure(db: sqlite3.Connection) -> None:

@@ -42,6 +42,7 @@ from kvagent.persist.store import (
     SlotIdentityRecord,
     SlotStore,
     StateFileError,
+    StateFileInUse,
     StoreWriteError,
 )
 from tests.support.ids import OWNER, OWNER_TEXT
@@ -340,9 +341,9 @@ def test_a_clean_stop_never_hands_out_ids_a_crashed_run_may_have_used(store: Slo
     again.mark_clean(None)  # the restarted run stamped nothing: it resumes above the lease
     loaded = reopen(again)
     assert loaded.lease_end == FIRST_LEASE and not loaded.clean
-    with pytest.raises(ValueError, match="beyond its lease"):
-        SlotStore.open(store.path).mark_clean(None, last_republish_seq=FIRST_LEASE)
     unloaded = SlotStore.open(store.path)  # the floor comes from the file, whether or not it was loaded
+    with pytest.raises(ValueError, match="beyond its lease"):
+        unloaded.mark_clean(None, last_republish_seq=FIRST_LEASE)
     with pytest.raises(ValueError, match="outside the ids"):
         unloaded.mark_clean(5)
     unloaded.close()
@@ -354,19 +355,38 @@ def test_writes_after_a_clean_stop_clear_the_flag(store: SlotStore) -> None:
     assert not reopen(store).clean
 
 
-def test_a_failed_write_is_rolled_back_and_the_store_stays_usable(store: SlotStore) -> None:
+def test_a_full_disk_fails_the_write_whole_and_the_store_stays_usable(store: SlotStore) -> None:
     store.append([stored(1, 1)], PROGRESS)
-    blocker = sqlite3.connect(store.path, isolation_level=None)
-    blocker.execute("BEGIN IMMEDIATE")  # another writer holds the lock: SQLITE_BUSY, like any I/O failure
-    try:
-        with pytest.raises(StoreWriteError, match="write failed"):
-            store.append([stored(2, 2)], None)
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
+    db = store._connection()  # SQLite's page cap stands in for a full disk: the same SQLITE_FULL
+    (pages,) = db.execute("PRAGMA page_count").fetchone()
+    db.execute(f"PRAGMA max_page_count = {pages + 2}")
+    big = [stored(n, n, tokens=TOKENS * 64) for n in range(2, 200)]
+    with pytest.raises(StoreWriteError, match="full"):
+        store.append(big, attrs.evolve(PROGRESS, engine_seq=99))
+    with pytest.raises(StoreWriteError, match="full"):
+        store.write_snapshot(199, big, [], None)
     assert store.suffix_length() == 1
-    store.append([stored(2, 2)], None)
-    assert [event.event_id for event in reopen(store).suffix_events] == [1, 2]
+    db.execute("PRAGMA max_page_count = 1073741823")
+    store.append(big, None)  # the retry
+    loaded = reopen(store)
+    assert [event.event_id for event in loaded.suffix_events] == list(range(1, 200))
+    assert loaded.attachment == PROGRESS  # the failed write's progress never landed
+
+
+def test_an_exclusive_store_keeps_every_other_opener_out(store: SlotStore) -> None:
+    reader = SlotStore.open(store.path)  # a non-exclusive store leaves the file readable by others
+    assert reader.load() is not None
+    reader.close()
+    store.close()
+    agent = SlotStore.open(store.path, exclusive=True)
+    for exclusive in (True, False):
+        with pytest.raises(StateFileInUse, match="in use by another process") as caught:
+            SlotStore.open(store.path, exclusive=exclusive)
+        assert caught.value.code == "conflict"
+    agent.close()
+    again = SlotStore.open(store.path, exclusive=True)
+    assert again.load() is not None  # the file was never refused
+    again.close()
 
 
 # --- refused files ------------------------------------------------------------------------------------------
