@@ -330,6 +330,10 @@ class RecoveryIndex:
             return TooNewAnswer(start, end, newest)
         return EventsAnswer(self.ring_tail(start), newest)
 
+    def answers_with_dump(self, start: int | None, end: int | None) -> bool:
+        """Whether a range from ``start`` is answered with a tree dump (heavy work), without building it."""
+        return not self._ring_covers(start) and not (start is not None and end is not None and end < start)
+
     def _ring_covers(self, start: int | None) -> bool:
         """Every event from ``start`` on is in the ring (ids of the gap count as present and empty)."""
         if start is None:
@@ -350,7 +354,7 @@ class RecoveryIndex:
         if cached is not None and cached[0] != self._applied:
             # Stale: release the copy now rather than hold a whole dump until the next one.
             self._snapshot_cache = None
-        if not self._ring_covers(start) and not (start is not None and end is not None and end < start):
+        if self.answers_with_dump(start, end):
             try:
                 return self.dump_snapshot()
             except Exception as exc:  # 4.5: any failure becomes TreeDumpFailed, never an empty dump

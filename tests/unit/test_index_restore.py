@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvagent.index.recovery_index import EventsAnswer, RecoveryIndex, TooNewAnswer, TreeDumpAnswer
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import ResidencyDomain, RouterEvent, StorageTier, WorkerWithDpRank
+from kvagent.recovery.session import open_follow
 from tests.unit.test_index import build, operations, state, store
 
 W = ResidencyDomain.WORKER
@@ -113,6 +114,8 @@ def test_skipped_ids_exist_and_are_empty(suffix_to: int) -> None:
     for start in range(suffix_to + 1, 21):
         answer = index.events_in_range(start, None)
         assert answer == EventsAnswer((), 20), f"start {start}: the skipped ids carry nothing"
+        assert not index.answers_with_dump(start, None)
+        assert index.range_or_snapshot(start, None) == answer
     assert index.events_in_range(21, None) == TooNewAnswer(21, None, 20)
     index.apply(store(21, (21,)))
     index.apply(store(22, (22,)))
@@ -130,6 +133,7 @@ def test_a_follower_inside_the_skip_gets_a_dump_once_the_ring_evicted_the_events
     for event_id in (21, 22, 23):
         index.apply(store(event_id, (event_id,)))
     assert isinstance(index.events_in_range(15, None), TreeDumpAnswer), "21 is gone: the tail is incomplete"
+    assert index.answers_with_dump(15, None) and not index.answers_with_dump(15, 14)
     answer = index.events_in_range(22, None)
     assert isinstance(answer, EventsAnswer) and [e.event_id for e in answer.events] == [22, 23]
 
@@ -150,3 +154,15 @@ def test_skip_to_on_a_new_index_and_the_dump_names_the_skipped_id() -> None:
     assert index.events_in_range(1, None) == EventsAnswer((), 1 << 24)
     dump = index.events_in_range(None, None)
     assert isinstance(dump, TreeDumpAnswer) and dump.last_event_id == 1 << 24
+
+
+@pytest.mark.parametrize("from_cursor", [8, 9, 15, 20])
+def test_a_follower_that_saw_skipped_or_persisted_ids_follows_on_without_a_dump(from_cursor: int) -> None:
+    index = skipped(8, 20)
+    session = open_follow(index, from_cursor, capacity=16)
+    try:
+        assert session.backlog == EventsAnswer((), 20)
+        index.apply(store(21, (21,)))
+        assert [event.event_id for event in session.buffer.drain(16)] == [21]
+    finally:
+        session.unsubscribe()
