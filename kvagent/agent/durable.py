@@ -49,7 +49,7 @@ from kvagent.persist.writer import (
     PersistenceWriter,
     RepublishMirror,
 )
-from kvagent.publish.republish_state import MirrorRows, RepublishState
+from kvagent.publish.republish_state import MirrorRows
 from kvagent.publish.republisher import VllmRepublisher
 
 __all__ = [
@@ -106,7 +106,7 @@ class DurableSlot:
         core.restore(next_generation=generation + 1, worker_blocks=index.resident_worker_blocks())
         if republisher is not None:
             rows = [(r.tier, r.block_hash, r.parent_hash, r.token_bytes) for r in loaded.mirror]
-            _republish_state(republisher).restore(rows, loaded.suffix_events, self.republish_next_seq)
+            republisher.state.restore(rows, loaded.suffix_events, self.republish_next_seq)
 
     def persisted_attachment(self) -> AttachmentConfig | None:
         """The engine the state was attached to (for a slot configured without an engine)."""
@@ -184,12 +184,6 @@ def attachment_progress(
     )
 
 
-def _republish_state(republisher: VllmRepublisher) -> RepublishState:
-    # TODO(wiring): VllmRepublisher.state once it exists (requested in WIRING-REQUESTS.md).
-    state: RepublishState = republisher._state
-    return state
-
-
 async def attach_resuming(
     coordinator: CoordinatorHandle, attachment: Attachment, resume: tuple[int, int] | None
 ) -> Attachment:
@@ -236,7 +230,7 @@ class _RepublishMirror:
     """The republisher's seq and mirror, as the writer wants them."""
 
     def __init__(self, republisher: VllmRepublisher) -> None:
-        self._state = _republish_state(republisher)
+        self._state = republisher.state
 
     def last_seq(self) -> int | None:
         return self._state.last_seq
@@ -322,11 +316,11 @@ async def run_durably(
 def _open_or_refuse(path: Path) -> SlotStore:
     """Open the store; a refused file is logged as one line, moved aside, and a new store opened."""
     try:
-        return SlotStore.open(path)
+        return SlotStore.open(path, exclusive=True)
     except StateFileError as exc:
         moved = SlotStore.set_aside(path)
         log.error("state_file_refused", error=str(exc), moved_to=str(moved))
-        return SlotStore.open(path)
+        return SlotStore.open(path, exclusive=True)
 
 
 def _belongs(loaded: LoadedSlot, config: SlotAgentConfig) -> str | None:
@@ -347,12 +341,12 @@ def _open_sync(path: Path, config: SlotAgentConfig, new_publisher: int) -> Durab
         store.close()
         moved = SlotStore.set_aside(path)
         log.error("state_file_refused", error=str(exc), moved_to=str(moved))
-        store, loaded = SlotStore.open(path), None
+        store, loaded = SlotStore.open(path, exclusive=True), None
     if loaded is not None and (reason := _belongs(loaded, config)) is not None:
         store.close()
         moved = SlotStore.set_aside(path)
         log.error("state_file_refused", error=f"{path}: {reason}", moved_to=str(moved))
-        store, loaded = SlotStore.open(path), None
+        store, loaded = SlotStore.open(path, exclusive=True), None
     if loaded is None:
         publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher
         identity = SlotIdentityRecord(config.name, publisher_id, str(config.cache_owner_id))

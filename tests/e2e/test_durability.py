@@ -10,8 +10,9 @@ gives the engine's truth.
 from __future__ import annotations
 
 import sqlite3
+import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -254,8 +255,12 @@ def write_newer_version(path: Path) -> None:
     store = SlotStore.open(path)
     store.initialize(SlotIdentityRecord("s0", 41, "x"), 1 << 24, 1 << 24)
     store.close()
-    with sqlite3.connect(path) as db:
+    db = sqlite3.connect(path)
+    try:
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+        db.commit()
+    finally:
+        db.close()  # (a `with` block commits but does not close)
 
 
 @pytest.mark.parametrize("damage", [write_garbage, write_newer_version], ids=["corrupt", "newer-version"])
@@ -281,7 +286,7 @@ async def test_a_refused_state_file_is_named_in_one_line_set_aside_and_the_slot_
                     status = (await c.request("status"))["status"]
                 assert status["attachment"]["state"] == "ready"
                 assert status["persistence"]["state"] == "ok"
-            with sqlite3.connect(rig.state_file) as db:  # the new file is a sound database
+            with closing(sqlite3.connect(rig.state_file)) as db:  # the new file is a sound database
                 assert db.execute("PRAGMA quick_check").fetchone() == ("ok",)
 
 
@@ -319,3 +324,26 @@ def test_the_persistence_status_round_trips_through_json() -> None:
     bad = {**encoded, "persistence": {**encoded["persistence"], "state": "maybe"}}
     with pytest.raises(CodecError, match="status.persistence.state"):
         AgentStatus.from_json(bad)
+
+
+async def test_a_second_agent_on_the_same_state_dir_is_refused_and_the_file_kept(tmp_path: Path) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_rig(tmp_path) as rig, rig.serving():
+            other = tmp_path / "other"
+            command = [
+                sys.executable,
+                "-m",
+                "kvagent.cli.main",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--discovery",
+                f"file:{other / 'discovery'}",
+                "--token-file",
+                str(other / "token"),
+                *rig.args,
+            ]
+            second = await trio.run_process(command, capture_stderr=True, check=False)
+            assert second.returncode != 0
+            assert str(rig.state_file) in second.stderr.decode()
+            assert not list(rig.state_file.parent.glob("*.refused-*")), "a file in use is never set aside"

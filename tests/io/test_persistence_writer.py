@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
+import zmq
 
+from kvagent import AttachmentConfig, MemoryDiscovery, SlotAgentConfig, open_slot_agent
 from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.events import Removed, ResidencyDomain, RouterEvent, Stored
 from kvagent.persist.store import (
@@ -26,6 +29,9 @@ from kvagent.persist.store import (
     StoreWriteError,
 )
 from kvagent.persist.writer import PersistenceOptions, PersistenceState, PersistenceWriter
+from kvagent.publish.republisher import RepublishConfig
+from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
+from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import IDENTITY, OWNER, WORKER
 from tests.support.recovery import FakeSlot
 
@@ -282,3 +288,63 @@ async def test_a_clean_close_records_the_next_id_without_a_jump(tmp_path: Path) 
         await rig.writer.close_clean()
     loaded = load(rig.path)
     assert loaded.clean and loaded.lease_end == 11 and loaded.last_event_id == 10
+
+
+async def test_a_restarted_slot_keeps_its_publisher_ids_index_and_republish_mirror(tmp_path: Path) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=16, context=context)
+    config = SlotAgentConfig(
+        name="s0",
+        cache_owner_id=OWNER,
+        kv_block_size=16,
+        republish=RepublishConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"),
+        state_path=tmp_path / "slots" / "s0.sqlite3",
+    )
+    try:
+        with trio.fail_after(GUARD):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
+                    async with trio.open_nursery() as attaching:
+                        attaching.start_soon(engine.wait_for_subscriber)
+                        await agent.attach(
+                            AttachmentConfig(
+                                worker_id=17,
+                                dp_rank=0,
+                                endpoint=engine.endpoint,
+                                topic="kv-events",
+                                replay_endpoint=engine.replay_endpoint,
+                            )
+                        )
+                    for block in range(1, 31):
+                        await engine.publish_batch(
+                            [block_stored([block], block - 1 or None, [block] * 16, 16)]
+                        )
+                    await wait_for_event(agent, is_store_of(30))
+                    assert agent.republisher is not None
+                    before = (
+                        agent.identity.publisher_id,
+                        agent.status().outbound_cursor,
+                        agent.index.resident_blocks(),
+                        agent.republisher.last_seq,
+                        agent.republisher.state.resident_blocks(),
+                    )
+                # A clean stop, then the same slot again (not attached: nothing moves meanwhile).
+                async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
+                    assert agent.republisher is not None
+                    after = (
+                        agent.identity.publisher_id,
+                        agent.status().outbound_cursor,
+                        agent.index.resident_blocks(),
+                        agent.republisher.last_seq,
+                        agent.republisher.state.resident_blocks(),
+                    )
+                    assert agent.persisted_attachment() is not None
+                    persistence = agent.status().persistence
+                    assert persistence is not None
+                    assert (persistence.state, persistence.persisted_id) == ("ok", before[1])
+                assert after == before
+                assert before[4] == 30 and before[3] is not None
+                nursery.cancel_scope.cancel()
+    finally:
+        context.destroy(linger=0)
