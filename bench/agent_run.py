@@ -88,8 +88,11 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
             counters = statistics.coordinator
             if statistics.persistence is not None:  # persisted to the end, so the figure sees the whole state
                 with trio.move_on_after(wait_limit):
-                    while agent.statistics().persistence.lag_events > 0:  # type: ignore[union-attr]
-                        await trio.sleep(0.01)  # polling the writer's lag, bounded
+                    while True:  # polling the writer's lag (a real observable), bounded
+                        lagging = agent.statistics().persistence
+                        if lagging is None or lagging.lag_events == 0:
+                            break
+                        await trio.sleep(0.01)
                 result["persisted_seconds"] = time.perf_counter() - started
                 persistence = agent.statistics().persistence
                 assert persistence is not None
