@@ -135,10 +135,11 @@ class Rig:
         await self.engine.publish_batch([block_removed([block])])
 
     @asynccontextmanager
-    async def serving(self) -> AsyncIterator[ServeProcess]:
-        """``kvagent serve`` on this rig, returned once its SUB has subscribed to the engine."""
+    async def serving(self, *args: str) -> AsyncIterator[ServeProcess]:
+        """``kvagent serve`` on this rig (``args`` instead of the usual ones), returned once its SUB has
+        subscribed to the engine."""
         subscriptions = self.engine.subscriptions  # cumulative: a restarted agent subscribes once more
-        async with serve(self.tmp, *self.args) as agent:
+        async with serve(self.tmp, *(args or self.args)) as agent:
             await self.engine.wait_for_subscriber(subscriptions + 1)
             yield agent
 
@@ -347,3 +348,20 @@ async def test_a_second_agent_on_the_same_state_dir_is_refused_and_the_file_kept
             assert second.returncode != 0
             assert str(rig.state_file) in second.stderr.decode()
             assert not list(rig.state_file.parent.glob("*.refused-*")), "a file in use is never set aside"
+
+
+async def test_a_restarted_slot_without_a_configured_engine_resumes_the_engine_of_its_state(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_rig(tmp_path) as rig:
+            publisher_id, last_id, follower, _ = await first_life(rig, 40)
+            await rig.publish(30)
+            bare = ("--slot", "s0", "--block-size", str(BLOCK), "--state-dir", str(rig.state_dir))
+            async with rig.serving(*bare) as agent, client(agent.url) as c:
+                missed = await follow_until(c, await rig.sentinel(), last_id)
+                status = (await c.request("status"))["status"]
+            assert status["identity"]["publisher_id"] == publisher_id
+            assert status["attachment"]["state"] == "ready"
+            assert not [event for event in missed if worker_device(event) and is_cleared(event)]
+            assert apply_events(follower, missed) == rig.truth()
