@@ -54,7 +54,6 @@ from kvagent.publish.republisher import VllmRepublisher
 
 __all__ = [
     "DurableSlot",
-    "attach_resuming",
     "open_durable_slot",
     "run_durably",
     "slot_state_path",
@@ -182,13 +181,6 @@ def attachment_progress(
         engine_seq=seq,
         digest=digest,
     )
-
-
-async def attach_resuming(
-    coordinator: CoordinatorHandle, attachment: Attachment, resume: tuple[int, int] | None
-) -> Attachment:
-    """``coordinator.attach``, resuming from ``resume`` (engine seq, digest) when given."""
-    return await coordinator.attach(attachment, resume=resume)
 
 
 async def withdraw_stale_records(

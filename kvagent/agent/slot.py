@@ -35,7 +35,6 @@ from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import (
     DurableSlot,
-    attach_resuming,
     open_durable_slot,
     run_durably,
     withdraw_stale_records,
@@ -207,7 +206,7 @@ class SlotAgent:
         async with self._lifecycle:
             self._check_attachable(config)
             resume = None if self.durable is None else self.durable.take_resume_point(config)
-            attached = await attach_resuming(self._coordinator, config.to_attachment(), resume)
+            attached = await self._coordinator.attach(config.to_attachment(), resume=resume)
             generation = attached.generation
             try:
                 await self._start_listener(attached, resume)
