@@ -32,7 +32,7 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
 )
-from kvagent.persist import codec
+from kvagent.persist import codec, columns
 from kvagent.persist.store import (
     LEASE_BLOCK,
     SCHEMA_VERSION,
@@ -235,7 +235,7 @@ def test_mirror_and_snapshot_chunks_round_trip(
 ) -> None:
     mirror = [MirrorRow(*row) for row in rows]
     decoded = [
-        r for body in codec.encode_mirror_chunks(mirror, chunk) for r in codec.decode_mirror_chunk(body)
+        r for body in columns.encode_mirror_chunks(mirror, chunk) for r in columns.decode_mirror_chunk(body)
     ]
     assert decoded == mirror
     events = [
@@ -249,8 +249,8 @@ def test_mirror_and_snapshot_chunks_round_trip(
         )
         for n, (tier, block, parent, tokens) in enumerate(rows)
     ]
-    chunks = list(codec.encode_snapshot_chunks(events, chunk))
-    back = [event for body in chunks for event in codec.decode_snapshot_chunk(body)]
+    chunks = list(columns.encode_snapshot_chunks(events, chunk))
+    back = [event for body in chunks for event in columns.decode_snapshot_chunk(body)]
     assert back == events and tokens_of(back) == tokens_of(events)
 
 
@@ -268,9 +268,9 @@ def test_a_dump_snapshot_is_stored_as_the_tree_dumps_events_would_be(store: Slot
     index.apply(worker_event(603, Removed((12,))))
     snapshot, dump = index.dump_snapshot(), index.tree_dump()
     assert {len(group.columns.hashes) - group.columns.live for group in snapshot.groups} != {0}
-    for rows in (1, 7, codec.CHUNK_ROWS):
-        assert list(codec.encode_dump_chunks(snapshot, rows)) == list(
-            codec.encode_snapshot_chunks(dump.events, rows)
+    for rows in (1, 7, columns.CHUNK_ROWS):
+        assert list(columns.encode_dump_chunks(snapshot, rows)) == list(
+            columns.encode_snapshot_chunks(dump.events, rows)
         )
     store.append(drive(index, rng, resident, 604, 10), PROGRESS)
     store.write_snapshot(dump.last_event_id, snapshot, [], None)
