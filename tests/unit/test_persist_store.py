@@ -279,6 +279,37 @@ def test_a_dump_snapshot_is_stored_as_the_tree_dumps_events_would_be(store: Slot
     assert [event.event_id for event in loaded.suffix_events] == list(range(604, 614))
 
 
+route_events = st.builds(
+    RouterEvent,
+    st.integers(0, U64_MAX),
+    st.sampled_from(list(StorageTier)),
+    st.sampled_from(list(ResidencyDomain)),
+    st.just(0),
+    st.one_of(
+        st.builds(
+            lambda hashes, parent, tokens, start: Stored(parent, hashes, hashes[::-1], None, start, tokens),
+            st.lists(st.integers(0, U64_MAX), max_size=5).map(tuple),
+            st.none() | st.integers(0, U64_MAX),
+            st.none() | st.binary(max_size=40),
+            st.none() | st.integers(0, 1 << 32),
+        ),
+        st.builds(Removed, st.lists(st.integers(0, U64_MAX), max_size=5).map(tuple)),
+        st.just(CLEARED),
+    ),
+    st.integers(0, 7),
+    st.none() | st.just(OWNER),
+    st.none() | st.text(max_size=8),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(route_events, max_size=12))
+def test_batches_round_trip(events: list[RouterEvent]) -> None:
+    numbered = [attrs.evolve(event, event_id=n) for n, event in enumerate(events, 1)]
+    back = codec.decode_batch(codec.encode_batch(numbered))
+    assert back == numbered and tokens_of(back) == tokens_of(numbered)
+
+
 @pytest.mark.parametrize(
     "body",
     [
