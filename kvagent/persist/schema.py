@@ -91,6 +91,7 @@ class Found(NamedTuple):
 
     suffix_count: int
     lease_end: int
+    republish_lease_end: int
 
 
 def is_refusal(exc: sqlite3.Error) -> bool:
@@ -145,11 +146,11 @@ def prepare(path: Path, db: sqlite3.Connection, *, exclusive: bool) -> Found | N
         if problems != ["ok"]:
             raise StateFileError(path, f"integrity check failed: {'; '.join(problems)}")
         _configure(db)
-        row = db.execute("SELECT lease_end FROM slot").fetchone()
-        if row is None or not isinstance(row[0], int):
+        row = db.execute("SELECT lease_end, republish_lease_end FROM slot").fetchone()
+        if row is None or not all(isinstance(value, int) for value in row):
             raise StateFileError(path, "the slot row is missing")
         _take_lock(db)
-        return Found(suffix_count(db), row[0])
+        return Found(suffix_count(db), *row)
     except sqlite3.DatabaseError as exc:
         if is_refusal(exc) or is_schema_error(exc):
             raise StateFileError(path, str(exc)) from exc

@@ -116,9 +116,10 @@ class SlotStore:
         self._db: sqlite3.Connection | None = db
         self._initialized = found is not None
         self._suffix_count = 0 if found is None else found.suffix_count
-        # The first outbound id this run may use (the lease end found at open): a clean stop never lowers
-        # the lease below it, since a crashed run before this one may have published ids up to there.
+        # The first outbound id (republished seq) this run may use, the lease ends found at open: a clean
+        # stop never lowers a lease below them, since a crashed run before may have used ids up to there.
         self._run_floor = 1 if found is None else found.lease_end
+        self._republish_floor = 0 if found is None else found.republish_lease_end
 
     # --- opening and refusing --------------------------------------------------------------------------
 
@@ -225,7 +226,7 @@ class SlotStore:
                 ),
             )
         self._initialized = True
-        self._run_floor = 1
+        self._run_floor, self._republish_floor = 1, 0
         self._suffix_count = 0
 
     def extend_lease(self, lease_end: int, republish_lease_end: int | None = None) -> None:
@@ -325,8 +326,11 @@ class SlotStore:
                 )
             republish_end = current.republish_lease_end
             new_republish_end = republish_end if last_republish_seq is None else last_republish_seq + 1
-            if new_republish_end > republish_end:
-                raise ValueError(f"republish seq {last_republish_seq} is beyond its lease {republish_end}")
+            if not self._republish_floor <= new_republish_end <= republish_end:
+                raise ValueError(
+                    f"republish seq {last_republish_seq} is outside the seqs this run may have used "
+                    f"[{self._republish_floor}, {republish_end})"
+                )
             db.execute(
                 "UPDATE slot SET lease_end = ?, republish_lease_end = ?, clean = 1",
                 (new_end, new_republish_end),

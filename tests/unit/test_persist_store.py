@@ -373,8 +373,10 @@ def test_a_clean_stop_never_hands_out_ids_a_crashed_run_may_have_used(store: Slo
     loaded = reopen(again)
     assert loaded.lease_end == FIRST_LEASE and not loaded.clean
     unloaded = SlotStore.open(store.path)  # the floor comes from the file, whether or not it was loaded
-    with pytest.raises(ValueError, match="beyond its lease"):
-        unloaded.mark_clean(None, last_republish_seq=FIRST_LEASE)
+    with pytest.raises(ValueError, match="republish seq"):
+        unloaded.mark_clean(None, last_republish_seq=FIRST_LEASE)  # beyond its lease
+    with pytest.raises(ValueError, match="republish seq"):
+        unloaded.mark_clean(None, last_republish_seq=3)  # below this run's first seq
     with pytest.raises(ValueError, match="outside the ids"):
         unloaded.mark_clean(5)
     unloaded.close()
