@@ -1,13 +1,10 @@
-"""The persisted records of one slot and their bytes in the state database (sans-IO).
+"""Outbound events in the state database (sans-IO): one compact row per appended batch, and the wire map.
 
 Suffix events are stored one row per appended batch, in a compact msgpack form of their own (routes once
 per batch, hashes as msgpack ints, the Stored tokens inline): the RouterEvent wire map spells every field
 name of every event and costs about five times as much to write, and appends share the interpreter with
-ingest. Snapshots and the republish mirror hold every resident block, so they are stored as columns:
-runs of one-block Stored events that share a route become packed u64 arrays (about 25 bytes a block), in
-chunks of bounded size; :func:`encode_dump_chunks` writes the same bytes straight from the index's
-columns. An event that is not part of such a run (multi-block, multimodal) is kept as its wire map, so
-every event round-trips exactly.
+ingest. The wire map (:mod:`kvagent.wire.router_event`) still serves the rare snapshot event that is not a
+one-block Stored (see :mod:`kvagent.persist.columns`).
 
 Every decoder raises :class:`~kvagent.model.errors.CodecError` on bytes it cannot read; the store turns that
 into a refused state file.
@@ -15,24 +12,16 @@ into a refused state file.
 
 from __future__ import annotations
 
-import struct
-import sys
-from array import array
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import compress, islice
-from typing import Any, TypeAlias
+from collections.abc import Sequence
+from typing import Any
 
-import attrs
 import msgpack
 
-from kvagent.index.recovery_index import DumpGroup, DumpSnapshot
 from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import (
     CLEARED,
     U64_MAX,
     EventData,
-    MmExtraInfo,
     Removed,
     ResidencyDomain,
     RouterEvent,
@@ -49,132 +38,59 @@ from kvagent.wire.router_event import (
 )
 
 __all__ = [
-    "CHUNK_ROWS",
-    "AttachmentProgress",
-    "MirrorRow",
-    "SlotIdentityRecord",
-    "attachment_from_bytes",
-    "attachment_to_bytes",
+    "DOMAINS",
+    "TIERS",
+    "Route",
     "decode_batch",
     "decode_event_row",
-    "decode_mirror_chunk",
-    "decode_snapshot_chunk",
     "encode_batch",
-    "encode_dump_chunks",
     "encode_event_row",
-    "encode_mirror_chunks",
-    "encode_snapshot_chunks",
+    "pack",
+    "route_fields",
+    "route_row",
+    "unpack",
 ]
 
-CHUNK_ROWS = 8192  # blocks (or events) per snapshot/mirror row: rows of about 200 KiB
-_NO_TOKENS = 0xFFFFFFFF  # the token length that stands for ``token_bytes is None``
-_RUN = 0  # a run of one-block Stored events sharing a route
-_EVENT = 1  # one event as a wire map
+Route = tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, str | None]
+"""(worker_id, tier, domain, dp_rank, state_source, session_id): what a run or a batch's events share."""
+
+TIERS = {tier.value: tier for tier in StorageTier}
+DOMAINS = {domain.value: domain for domain in ResidencyDomain}
 
 
-@attrs.frozen(slots=True)
-class SlotIdentityRecord:
-    """What a restarted agent keeps: the slot's name, its publisher id, its CacheOwnerId (canonical text)."""
-
-    slot: str
-    publisher_id: int
-    cache_owner_id: str
-
-
-@attrs.frozen(slots=True)
-class AttachmentProgress:
-    """The engine attachment and how far its stream was applied: ``engine_seq`` is the last applied batch's
-    seq and ``digest`` the xxh3 digest of its raw bytes (None before any batch)."""
-
-    worker_id: int
-    dp_rank: int
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str
-    generation: int
-    engine_seq: int | None
-    digest: int | None
-
-
-@attrs.frozen(slots=True)
-class MirrorRow:
-    """One block of the republisher's Worker mirror; ``token_bytes`` is None where the tokens are unknown."""
-
-    tier: StorageTier
-    block_hash: int
-    parent_hash: int | None
-    token_bytes: bytes | None
-
-
-_TIERS = {tier.value: tier for tier in StorageTier}
-_DOMAINS = {domain.value: domain for domain in ResidencyDomain}
-
-
-def _unpack(body: bytes, what: str) -> Any:
+def unpack(body: bytes, what: str) -> Any:
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for malformed input
         raise CodecError(f"{what} is not valid msgpack: {exc}") from None
 
 
-def _pack(value: object) -> bytes:
+def pack(value: object) -> bytes:
     packed: bytes = msgpack.packb(value, use_bin_type=True)
     return packed
 
 
-# --- u64 and token columns ----------------------------------------------------------------------------
-
-
-def _u64s(values: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(values)}Q", *values)
-
-
-def _from_u64s(blob: object, count: int, what: str) -> tuple[int, ...]:
-    if type(blob) is not bytes or len(blob) != 8 * count:
-        raise CodecError(f"{what} must be {count} packed u64 values")
-    return struct.unpack(f"<{count}Q", blob)
-
-
-def _tokens_column(tokens: Sequence[bytes | None]) -> tuple[bytes, bytes] | None:
-    """(u32 lengths, concatenated bytes), or None when no row has tokens."""
-    if all(t is None for t in tokens):
-        return None
-    lengths = [_NO_TOKENS if t is None else len(t) for t in tokens]
-    return struct.pack(f"<{len(lengths)}I", *lengths), b"".join(t for t in tokens if t is not None)
-
-
-def _from_tokens_column(column: object, count: int, what: str) -> list[bytes | None]:
-    if column is None:
-        return [None] * count
-    if not isinstance(column, list) or len(column) != 2:
-        raise CodecError(f"{what} must be [lengths, bytes]")
-    raw_lengths, blob = column
-    if type(raw_lengths) is not bytes or len(raw_lengths) != 4 * count or type(blob) is not bytes:
-        raise CodecError(f"{what} lengths must be {count} packed u32 values")
-    tokens: list[bytes | None] = []
-    offset = 0
-    for length in struct.unpack(f"<{count}I", raw_lengths):
-        if length == _NO_TOKENS:
-            tokens.append(None)
-            continue
-        tokens.append(blob[offset : offset + length])
-        offset += length
-    if offset != len(blob):
-        raise CodecError(f"{what} bytes do not match their lengths")
-    return tokens
-
-
-def _parents_column(parents: Sequence[int | None]) -> tuple[bytes, bytes]:
-    """(a flag byte a row, 1 when it has a parent; the parents as u64, 0 where absent)."""
-    flags = bytes(0 if p is None else 1 for p in parents)
-    return flags, _u64s([0 if p is None else p for p in parents])
-
-
-def _from_parents_column(flags: object, values: object, count: int, what: str) -> list[int | None]:
-    if type(flags) is not bytes or len(flags) != count or flags.strip(b"\x00\x01"):
-        raise CodecError(f"{what} flags must be {count} bytes of 0 or 1")
-    parents = _from_u64s(values, count, what)
-    return [parent if flag else None for flag, parent in zip(flags, parents, strict=True)]
+def route_fields(
+    route: object,
+) -> tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, str | None]:
+    if not isinstance(route, list) or len(route) != 6:
+        raise CodecError("snapshot run route must have 6 fields")
+    worker_id, tier_name, domain_name, dp_rank, source, session_id = route
+    tier, domain = TIERS.get(tier_name), DOMAINS.get(domain_name)
+    if tier is None or domain is None:
+        raise CodecError(f"snapshot run has an unknown tier or domain: {tier_name!r}, {domain_name!r}")
+    for value, what in ((worker_id, "worker_id"), (dp_rank, "dp_rank")):
+        if type(value) is not int or not 0 <= value <= U64_MAX:
+            raise CodecError(f"snapshot run {what} must be a u64")
+    if session_id is not None and type(session_id) is not str:
+        raise CodecError("snapshot run session_id must be a string")
+    if source is not None and type(source) is not str:
+        raise CodecError("snapshot run state_source must be a string")
+    try:
+        owner = None if source is None else CacheOwnerId.parse(source)
+    except IdentityError as exc:
+        raise CodecError(f"snapshot run state_source: {exc}") from None
+    return worker_id, tier, domain, dp_rank, owner, session_id
 
 
 # --- suffix events: one row per appended batch ---------------------------------------------------------
@@ -198,7 +114,7 @@ def encode_batch(events: Sequence[RouterEvent]) -> bytes:
         index = routes.get(key)
         if index is None:
             index = routes[key] = len(route_rows)
-            route_rows.append([*_route_row(event)])
+            route_rows.append([*route_row(event)])
         data = event.data
         if type(data) is Stored:
             infos = data.mm_extra_infos
@@ -220,10 +136,10 @@ def encode_batch(events: Sequence[RouterEvent]) -> bytes:
             rows.append([event.event_id, index, _REMOVED, data.block_hashes])
         else:
             rows.append([event.event_id, index, _CLEARED])
-    return _pack([route_rows, rows])
+    return pack([route_rows, rows])
 
 
-def _route_row(event: RouterEvent) -> tuple[object, ...]:
+def route_row(event: RouterEvent) -> tuple[object, ...]:
     source = None if event.state_source is None else str(event.state_source)
     domain = event.residency_domain.value
     return (event.worker_id, event.storage_tier.value, domain, event.dp_rank, source, event.session_id)
@@ -255,10 +171,10 @@ def _batch_data(row: list[Any]) -> EventData:
 
 def decode_batch(body: bytes) -> list[RouterEvent]:
     """The events of one :func:`encode_batch` row; CodecError if it is not one."""
-    value = _unpack(body, "event batch")
+    value = unpack(body, "event batch")
     try:
         route_rows, rows = value
-        routes = [_route_fields(route) for route in route_rows]
+        routes = [route_fields(route) for route in route_rows]
         events = []
         for row in rows:
             event_id = row[0]
@@ -285,7 +201,7 @@ def encode_event_row(event: RouterEvent) -> tuple[int, bytes, bytes | None]:
 
 
 def decode_event_row(body: bytes, tokens: bytes | None) -> RouterEvent:
-    event = router_event_from_wire(_unpack(body, "event row"), "event row")
+    event = router_event_from_wire(unpack(body, "event row"), "event row")
     if tokens is None:
         return event
     data = event.data
@@ -309,298 +225,4 @@ def decode_event_row(body: bytes, tokens: bytes | None) -> RouterEvent:
         event.dp_rank,
         event.state_source,
         event.session_id,
-    )
-
-
-# --- snapshots: runs of one-block Stored events as columns -------------------------------------------
-
-
-def _run_route(event: RouterEvent) -> tuple[object, ...] | None:
-    """The key shared by a run's events, or None for an event that cannot be part of a run."""
-    data = event.data
-    if type(data) is not Stored or len(data.block_hashes) != 1:
-        return None
-    if data.mm_extra_infos is not None or data.start_position is not None:
-        return None
-    return _route_row(event)
-
-
-def _encode_run(route: tuple[object, ...], run: list[RouterEvent]) -> list[object]:
-    blocks: list[Stored] = [event.data for event in run]  # type: ignore[misc]  # Stored by _run_route
-    flags, parents = _parents_column([data.parent_hash for data in blocks])
-    return [
-        _RUN,
-        list(route),
-        run[0].event_id,
-        len(run),
-        _u64s([data.block_hashes[0] for data in blocks]),
-        _u64s([data.tokens_hashes[0] for data in blocks]),
-        flags,
-        parents,
-        _tokens_column([data.token_bytes for data in blocks]),
-    ]
-
-
-def _encode_runs(events: Iterable[RouterEvent]) -> list[object]:
-    """Consecutive events with the same route and consecutive ids form one run; others stay maps."""
-    items: list[object] = []
-    run: list[RouterEvent] = []
-    run_route: tuple[object, ...] | None = None
-    for event in events:
-        route = _run_route(event)
-        if route is None or route != run_route or event.event_id != run[-1].event_id + 1:
-            if run:
-                items.append(_encode_run(run_route or (), run))  # run_route is set whenever run is
-                run = []
-            run_route = route
-            if route is None:
-                _, body, tokens = encode_event_row(event)
-                items.append([_EVENT, body, tokens])
-                continue
-        run.append(event)
-    if run:
-        items.append(_encode_run(run_route or (), run))
-    return items
-
-
-def encode_snapshot_chunks(events: Iterable[RouterEvent], chunk_rows: int = CHUNK_ROWS) -> Iterator[bytes]:
-    """The snapshot as row bodies of at most ``chunk_rows`` events each (in order)."""
-    iterator = iter(events)
-    while chunk := list(islice(iterator, chunk_rows)):
-        yield _pack(_encode_runs(chunk))
-
-
-def _route_fields(
-    route: object,
-) -> tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, str | None]:
-    if not isinstance(route, list) or len(route) != 6:
-        raise CodecError("snapshot run route must have 6 fields")
-    worker_id, tier_name, domain_name, dp_rank, source, session_id = route
-    tier, domain = _TIERS.get(tier_name), _DOMAINS.get(domain_name)
-    if tier is None or domain is None:
-        raise CodecError(f"snapshot run has an unknown tier or domain: {tier_name!r}, {domain_name!r}")
-    for value, what in ((worker_id, "worker_id"), (dp_rank, "dp_rank")):
-        if type(value) is not int or not 0 <= value <= U64_MAX:
-            raise CodecError(f"snapshot run {what} must be a u64")
-    if session_id is not None and type(session_id) is not str:
-        raise CodecError("snapshot run session_id must be a string")
-    if source is not None and type(source) is not str:
-        raise CodecError("snapshot run state_source must be a string")
-    try:
-        owner = None if source is None else CacheOwnerId.parse(source)
-    except IdentityError as exc:
-        raise CodecError(f"snapshot run state_source: {exc}") from None
-    return worker_id, tier, domain, dp_rank, owner, session_id
-
-
-def _decode_run(item: list[object], out: list[RouterEvent]) -> None:
-    if len(item) != 9:
-        raise CodecError("snapshot run must have 9 fields")
-    _, route, first_id, count, hashes, tokens_hashes, flags, parents, tokens = item
-    if type(first_id) is not int or type(count) is not int or first_id < 0 or count < 1:
-        raise CodecError("snapshot run has a bad first id or count")
-    worker_id, tier, domain, dp_rank, source, session_id = _route_fields(route)
-    columns = zip(
-        range(first_id, first_id + count),
-        _from_u64s(hashes, count, "snapshot block hashes"),
-        _from_u64s(tokens_hashes, count, "snapshot tokens hashes"),
-        _from_parents_column(flags, parents, count, "snapshot parents"),
-        _from_tokens_column(tokens, count, "snapshot tokens"),
-        strict=True,
-    )
-    out.extend(
-        RouterEvent(
-            worker_id,
-            tier,
-            domain,
-            event_id,
-            Stored(parent, (block,), (tokens_hash,), token_bytes=token_bytes),
-            dp_rank,
-            source,
-            session_id,
-        )
-        for event_id, block, tokens_hash, parent, token_bytes in columns
-    )
-
-
-def decode_snapshot_chunk(body: bytes) -> list[RouterEvent]:
-    items = _unpack(body, "snapshot row")
-    if not isinstance(items, list):
-        raise CodecError("snapshot row must be a list")
-    events: list[RouterEvent] = []
-    for item in items:
-        if not isinstance(item, list) or not item:
-            raise CodecError("snapshot item must be a non-empty list")
-        if item[0] == _RUN:
-            _decode_run(item, events)
-        elif item[0] == _EVENT and len(item) == 3 and type(item[1]) is bytes:
-            tokens = item[2]
-            if tokens is not None and type(tokens) is not bytes:
-                raise CodecError("snapshot event tokens must be bytes")
-            events.append(decode_event_row(item[1], tokens))
-        else:
-            raise CodecError(f"snapshot item has an unknown kind {item[0]!r}")
-    return events
-
-
-# --- snapshots straight from the index's columns --------------------------------------------------------
-
-_Slice: TypeAlias = Callable[[int, int], list[object]]
-
-
-def _little_endian(values: array[int]) -> bytes:
-    if sys.byteorder != "little":
-        values = array("Q", values)
-        values.byteswap()
-    return values.tobytes()
-
-
-def _group_slicer(group: DumpGroup, first_id: int) -> tuple[_Slice, int]:
-    """(the items of the group's dump events [start, end), the group's event count).
-
-    Live rows become runs of packed columns; a row with multimodal info breaks the run and is written as
-    one event map, exactly as :func:`_encode_runs` treats the tree dump's events.
-    """
-    worker_id, tier, domain, dp_rank, source, columns = group
-    live, has_parent = columns.masks()
-    every = len(columns.hashes) == columns.live
-    hashes, parents, tokens = (
-        column if every else array("Q", compress(column, live))
-        for column in (columns.hashes, columns.parents, columns.tokens)
-    )
-    flags = has_parent if every else bytes(compress(has_parent, live))
-    route = [worker_id, tier.value, domain.value, dp_rank, None if source is None else str(source), None]
-    # (position among the live rows, info) of each live multimodal row, in order
-    special = [(live.count(1, 0, row), info) for row, info in sorted(columns.mm.items()) if live[row]]
-    positions = [position for position, _ in special]
-
-    def run(start: int, end: int) -> list[object]:
-        key_columns = (_little_endian(hashes[start:end]), _little_endian(tokens[start:end]))
-        parent_columns = (flags[start:end], _little_endian(parents[start:end]))
-        return [_RUN, route, first_id + start, end - start, *key_columns, *parent_columns, None]
-
-    def event(position: int, info: MmExtraInfo) -> list[object]:
-        parent = parents[position] if flags[position] else None
-        data = Stored(parent, (hashes[position],), (tokens[position],), (info,))
-        _, body, _ = encode_event_row(
-            RouterEvent(worker_id, tier, domain, first_id + position, data, dp_rank, source)
-        )
-        return [_EVENT, body, None]
-
-    def items(start: int, end: int) -> list[object]:
-        found: list[object] = []
-        for index in range(bisect_left(positions, start), bisect_left(positions, end)):
-            position, info = special[index]
-            if start < position:
-                found.append(run(start, position))
-            found.append(event(position, info))
-            start = position + 1
-        if start < end:
-            found.append(run(start, end))
-        return found
-
-    return items, len(hashes)
-
-
-def encode_dump_chunks(snapshot: DumpSnapshot, chunk_rows: int = CHUNK_ROWS) -> Iterator[bytes]:
-    """The index's dump snapshot as row bodies: what :func:`encode_snapshot_chunks` makes of the tree dump's
-    events (one-block Stored events numbered from 0), from the block columns without building them."""
-    pending: list[object] = []
-    filled = first_id = 0
-    for group in snapshot.groups:
-        items_for, count = _group_slicer(group, first_id)
-        start = 0
-        while start < count:
-            end = min(count, start + chunk_rows - filled)
-            pending.extend(items_for(start, end))
-            filled += end - start
-            start = end
-            if filled == chunk_rows:
-                yield _pack(pending)
-                pending, filled = [], 0
-        first_id += count
-    if pending:
-        yield _pack(pending)
-
-
-# --- the republish mirror -------------------------------------------------------------------------------
-
-
-def _encode_mirror_run(tier: StorageTier, rows: list[MirrorRow]) -> list[object]:
-    flags, parents = _parents_column([row.parent_hash for row in rows])
-    hashes = _u64s([row.block_hash for row in rows])
-    return [tier.value, len(rows), hashes, flags, parents, _tokens_column([row.token_bytes for row in rows])]
-
-
-def encode_mirror_chunks(rows: Iterable[MirrorRow], chunk_rows: int = CHUNK_ROWS) -> Iterator[bytes]:
-    """The mirror as row bodies of at most ``chunk_rows`` blocks, each a list of per-tier runs (in order)."""
-    iterator = iter(rows)
-    while chunk := list(islice(iterator, chunk_rows)):
-        runs: list[object] = []
-        start = 0
-        for end in range(1, len(chunk) + 1):
-            if end == len(chunk) or chunk[end].tier is not chunk[start].tier:
-                runs.append(_encode_mirror_run(chunk[start].tier, chunk[start:end]))
-                start = end
-        yield _pack(runs)
-
-
-def decode_mirror_chunk(body: bytes) -> list[MirrorRow]:
-    runs = _unpack(body, "mirror row")
-    if not isinstance(runs, list):
-        raise CodecError("mirror row must be a list")
-    rows: list[MirrorRow] = []
-    for run in runs:
-        if not isinstance(run, list) or len(run) != 6:
-            raise CodecError("mirror run must have 6 fields")
-        tier_name, count, hashes, flags, parents, tokens = run
-        tier = _TIERS.get(tier_name)
-        if tier is None or type(count) is not int or count < 1:
-            raise CodecError(f"mirror run has a bad tier or count: {tier_name!r}, {count!r}")
-        columns = zip(
-            _from_u64s(hashes, count, "mirror block hashes"),
-            _from_parents_column(flags, parents, count, "mirror parents"),
-            _from_tokens_column(tokens, count, "mirror tokens"),
-            strict=True,
-        )
-        rows.extend(MirrorRow(tier, block, parent, token_bytes) for block, parent, token_bytes in columns)
-    return rows
-
-
-# --- the attachment -----------------------------------------------------------------------------------------
-
-
-def attachment_to_bytes(progress: AttachmentProgress) -> bytes:
-    return _pack(attrs.astuple(progress, recurse=False))
-
-
-def _optional_u64(value: object, what: str) -> int | None:
-    if value is None:
-        return None
-    if type(value) is not int or not 0 <= value <= U64_MAX:
-        raise CodecError(f"attachment {what} must be a u64 or nil")
-    return value
-
-
-def attachment_from_bytes(body: bytes) -> AttachmentProgress:
-    fields = _unpack(body, "attachment")
-    if not isinstance(fields, list) or len(fields) != 8:
-        raise CodecError("attachment must have 8 fields")
-    worker_id, dp_rank, endpoint, replay_endpoint, topic, generation, engine_seq, digest = fields
-    for value, what in ((worker_id, "worker_id"), (dp_rank, "dp_rank"), (generation, "generation")):
-        if _optional_u64(value, what) is None:
-            raise CodecError(f"attachment {what} must be a u64")
-    if type(endpoint) is not str or type(topic) is not str:
-        raise CodecError("attachment endpoint and topic must be strings")
-    if replay_endpoint is not None and type(replay_endpoint) is not str:
-        raise CodecError("attachment replay_endpoint must be a string or nil")
-    return AttachmentProgress(
-        worker_id,
-        dp_rank,
-        endpoint,
-        replay_endpoint,
-        topic,
-        generation,
-        _optional_u64(engine_seq, "engine_seq"),
-        _optional_u64(digest, "digest"),
     )

@@ -8,11 +8,9 @@ recovery). ``synchronous=NORMAL`` does not fsync ordinary commits; lease extensi
 initialization and a clean stop are committed with ``synchronous=FULL`` because losing them to a power cut
 would let a restarted agent reuse an outbound id.
 
-Layout (schema version 1): a single ``slot`` row (identity, leases, the last persisted outbound id P, the
-snapshot id S, the clean flag, the attachment progress), ``batches`` (the outbound events with id > S, one
-row per append), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks; see
-:mod:`kvagent.persist.codec`). The file is marked with an application id and the schema version in
-``user_version``; a file that is not ours, newer than us, corrupt or undecodable is refused with a
+The file's layout and the checks that refuse one are in :mod:`kvagent.persist.schema`, the bytes of its
+rows in :mod:`kvagent.persist.codec` (event batches) and :mod:`kvagent.persist.columns` (snapshot and
+mirror). A file that is not ours, newer than us, corrupt or undecodable is refused with a
 :class:`StateFileError` naming it, and :meth:`SlotStore.set_aside` moves it out of the way.
 """
 
@@ -30,21 +28,36 @@ import attrs
 
 from kvagent._util.gcutil import gc_paused
 from kvagent.index.recovery_index import DumpSnapshot
-from kvagent.model.errors import CodecError, KvAgentError
+from kvagent.model.errors import CodecError
 from kvagent.model.events import RouterEvent
-from kvagent.persist.codec import (
+from kvagent.persist.codec import decode_batch, encode_batch
+from kvagent.persist.columns import (
+    decode_mirror_chunk,
+    decode_snapshot_chunk,
+    encode_dump_chunks,
+    encode_mirror_chunks,
+    encode_snapshot_chunks,
+)
+from kvagent.persist.records import (
     AttachmentProgress,
     MirrorRow,
     SlotIdentityRecord,
     attachment_from_bytes,
     attachment_to_bytes,
-    decode_batch,
-    decode_mirror_chunk,
-    decode_snapshot_chunk,
-    encode_batch,
-    encode_dump_chunks,
-    encode_mirror_chunks,
-    encode_snapshot_chunks,
+)
+from kvagent.persist.schema import (
+    APPLICATION_ID,
+    SCHEMA,
+    SCHEMA_VERSION,
+    Found,
+    StateFileError,
+    StateFileInUse,
+    StoreWriteError,
+    check_header,
+    is_refusal,
+    is_schema_error,
+    prepare,
+    suffix_count,
 )
 
 __all__ = [
@@ -60,62 +73,8 @@ __all__ = [
     "StoreWriteError",
 ]
 
-SCHEMA_VERSION: Final = 1
 LEASE_BLOCK: Final = 1 << 24  # outbound ids leased ahead of use, persisted before the first of them is used
-APPLICATION_ID: Final = 0x6B764147  # "kvAG": marks a kvagent state file in the SQLite header
-JOURNAL_SIZE_LIMIT: Final = 4 << 20  # the WAL is truncated back to this after a checkpoint
 _I64_MAX: Final = (1 << 63) - 1
-
-# SQLite result codes that mean "this file is not a usable database" (the primary code, low byte).
-_SQLITE_CORRUPT: Final = 11
-_SQLITE_NOTADB: Final = 26
-_SQLITE_BUSY: Final = 5
-_SQLITE_LOCKED: Final = 6
-_SQLITE_MAGIC: Final = b"SQLite format 3\x00"
-
-_SCHEMA = (
-    """CREATE TABLE slot (
-    singleton INTEGER PRIMARY KEY CHECK (singleton = 0),
-    name TEXT NOT NULL,
-    publisher_id INTEGER NOT NULL,
-    cache_owner_id TEXT NOT NULL,
-    lease_end INTEGER NOT NULL,
-    republish_lease_end INTEGER NOT NULL,
-    last_event_id INTEGER,
-    snapshot_id INTEGER,
-    clean INTEGER NOT NULL,
-    attachment BLOB
-    )""",
-    # One row per append: its events' ids are first_id..last_id (ascending), ``count`` of them.
-    "CREATE TABLE batches (first_id INTEGER PRIMARY KEY, last_id INTEGER NOT NULL, count INTEGER NOT NULL,"
-    " body BLOB NOT NULL)",
-    "CREATE TABLE snapshot (chunk INTEGER PRIMARY KEY, body BLOB NOT NULL)",
-    "CREATE TABLE mirror (chunk INTEGER PRIMARY KEY, body BLOB NOT NULL)",
-)
-
-
-class StateFileError(KvAgentError):
-    """A state file that cannot be used; ``str()`` is one line naming the file and the reason."""
-
-    default_code = "internal"
-
-    def __init__(self, path: Path, reason: str) -> None:
-        self.path = path
-        self.reason = " ".join(reason.split())  # one line, whatever SQLite said
-        super().__init__(f"refused state file {path}: {self.reason}")
-
-
-class StateFileInUse(KvAgentError):
-    """Another process holds the state file (two agents configured with one state directory); the file is
-    fine and must not be set aside."""
-
-    default_code = "conflict"
-
-
-class StoreWriteError(KvAgentError):
-    """A write that failed (disk full, I/O error) and was rolled back; the store stays usable."""
-
-    default_code = "internal"
 
 
 @attrs.frozen(slots=True)
@@ -144,18 +103,6 @@ class _Leases(NamedTuple):
     snapshot_id: int | None
 
 
-class _Found(NamedTuple):
-    """What opening an existing state file reads besides the checks."""
-
-    suffix_count: int
-    lease_end: int
-
-
-def _is_refusal(exc: sqlite3.Error) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
-
-
 def _sidecars(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
 
@@ -163,15 +110,16 @@ def _sidecars(path: Path) -> tuple[Path, Path]:
 class SlotStore:
     """The state database of one slot. Not thread-safe: one call at a time, from any one thread."""
 
-    def __init__(self, path: Path, db: sqlite3.Connection, found: _Found | None) -> None:
+    def __init__(self, path: Path, db: sqlite3.Connection, found: Found | None) -> None:
         """Use :meth:`open`. ``found`` None: the file holds no state yet."""
         self.path = path
         self._db: sqlite3.Connection | None = db
         self._initialized = found is not None
         self._suffix_count = 0 if found is None else found.suffix_count
-        # The first outbound id this run may use (the lease end found at open): a clean stop never lowers
-        # the lease below it, since a crashed run before this one may have published ids up to there.
+        # The first outbound id (republished seq) this run may use, the lease ends found at open: a clean
+        # stop never lowers a lease below them, since a crashed run before may have used ids up to there.
         self._run_floor = 1 if found is None else found.lease_end
+        self._republish_floor = 0 if found is None else found.republish_lease_end
 
     # --- opening and refusing --------------------------------------------------------------------------
 
@@ -191,10 +139,10 @@ class SlotStore:
             raise FileNotFoundError(f"no state file {path}")
         if create:
             path.parent.mkdir(parents=True, exist_ok=True)
-        _check_header(path)
+        check_header(path)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
-            found = _prepare(path, db, exclusive=exclusive)
+            found = prepare(path, db, exclusive=exclusive)
         except BaseException:
             db.close()
             raise
@@ -237,7 +185,7 @@ class SlotStore:
                     return None
                 loaded = _loaded_slot(db, row)
         except (CodecError, ValueError, TypeError, sqlite3.DatabaseError) as exc:
-            if isinstance(exc, sqlite3.Error) and not _is_refusal(exc) and not _is_schema_error(exc):
+            if isinstance(exc, sqlite3.Error) and not is_refusal(exc) and not is_schema_error(exc):
                 raise
             self.close()
             raise StateFileError(self.path, f"row does not decode: {exc}") from exc
@@ -262,7 +210,7 @@ class SlotStore:
         with self._transaction(durable=True) as db:
             if self._initialized:
                 raise ValueError(f"state file {self.path} is already initialized")
-            for statement in _SCHEMA:  # one by one: executescript would commit first
+            for statement in SCHEMA:  # one by one: executescript would commit first
                 db.execute(statement)
             db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -278,7 +226,7 @@ class SlotStore:
                 ),
             )
         self._initialized = True
-        self._run_floor = 1
+        self._run_floor, self._republish_floor = 1, 0
         self._suffix_count = 0
 
     def extend_lease(self, lease_end: int, republish_lease_end: int | None = None) -> None:
@@ -354,8 +302,8 @@ class SlotStore:
                 " clean = 0",
                 (at_id, max(at_id, current.last_event_id or 0), progress),
             )
-            suffix_count = _suffix_count(db)
-        self._suffix_count = suffix_count
+            count = suffix_count(db)
+        self._suffix_count = count
         self._shrink()
 
     def mark_clean(self, last_event_id: int | None, *, last_republish_seq: int | None = None) -> None:
@@ -378,8 +326,11 @@ class SlotStore:
                 )
             republish_end = current.republish_lease_end
             new_republish_end = republish_end if last_republish_seq is None else last_republish_seq + 1
-            if new_republish_end > republish_end:
-                raise ValueError(f"republish seq {last_republish_seq} is beyond its lease {republish_end}")
+            if not self._republish_floor <= new_republish_end <= republish_end:
+                raise ValueError(
+                    f"republish seq {last_republish_seq} is outside the seqs this run may have used "
+                    f"[{self._republish_floor}, {republish_end})"
+                )
             db.execute(
                 "UPDATE slot SET lease_end = ?, republish_lease_end = ?, clean = 1",
                 (new_end, new_republish_end),
@@ -453,78 +404,6 @@ class SlotStore:
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
 
-def _is_schema_error(exc: sqlite3.Error) -> bool:
-    """A missing table or column in a file that claims our schema version: it is not what it says."""
-    return isinstance(exc, sqlite3.OperationalError) and "no such" in str(exc)
-
-
-def _check_header(path: Path) -> None:
-    """Refuse a file that is not SQLite before SQLite sees it: SQLite would delete a -wal beside it, and
-    the refused file is kept with its WAL for inspection."""
-    try:
-        with path.open("rb") as file:
-            header = file.read(len(_SQLITE_MAGIC))
-    except FileNotFoundError:
-        return
-    if header and header != _SQLITE_MAGIC:
-        raise StateFileError(path, "not a SQLite database (bad header)")
-
-
-def _prepare(path: Path, db: sqlite3.Connection, *, exclusive: bool) -> _Found | None:
-    """Set the connection up and check the file's header and integrity (None: a new file)."""
-    try:
-        if exclusive:
-            # One agent per state file: the first access takes a lock kept until the connection closes
-            # (in WAL mode without a shared-memory index, so no -shm file either); other openers get BUSY.
-            db.execute("PRAGMA locking_mode = EXCLUSIVE")
-        # auto_vacuum takes effect only if set before the first table is made, and before WAL mode
-        # writes the header; on an existing file it is a no-op without a VACUUM.
-        db.execute("PRAGMA auto_vacuum = INCREMENTAL")
-        db.execute("PRAGMA journal_mode = WAL").fetchone()
-        application_id = db.execute("PRAGMA application_id").fetchone()[0]
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        tables = db.execute("SELECT count(*) FROM sqlite_schema").fetchone()[0]
-        if application_id == 0 and version == 0 and tables == 0:
-            _configure(db)
-            _take_lock(db)
-            return None
-        if application_id != APPLICATION_ID:
-            raise StateFileError(path, "not a kvagent state file")
-        if version > SCHEMA_VERSION:
-            raise StateFileError(
-                path, f"schema version {version} is newer than this kvagent's {SCHEMA_VERSION}"
-            )
-        if version < 1:
-            raise StateFileError(path, f"unknown schema version {version}")
-        problems = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
-        if problems != ["ok"]:
-            raise StateFileError(path, f"integrity check failed: {'; '.join(problems)}")
-        _configure(db)
-        row = db.execute("SELECT lease_end FROM slot").fetchone()
-        if row is None or not isinstance(row[0], int):
-            raise StateFileError(path, "the slot row is missing")
-        _take_lock(db)
-        return _Found(_suffix_count(db), row[0])
-    except sqlite3.DatabaseError as exc:
-        if _is_refusal(exc) or _is_schema_error(exc):
-            raise StateFileError(path, str(exc)) from exc
-        if getattr(exc, "sqlite_errorcode", 0) & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
-            raise StateFileInUse(f"state file {path} is in use by another process") from exc
-        raise
-
-
-def _take_lock(db: sqlite3.Connection) -> None:
-    """Take the write lock once: BUSY now if another connection writes; in exclusive locking mode the lock
-    is then kept until the connection closes."""
-    db.execute("BEGIN IMMEDIATE")
-    db.execute("COMMIT")
-
-
-def _configure(db: sqlite3.Connection) -> None:
-    db.execute("PRAGMA synchronous = NORMAL")
-    db.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
-
-
 def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
     name, publisher_id, cache_owner_id, lease_end, republish_end, last, snapshot_id, clean, attachment = row
     if not (
@@ -562,12 +441,6 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         suffix_events=tuple(suffix),
         mirror=tuple(mirror),
     )
-
-
-def _suffix_count(db: sqlite3.Connection) -> int:
-    """The events stored after the snapshot (a batch that straddles the snapshot id counts whole)."""
-    (count,) = db.execute("SELECT coalesce(sum(count), 0) FROM batches").fetchone()
-    return int(count)
 
 
 def _suffix_after(db: sqlite3.Connection, snapshot_id: int) -> list[RouterEvent]:

@@ -176,7 +176,7 @@ class CrashingStore(SlotStore):
 
 @attrs.frozen
 class Write:
-    kind: str  # "append" | "progress" | "snapshot" | "lease"
+    kind: str  # "append" | "progress" | "snapshot" | "lease" | "clean"
     size: int
 
 
@@ -189,6 +189,8 @@ writes = st.lists(
     min_size=1,
     max_size=10,
 )
+# A clean stop, if any, is the last write of a run (it lowers the lease to right after the last id).
+plans = st.tuples(writes, st.booleans()).map(lambda pair: pair[0] + [Write("clean", 0)] * pair[1])
 
 
 class Driver:
@@ -198,7 +200,7 @@ class Driver:
         self.store, self.rng = store, random.Random(seed)
         self.resident: set[tuple[StorageTier, int]] = set()
         self.resident_at: dict[int | None, set[tuple[StorageTier, int]]] = {None: set()}
-        self.next_id, self.seq = 1, 0
+        self.next_id, self.seq, self.clean = 1, 0, False
         self.lease_end = self.republish_lease_end = 1 + LEASE_BLOCK
         store.initialize(IDENTITY, self.lease_end, self.republish_lease_end)
 
@@ -216,16 +218,20 @@ class Driver:
             at_id = self.next_id - 1
             self.store.write_snapshot(at_id, dump_of(self.resident), mirror_of(self.resident), None)
             self.resident_at[at_id] = set(self.resident)
-        else:
+        elif write.kind == "lease":
             self.lease_end += write.size
             self.republish_lease_end += 2 * write.size
             self.store.extend_lease(self.lease_end, self.republish_lease_end)
+        else:
+            self.store.mark_clean(self.next_id - 1 if self.next_id > 1 else None)
+            self.lease_end, self.clean = self.next_id, True
 
     def check_latest(self, loaded: LoadedSlot | None) -> None:
         assert loaded is not None
         assert (loaded.last_event_id or 1) == max(1, self.next_id - 1)
         assert loaded.attachment == (progress_at(self.seq) if self.seq else None)
         assert (loaded.lease_end, loaded.republish_lease_end) == (self.lease_end, self.republish_lease_end)
+        assert loaded.clean is self.clean
 
 
 def check_prefix(
@@ -251,7 +257,7 @@ def torn_wals(old: bytes, new: bytes, cut: int) -> list[bytes]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(writes, st.randoms(use_true_random=False), st.data())
+@given(plans, st.randoms(use_true_random=False), st.data())
 def test_a_crash_at_any_point_loads_a_committed_prefix(
     tmp_path: Path, plan: list[Write], rng: random.Random, data: st.DataObject
 ) -> None:

@@ -32,7 +32,7 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
 )
-from kvagent.persist import codec
+from kvagent.persist import codec, columns
 from kvagent.persist.store import (
     LEASE_BLOCK,
     SCHEMA_VERSION,
@@ -235,7 +235,7 @@ def test_mirror_and_snapshot_chunks_round_trip(
 ) -> None:
     mirror = [MirrorRow(*row) for row in rows]
     decoded = [
-        r for body in codec.encode_mirror_chunks(mirror, chunk) for r in codec.decode_mirror_chunk(body)
+        r for body in columns.encode_mirror_chunks(mirror, chunk) for r in columns.decode_mirror_chunk(body)
     ]
     assert decoded == mirror
     events = [
@@ -249,8 +249,8 @@ def test_mirror_and_snapshot_chunks_round_trip(
         )
         for n, (tier, block, parent, tokens) in enumerate(rows)
     ]
-    chunks = list(codec.encode_snapshot_chunks(events, chunk))
-    back = [event for body in chunks for event in codec.decode_snapshot_chunk(body)]
+    chunks = list(columns.encode_snapshot_chunks(events, chunk))
+    back = [event for body in chunks for event in columns.decode_snapshot_chunk(body)]
     assert back == events and tokens_of(back) == tokens_of(events)
 
 
@@ -268,15 +268,46 @@ def test_a_dump_snapshot_is_stored_as_the_tree_dumps_events_would_be(store: Slot
     index.apply(worker_event(603, Removed((12,))))
     snapshot, dump = index.dump_snapshot(), index.tree_dump()
     assert {len(group.columns.hashes) - group.columns.live for group in snapshot.groups} != {0}
-    for rows in (1, 7, codec.CHUNK_ROWS):
-        assert list(codec.encode_dump_chunks(snapshot, rows)) == list(
-            codec.encode_snapshot_chunks(dump.events, rows)
+    for rows in (1, 7, columns.CHUNK_ROWS):
+        assert list(columns.encode_dump_chunks(snapshot, rows)) == list(
+            columns.encode_snapshot_chunks(dump.events, rows)
         )
     store.append(drive(index, rng, resident, 604, 10), PROGRESS)
     store.write_snapshot(dump.last_event_id, snapshot, [], None)
     loaded = reopen(store)
     assert loaded.snapshot_events == dump.events and loaded.snapshot_id == 603
     assert [event.event_id for event in loaded.suffix_events] == list(range(604, 614))
+
+
+route_events = st.builds(
+    RouterEvent,
+    st.integers(0, U64_MAX),
+    st.sampled_from(list(StorageTier)),
+    st.sampled_from(list(ResidencyDomain)),
+    st.just(0),
+    st.one_of(
+        st.builds(
+            lambda hashes, parent, tokens, start: Stored(parent, hashes, hashes[::-1], None, start, tokens),
+            st.lists(st.integers(0, U64_MAX), max_size=5).map(tuple),
+            st.none() | st.integers(0, U64_MAX),
+            st.none() | st.binary(max_size=40),
+            st.none() | st.integers(0, 1 << 32),
+        ),
+        st.builds(Removed, st.lists(st.integers(0, U64_MAX), max_size=5).map(tuple)),
+        st.just(CLEARED),
+    ),
+    st.integers(0, 7),
+    st.none() | st.just(OWNER),
+    st.none() | st.text(max_size=8),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(route_events, max_size=12))
+def test_batches_round_trip(events: list[RouterEvent]) -> None:
+    numbered = [attrs.evolve(event, event_id=n) for n, event in enumerate(events, 1)]
+    back = codec.decode_batch(codec.encode_batch(numbered))
+    assert back == numbered and tokens_of(back) == tokens_of(numbered)
 
 
 @pytest.mark.parametrize(
@@ -342,8 +373,10 @@ def test_a_clean_stop_never_hands_out_ids_a_crashed_run_may_have_used(store: Slo
     loaded = reopen(again)
     assert loaded.lease_end == FIRST_LEASE and not loaded.clean
     unloaded = SlotStore.open(store.path)  # the floor comes from the file, whether or not it was loaded
-    with pytest.raises(ValueError, match="beyond its lease"):
-        unloaded.mark_clean(None, last_republish_seq=FIRST_LEASE)
+    with pytest.raises(ValueError, match="republish seq"):
+        unloaded.mark_clean(None, last_republish_seq=FIRST_LEASE)  # beyond its lease
+    with pytest.raises(ValueError, match="republish seq"):
+        unloaded.mark_clean(None, last_republish_seq=3)  # below this run's first seq
     with pytest.raises(ValueError, match="outside the ids"):
         unloaded.mark_clean(5)
     unloaded.close()
