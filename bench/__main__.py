@@ -8,12 +8,23 @@ import sys
 import time
 from types import ModuleType
 
-from bench import fig_cpu, fig_dump, fig_http_dump, fig_ingest, fig_memory, fig_recover, fig_serving
+from bench import (
+    fig_cpu,
+    fig_dump,
+    fig_http_dump,
+    fig_ingest,
+    fig_memory,
+    fig_persistence,
+    fig_recover,
+    fig_serving,
+)
 from bench.harness import RESULTS_DIR, FigureResult, run_figure, table
 
 FIGURES: dict[str, ModuleType] = {
     module.NAME: module
-    for module in (fig_ingest, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving, fig_http_dump)
+    for module in (
+        fig_ingest, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving, fig_http_dump, fig_persistence
+    )
 }
 
 

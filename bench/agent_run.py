@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -27,7 +28,8 @@ def owner() -> Any:
 
 
 async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
-                     cpu_window: tuple[float, float] | None, wait_limit: float) -> dict[str, Any]:
+                     cpu_window: tuple[float, float] | None, wait_limit: float,
+                     state_path: Path | None = None) -> dict[str, Any]:
     from kvagent import AttachmentConfig, MemoryDiscovery, SlotAgentConfig, open_slot_agent
     from kvagent.vllm.listener import ListenerOptions
 
@@ -41,6 +43,7 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
         kv_block_size=BLOCK_SIZE,
         dp_rank=0,
         listener=ListenerOptions(shed_after=math.inf),
+        state_path=state_path,
     )
     try:
         async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
@@ -59,7 +62,7 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
                 batches = int(paced[0] / 8 * paced[1])
                 events = -1  # computed below from the batches actually sent
                 publisher.paced(*paced)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             result: dict[str, Any] = {"base_cursor": base}
             if cpu_window is not None:
                 await trio.sleep(cpu_window[0])  # a measuring window, not synchronization
@@ -76,15 +79,28 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
             target = base + events
             with trio.move_on_after(wait_limit) as waited:
                 await agent.status_cell.wait_for(lambda s: s.outbound_cursor >= target)
-            finished = time.perf_counter()
+            finished, cpu_finished = time.perf_counter(), time.process_time()
             if paced is None:
                 await trio.to_thread.run_sync(publisher.wait_sent)
             cursor = agent.status().outbound_cursor
             statistics = agent.statistics()
             listener = statistics.listener
             counters = statistics.coordinator
+            if statistics.persistence is not None:  # persisted to the end, so the figure sees the whole state
+                with trio.move_on_after(wait_limit):
+                    while True:  # polling the writer's lag (a real observable), bounded
+                        lagging = agent.statistics().persistence
+                        if lagging is None or lagging.lag_events == 0:
+                            break
+                        await trio.sleep(0.01)
+                result["persisted_seconds"] = time.perf_counter() - started
+                persistence = agent.statistics().persistence
+                assert persistence is not None
+                result["persistence"] = {**_attrs_dict(persistence), "state": persistence.state.value}
+                result["resident_blocks"] = agent.index.resident_block_count
             result.update(
                 seconds=finished - started,
+                cpu_seconds=cpu_finished - cpu_started,
                 events=events,
                 applied=cursor - base,
                 timed_out=waited.cancelled_caught,
@@ -110,5 +126,8 @@ def _attrs_dict(value: object) -> dict[str, Any]:
 
 
 def run_agent(publisher: Publisher, *, paced: tuple[float, float] | None = None,
-              cpu_window: tuple[float, float] | None = None, timeout: float = 300) -> dict[str, Any]:
-    return trio.run(lambda: _run_agent(publisher, paced=paced, cpu_window=cpu_window, wait_limit=timeout))
+              cpu_window: tuple[float, float] | None = None, timeout: float = 300,
+              state_path: Path | None = None) -> dict[str, Any]:
+    """One agent run; with ``state_path`` the slot persists its state there (issue #17)."""
+    return trio.run(lambda: _run_agent(publisher, paced=paced, cpu_window=cpu_window, wait_limit=timeout,
+                                       state_path=state_path))

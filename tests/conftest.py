@@ -23,6 +23,13 @@ from tests.support.agent import XpubEngine
 pytest_plugins = ["tests.support.etcd_server"]
 
 
+@pytest.fixture(autouse=True)
+def _private_state_root(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test gets its own default state root: a `kvagent serve` (also in a subprocess) persists its
+    slots under it by default, and must neither read nor leave state in the user's ~/.local/state."""
+    monkeypatch.setenv("KVAGENT_STATE_DIR", str(tmp_path_factory.mktemp("state-root")))
+
+
 @pytest.fixture
 def owner() -> CacheOwnerId:
     """The seed CacheOwner (``01``*16 : ``02``*16 / DC 3 / ``04``*16)."""

@@ -6,6 +6,8 @@ a control request with bad fields is refused before anything happens.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 from kvagent.model.errors import KvAgentError
@@ -68,6 +70,8 @@ class SlotAgentConfig:
     shutdown_step_timeout: float = 5.0
     # The vLLM-compatible stream of this slot (endpoints of dp_rank 0: the slot offsets them by its dp_rank).
     republish: RepublishConfig | None = None
+    # The slot's SQLite state file (docs/durability.md); None keeps every state in memory only.
+    state_path: Path | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.name:

@@ -16,6 +16,7 @@ import trio
 import zmq
 
 from kvagent.agent.config import SlotAgentConfig
+from kvagent.agent.durable import open_durable_slot
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot import SlotAgent, open_slot_agent
 from kvagent.discovery.base import Discovery
@@ -146,12 +147,17 @@ class Host:
         task_status: trio.TaskStatus[SlotAgent] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         started = False
-        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
-        config = attrs.evolve(config, publisher_id=publisher_id)
-        sink = self._sink_factory(config, publisher_id) if self._sink_factory is not None else None
         try:
+            # The state file first: a restarted slot keeps its publisher id, which its sink must name.
+            durable = await open_durable_slot(config, new_publisher_id())
+            if durable is not None:
+                publisher_id = durable.publisher_id
+            else:
+                publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
+            config = attrs.evolve(config, publisher_id=publisher_id)
+            sink = self._sink_factory(config, publisher_id) if self._sink_factory is not None else None
             async with open_slot_agent(
-                config, discovery=self._discovery, sink=sink, zmq_context=self._zmq_context
+                config, discovery=self._discovery, sink=sink, zmq_context=self._zmq_context, durable=durable
             ) as agent:
                 task.agent = agent
                 self.registry.add(agent)

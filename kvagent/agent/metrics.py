@@ -20,6 +20,7 @@ from kvagent.agent.host import SlotState, SlotStateKind
 from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
+from kvagent.persist.writer import PersistenceState, PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
@@ -316,6 +317,35 @@ _REPUBLISH: tuple[tuple[str, str, bool, Callable[[RepublisherStatistics], int]],
 )
 
 
+# Per-slot families of the state directory (slots that persist): name after ``kvagent_persistence_``.
+_PERSISTENCE: tuple[tuple[str, str, bool, Callable[[PersistenceStatistics], int]], ...] = (
+    (
+        "failed",
+        "1 while writes to the state file fail (serving from memory, retrying)",
+        False,
+        lambda p: int(p.state is PersistenceState.FAILED),
+    ),
+    ("persisted_id", "Newest outbound event id in the state file", False, lambda p: p.persisted_id),
+    ("lag_events", "Applied outbound ids not yet in the state file", False, lambda p: p.lag_events),
+    ("disk_bytes", "Bytes of the state file (with its WAL)", False, lambda p: p.bytes),
+    ("lease_end", "End of the leased outbound id block (ids stay below it)", False, lambda p: p.lease_end),
+    ("appends", "Append transactions committed", True, lambda p: p.appends),
+    ("snapshots", "Compacted snapshots written", True, lambda p: p.snapshots),
+    ("failures", "Writes that failed (each retried with back-off)", True, lambda p: p.failures),
+)
+
+
+def _persistence_families(views: list[_SlotView]) -> Iterator[Metric]:
+    persisting = [(view.name, view.statistics.persistence) for view in views]
+    for name, doc, counter, read in _PERSISTENCE:
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        family = kind(f"kvagent_persistence_{name}", doc, labels=["slot"])
+        for slot, statistics in persisting:
+            if statistics is not None:
+                family.add_metric([slot], read(statistics))
+        yield family
+
+
 def _republish_families(views: list[_SlotView]) -> Iterator[Metric]:
     republishing = [(view.name, view.statistics.republish) for view in views if view.statistics.republish]
     for name, doc, counter, read in _REPUBLISH:
@@ -445,6 +475,7 @@ class SlotMetricsCollector(Collector):
         views = [_SlotView.of(agent) for agent in sorted(self._sources.slots(), key=lambda agent: agent.name)]
         yield from _slot_families(views)
         yield from _republish_families(views)
+        yield from _persistence_families(views)
         if self._sources.server is not None:
             yield from _server_families(self._sources.server())
         if self._sources.event_plane is not None:

@@ -33,13 +33,18 @@ import zmq
 
 from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.durable import (
+    DurableSlot,
+    open_durable_slot,
+    run_durably,
+    withdraw_stale_records,
+)
 from kvagent.agent.groups import unwrap_sole_exception
-from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
-from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
-from kvagent.discovery.ads import source_advertisement
+from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
+from kvagent.coordinator.machine import CoordinatorStatistics
+from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import (
-    AttachmentRecordHolder,
     WithdrawalStatistics,
     run_withdrawal_supervisor,
     unregister_required,
@@ -49,10 +54,11 @@ from kvagent.model.errors import KvAgentError
 from kvagent.model.events import (
     KV_STATE_ATTACHMENTS_TOPIC,
 )
-from kvagent.model.ids import KvStateAgentIdentity, attachment_record_id, new_publisher_id
-from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
-from kvagent.publish.republisher import RepublisherStatistics, VllmRepublisher
-from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
+from kvagent.model.ids import attachment_record_id, new_publisher_id
+from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, PersistenceStatus
+from kvagent.persist.writer import PersistenceStatistics
+from kvagent.publish.republisher import RepublisherStatistics
+from kvagent.publish.sinks import EventSink
 from kvagent.vllm.listener import ListenerCounters, ListenerStatistics, run_listener
 
 __all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent"]
@@ -75,6 +81,7 @@ class SlotStatistics:
     listener: ListenerStatistics | None
     withdrawal: WithdrawalStatistics
     republish: RepublisherStatistics | None = None
+    persistence: PersistenceStatistics | None = None  # None: the slot keeps its state in memory only
 
 
 @attrs.define
@@ -86,30 +93,12 @@ class _ListenerTask:
     running: bool = False  # set once the listener reported itself started (SUB connected)
 
 
-@attrs.frozen
-class _SlotParts:
-    """Everything one slot owns, built before any task starts (see :func:`_build_slot`)."""
-
-    config: SlotAgentConfig
-    identity: KvStateAgentIdentity
-    index: RecoveryIndex
-    status_cell: StatusCell
-    coordinator: CoordinatorHandle
-    run_coordinator: Callable[..., Awaitable[None]]
-    holder: AttachmentRecordHolder
-    source_record: DiscoveryRecord
-    withdraw_tx: trio.MemorySendChannel[int]
-    withdraw_rx: trio.MemoryReceiveChannel[int]
-    request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
-    republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
-
-
 class SlotAgent:
     """A running slot agent. Lifecycle calls are serialized; ``status()`` never waits."""
 
     def __init__(
         self,
-        parts: _SlotParts,
+        parts: SlotParts,
         *,
         discovery: Discovery,
         listener_nursery: trio.Nursery,
@@ -121,6 +110,8 @@ class SlotAgent:
         self._status = parts.status_cell
         self._coordinator = parts.coordinator
         self.republisher = parts.republisher
+        self.durable = parts.durable
+        self._core = parts.core
         self._discovery = discovery
         self._holder = parts.holder
         self._listener_nursery = listener_nursery
@@ -160,9 +151,20 @@ class SlotAgent:
 
     def status(self) -> AgentStatus:
         status = self._status.get()
-        if self.republisher is None:
-            return status
-        return attrs.evolve(status, republish=self.republisher.status())
+        if self.republisher is not None:
+            status = attrs.evolve(status, republish=self.republisher.status())
+        writer = None if self.durable is None else self.durable.writer
+        persistence = PersistenceStatus() if writer is None else writer.statistics().status()
+        return attrs.evolve(status, persistence=persistence)
+
+    @property
+    def current_attachment(self) -> Attachment | None:
+        """The attachment this slot last attached and has not detached (with its source)."""
+        return self._attachment
+
+    def persisted_attachment(self) -> AttachmentConfig | None:
+        """The engine the slot's loaded state followed (None: no state file or none attached)."""
+        return None if self.durable is None else self.durable.persisted_attachment()
 
     def statistics(self) -> SlotStatistics:
         listener = self._latest_listener_counters
@@ -171,6 +173,9 @@ class SlotAgent:
             listener=None if listener is None else listener.statistics(),
             withdrawal=self._holder.statistics(),
             republish=None if self.republisher is None else self.republisher.statistics(),
+            persistence=None
+            if self.durable is None or self.durable.writer is None
+            else self.durable.writer.statistics(),
         )
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -200,10 +205,11 @@ class SlotAgent:
         self.ad_keeper.interrupt()
         async with self._lifecycle:
             self._check_attachable(config)
-            attached = await self._coordinator.attach(config.to_attachment())
+            resume = None if self.durable is None else self.durable.take_resume_point(config)
+            attached = await self._coordinator.attach(config.to_attachment(), resume=resume)
             generation = attached.generation
             try:
-                await self._start_listener(attached)
+                await self._start_listener(attached, resume)
             except Exception as exc:
                 log.warning("listener_start_failed", generation=generation, error=str(exc))
                 await self._coordinator.abort_attach(generation)
@@ -289,16 +295,17 @@ class SlotAgent:
         await self.quarantine(generation, reason)
 
     # --- internals -----------------------------------------------------------------------------
-    async def _start_listener(self, attachment: Attachment) -> None:
+    async def _start_listener(self, attachment: Attachment, resume: tuple[int, int] | None = None) -> None:
         task = _ListenerTask(attachment.generation)
         self._latest_listener_counters = task.counters
-        await self._listener_nursery.start(self._run_listener_task, attachment, task)
+        await self._listener_nursery.start(self._run_listener_task, attachment, task, resume)
         self._listener = task
 
     async def _run_listener_task(
         self,
         attachment: Attachment,
         task: _ListenerTask,
+        resume: tuple[int, int] | None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -315,6 +322,7 @@ class SlotAgent:
             options=self.config.listener,
             zmq_context=self._zmq_context,
             stats=task.counters,
+            resume=resume,
         )
         try:
             with task.scope:
@@ -400,60 +408,6 @@ class SlotAgent:
         await self._stop_listener()
 
 
-def _build_slot(
-    config: SlotAgentConfig, sink: EventSink | None, republisher: VllmRepublisher | None
-) -> _SlotParts:
-    """The slot's objects, wired together; nothing runs yet and nothing is advertised."""
-    publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
-    identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
-    index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
-    status_cell = StatusCell(AgentStatus(identity))
-    # Unbounded as in the seed: the coordinator must never block on a withdrawal request, and the
-    # queue is bounded in practice by the number of quarantines (at most a few per attachment).
-    withdraw_tx, withdraw_rx = trio.open_memory_channel[int](math.inf)
-
-    def request_withdrawal(generation: int) -> None:
-        try:
-            withdraw_tx.send_nowait(generation)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.warning("withdrawal_request_dropped", generation=generation, reason="supervisor is gone")
-
-    sinks = [each for each in (sink, republisher) if each is not None]
-    outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
-    core = SlotCoordinator(
-        identity=identity,
-        slot_rank=config.dp_rank,
-        index=index,
-        sink=outbound,
-        on_status=status_cell.set,
-        request_withdrawal=request_withdrawal,
-        strict_cache_owner=config.strict_cache_owner,
-    )
-    coordinator, run_coordinator = open_coordinator(core)
-    source_record = source_advertisement(
-        identity=identity,
-        global_dp_rank=config.dp_rank,
-        kv_state_endpoint=config.kv_state_endpoint,
-        kv_block_size=config.kv_block_size,
-        ingress_protocol=config.ingress_protocol,
-        recovery_url=config.recovery_url,
-    )
-    return _SlotParts(
-        config=config,
-        identity=identity,
-        index=index,
-        status_cell=status_cell,
-        coordinator=coordinator,
-        run_coordinator=run_coordinator,
-        holder=AttachmentRecordHolder(),
-        source_record=source_record,
-        withdraw_tx=withdraw_tx,
-        withdraw_rx=withdraw_rx,
-        request_withdrawal=request_withdrawal,
-        republisher=republisher,
-    )
-
-
 async def _logged_task(
     run: Callable[..., Awaitable[None]],
     slot: str,
@@ -472,7 +426,7 @@ async def _logged_task(
 
 @asynccontextmanager
 async def _slot_nurseries(
-    parts: _SlotParts, discovery: Discovery, zmq_context: zmq.Context[Any]
+    parts: SlotParts, discovery: Discovery, zmq_context: zmq.Context[Any]
 ) -> AsyncIterator[SlotAgent]:
     """The nursery ladder: supervisor ⊃ coordinator ⊃ listeners; each level stops in its ``finally``."""
     step = parts.config.shutdown_step_timeout
@@ -490,7 +444,17 @@ async def _slot_nurseries(
                 await supervisor_nursery.start(_logged_task, supervisor, parts.config.name, supervisor_done)
                 if parts.republisher is not None:  # outlives the coordinator, which publishes into it
                     await supervisor_nursery.start(_logged_task, parts.republisher.run, parts.config.name)
-                async with trio.open_nursery() as coordinator_nursery:
+                async with (
+                    run_durably(
+                        parts.durable,
+                        index=parts.index,
+                        coordinator=parts.coordinator,
+                        republisher=parts.republisher,
+                        nursery=supervisor_nursery,
+                        step_timeout=step,
+                    ) as agent_ready,
+                    trio.open_nursery() as coordinator_nursery,
+                ):
                     await coordinator_nursery.start(_logged_task, parts.run_coordinator, parts.config.name)
                     try:
                         async with trio.open_nursery() as listener_nursery:
@@ -500,6 +464,7 @@ async def _slot_nurseries(
                                 listener_nursery=listener_nursery,
                                 zmq_context=zmq_context,
                             )
+                            agent_ready(agent)
                             await listener_nursery.start(_logged_task, agent.ad_keeper.run, parts.config.name)
                             try:
                                 yield agent
@@ -520,25 +485,6 @@ async def _slot_nurseries(
             supervisor_nursery.cancel_scope.cancel()
 
 
-def _open_republisher(config: SlotAgentConfig, context: zmq.Context[Any]) -> VllmRepublisher | None:
-    """The slot's republisher, bound at its endpoints offset by its dp_rank (vLLM's convention)."""
-    if config.republish is None:
-        return None
-    republisher = VllmRepublisher(
-        config.republish.for_rank(config.dp_rank),
-        dp_rank=config.dp_rank,
-        block_size=config.kv_block_size,
-        context=context,
-    )
-    log.info(
-        "republishing",
-        slot=config.name,
-        endpoint=republisher.endpoint,
-        replay_endpoint=republisher.replay_endpoint,
-    )
-    return republisher
-
-
 @asynccontextmanager
 async def open_slot_agent(
     config: SlotAgentConfig,
@@ -546,21 +492,29 @@ async def open_slot_agent(
     discovery: Discovery,
     sink: EventSink | None = None,
     zmq_context: zmq.Context[Any] | None = None,
+    durable: DurableSlot | None = None,
 ) -> AsyncIterator[SlotAgent]:
     """Run one slot agent for the duration of the ``async with`` block.
 
     ``sink`` receives the slot's outbound events; a sink that names its publisher (the event plane's) must
     be built for ``config.publisher_id``.  An exception from the block is re-raised as itself once the
-    slot has shut down, not wrapped in one exception group per nursery level.
+    slot has shut down, not wrapped in one exception group per nursery level.  ``durable`` is the slot's
+    opened state file (opened here from ``config.state_path`` when not given); the slot closes it.
     """
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
-    republisher = _open_republisher(config, context)
-    parts = _build_slot(config, sink, republisher)
+    if durable is None:
+        durable = await open_durable_slot(config, new_publisher_id())
+    republisher = open_republisher(config, context)
+    parts = build_slot(config, sink, republisher, durable)
     try:
+        await withdraw_stale_records(discovery, durable, parts.source_record)
         await discovery.register(parts.source_record)
     except Exception as exc:
         if republisher is not None:
             republisher.close()
+        if durable is not None:
+            with trio.CancelScope(shield=True):
+                await durable.close()
         raise KvAgentError("failed to advertise persistent state source", code="internal") from exc
     try:
         with unwrap_sole_exception():

@@ -56,6 +56,13 @@ def _default_discovery() -> str:
     return f"file:{default_state_dir() / 'discovery'}"
 
 
+def _default_slot_state_dir() -> str:
+    return str(default_state_dir() / "state")
+
+
+STATE_DIR_NONE = "none"  # ``state_dir = "none"``: every slot keeps its state in memory only
+
+
 @attrs.frozen(slots=True)
 class EngineConfig:
     """The engine a slot attaches to at start."""
@@ -111,6 +118,8 @@ class ServeConfig:
     slots: tuple[SlotConfig, ...] = ()
     listen: str = "127.0.0.1:8765"
     discovery: str = attrs.field(factory=_default_discovery)
+    # Where slots persist their state (docs/durability.md); "none" keeps it in memory only.
+    state_dir: str = attrs.field(factory=_default_slot_state_dir)
     token_file: str | None = None
     publish: str | None = None
     http: str | None = None  # the HTTP surface (metrics, health, readiness, status, dumps)
@@ -388,6 +397,8 @@ def validate_serve_config(config: ServeConfig) -> None:
         check_discovery_url(config.discovery)
     except ValueError as exc:
         errors.append(f"discovery: {exc}")
+    if not config.state_dir:
+        errors.append(f"state_dir: must be a directory or {STATE_DIR_NONE!r}, got an empty string")
     if config.log_format not in ("text", "json"):
         errors.append(f"log_format: must be 'text' or 'json', got {config.log_format!r}")
     for key in (

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", help="websocket HOST:PORT (default 127.0.0.1:8765)")
     serve.add_argument("--discovery", help="memory | file:DIR | etcd://HOST:PORT[,HOST:PORT][/PREFIX]")
     serve.add_argument("--token-file", help="control token file (created with a fresh token if missing)")
+    serve.add_argument(
+        "--state-dir",
+        metavar="DIR|none",
+        help="persist each slot's state here and resume from it on restart "
+        "(default: <state root>/state; 'none' keeps it in memory)",
+    )
     serve.add_argument("--publish", metavar="tcp://HOST:PORT", help="bind the outbound ZMQ event plane here")
     serve.add_argument(
         "--http",
@@ -117,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_republish_arguments(serve)
     serve.add_argument("--max-connections", type=int)
     serve.add_argument(
-        "--handshake-timeout", type=float, help="seconds a connection may take to finish its websocket handshake"
+        "--handshake-timeout",
+        type=float,
+        help="seconds a connection may take to finish its websocket handshake",
     )
     serve.add_argument(
         "--max-pending-handshakes",
@@ -201,7 +209,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             {**s, "simulate": True} if isinstance(s, dict) and not s.get("engine") else s
             for s in data["slots"]
         ]
-    for option in ("listen", "discovery", "token_file", "publish", "http", "log_format"):
+    for option in ("listen", "discovery", "token_file", "publish", "http", "log_format", "state_dir"):
         value = getattr(args, option)
         if value is not None:
             data[option] = value

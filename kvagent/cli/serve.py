@@ -16,11 +16,12 @@ import trio
 import zmq
 
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.durable import slot_state_path
 from kvagent.agent.host import Host, open_host
 from kvagent.agent.http import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
-from kvagent.cli.config import ServeConfig, SlotConfig, resolve_cache_owner_id
+from kvagent.cli.config import STATE_DIR_NONE, ServeConfig, SlotConfig, resolve_cache_owner_id
 from kvagent.cli.logs import configure_logging
 from kvagent.discovery import Discovery, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
@@ -60,7 +61,12 @@ def _split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _state_dir(serve: ServeConfig) -> Path | None:
+    return None if serve.state_dir == STATE_DIR_NONE else Path(serve.state_dir).expanduser()
+
+
 def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str) -> SlotAgentConfig:
+    state_dir = _state_dir(serve)
     return SlotAgentConfig(
         name=slot.name,
         cache_owner_id=resolve_cache_owner_id(slot),
@@ -73,6 +79,7 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         recovery_url=recovery_url,
         listener=ListenerOptions(rcvhwm=serve.rcvhwm),
         republish=None if slot.republish is None else slot.republish.to_config(),
+        state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
     )
 
 
@@ -109,6 +116,10 @@ async def _attach_configured_engine(
             )
         )
         log.info("slot_attached", slot=slot.name, endpoint=engine.endpoint, generation=status.generation)
+    elif not slot.simulate and (persisted := agent.persisted_attachment()) is not None:
+        # A restarted slot without a configured engine goes back to the engine its state follows.
+        status = await agent.attach(persisted)
+        log.info("slot_reattached", slot=slot.name, endpoint=persisted.endpoint, generation=status.generation)
     elif slot.simulate:
         fake = FakeVllmEngine(
             endpoint="tcp://127.0.0.1:0",
@@ -192,7 +203,15 @@ async def _start_servers(
         shutdown_timeout=config.shutdown_timeout,
     )
     server = await nursery.start(
-        partial(serve_recovery, host, host=listen_host, port=listen_port, token=token, options=options, stats=server_stats)
+        partial(
+            serve_recovery,
+            host,
+            host=listen_host,
+            port=listen_port,
+            token=token,
+            options=options,
+            stats=server_stats,
+        )
     )
     if config.http_listen:
         sources = MetricSources(
@@ -212,6 +231,10 @@ async def _serve_slots(
     config: ServeConfig, token: str, context: zmq.Context[Any], signals: AsyncIterator[int]
 ) -> None:
     """Host the configured slots behind the recovery server until a signal arrives."""
+    state_dir = _state_dir(config)
+    if state_dir is not None:
+        # Created here (the CLI owns the state root); a slot opens or creates its own file in it.
+        (state_dir / "slots").mkdir(parents=True, exist_ok=True)
     event_plane = ZmqEventPlane(config.publish, context=context) if config.publish else None
 
     def sink_factory(slot_config: SlotAgentConfig, publisher_id: int) -> EventSink | None:

@@ -8,6 +8,8 @@ The CacheOwner domain is set-like: KVCR guarantees at most one residency per own
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from kvagent.model.events import Cleared, PlacementEvent, Removed, ResidencyDomain, StorageTier, Stored
@@ -75,6 +77,16 @@ class DedupFilter:
         if not counts:
             del self._counts[(dp_rank, tier, domain)]
         return surviving
+
+    def seed(self, domain: ResidencyDomain, blocks: Iterable[tuple[int, StorageTier, int]]) -> None:
+        """Count each ``(dp_rank, tier, block hash)`` of ``domain`` once more (a restored index's blocks)."""
+        counts_by_key = self._counts
+        for dp_rank, tier, block_hash in blocks:
+            key = (dp_rank, tier, domain)
+            counts = counts_by_key.get(key)
+            if counts is None:
+                counts = counts_by_key[key] = {}
+            counts[block_hash] = counts.get(block_hash, 0) + 1
 
     def reset_domain(self, dp_rank: int, domain: ResidencyDomain) -> None:
         """Forget every tier's counts of one rank and domain (what a Cleared does)."""

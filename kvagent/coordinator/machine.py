@@ -23,6 +23,8 @@ from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.counters import CoordinatorCounters, CoordinatorStatistics
 from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCursorTracker
 from kvagent.coordinator.dedup import DedupFilter
+from kvagent.coordinator.lease import OutboundIdLease
+from kvagent.coordinator.signals import SourceProgress, SourceSignalHandling
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
@@ -48,12 +50,10 @@ __all__ = [
     "CoordinatorStatistics",
     "LocalIndex",
     "SlotCoordinator",
+    "SourceProgress",
 ]
 
 log = structlog.get_logger(__name__)
-
-LISTENER_TERMINATED = "framework listener terminated"  # a quarantine signal's reason when it names none
-
 
 class LocalIndex(Protocol):
     """What the coordinator needs of :class:`kvagent.index.recovery_index.RecoveryIndex`."""
@@ -63,8 +63,13 @@ class LocalIndex(Protocol):
     def current_event_id(self) -> int: ...
 
 
-class SlotCoordinator:
-    """Sans-IO coordinator of one stable DP slot; see the module docstring."""
+class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
+    """Sans-IO coordinator of one stable DP slot; see the module docstring.
+
+    ``first_outbound_id`` is where a restarted agent's ids continue; ``lease_end`` (None: no lease) is the
+    first id it may not stamp until :meth:`set_lease_end` moves it (the Trio shell waits for that, using
+    :meth:`ids_needed`, before it hands over work that could cross it).
+    """
 
     def __init__(
         self,
@@ -76,7 +81,11 @@ class SlotCoordinator:
         on_status: Callable[[AgentStatus], None],
         request_withdrawal: Callable[[int], None],
         strict_cache_owner: bool = False,
+        first_outbound_id: int = 1,
+        lease_end: int | None = None,
     ) -> None:
+        if not 1 <= first_outbound_id < U64_MAX:
+            raise ValueError(f"first_outbound_id must be in [1, U64_MAX), got {first_outbound_id}")
         self.identity = identity
         self.slot_rank = slot_rank
         self.index = index
@@ -87,7 +96,10 @@ class SlotCoordinator:
         self._request_withdrawal = request_withdrawal
         self._attachment: Attachment | None = None
         self._ingress_generation: int | None = None
-        self._next_outbound_id = 1
+        self._next_outbound_id = first_outbound_id
+        self._lease_end = lease_end
+        # _take_outbound_id's single bound: the lease end, or U64_MAX (never an id) without a lease.
+        self._id_limit = U64_MAX if lease_end is None else min(lease_end, U64_MAX)
         self._next_attachment_generation = 1
         self._continuity = SourceContinuity(self.counters)
         self._dedup = DedupFilter()
@@ -99,6 +111,8 @@ class SlotCoordinator:
         # until the source is READY again after a Worker reset that followed the loss.
         self._cache_owner_untrusted = False
         self._reset_since_loss = False
+        self._cache_owner_resyncing = False
+        self._source_progress: SourceProgress | None = None
         self._batching_ingress = False
         self._status_dirty = False
         # The Trio shell installs the real backlog probe (the core never sees the channel itself).
@@ -139,7 +153,14 @@ class SlotCoordinator:
 
     # -- control commands (3.3) --------------------------------------------------------------------
 
-    def attach(self, attachment: Attachment) -> Attachment:
+    def attach(self, attachment: Attachment, *, resume: tuple[int, int] | None = None) -> Attachment:
+        """Open a new attachment generation behind a Worker reset barrier.
+
+        ``resume=(engine seq, digest)``: a restarted agent re-attaches to the engine its restored index
+        follows. No barrier: the Worker stream continues where it stopped (the listener, resumed from the
+        same point, proves the same engine or sends the reset itself); the source shows DISCONNECTED and
+        CacheOwner is unready until the source is READY.
+        """
         if self._worker_domain_failed:
             raise CoordinatorError("Worker domain is retired after a local/publish failure", code="internal")
         if self._attachment is not None:
@@ -158,24 +179,52 @@ class SlotCoordinator:
         )
         self._attachment = attachment
         self._publish_status()
-        try:
-            barrier_cursor = self._apply_and_publish_reset(attachment.worker)
-        except CoordinatorError as error:
-            self._worker_domain_failed = True
-            self._quarantine(generation, "attach reset transaction failed")
-            raise CoordinatorError(
-                "failed to establish Worker reset barrier before attach", code="internal"
-            ) from error
+        if resume is None:
+            barrier_cursor = self._attach_barrier(attachment)
+        else:
+            barrier_cursor = self.outbound_cursor
+            attachment = attrs.evolve(attachment, source_state=SourceState.DISCONNECTED)
+            self._source_progress = (generation, *resume)
         attachment = attrs.evolve(attachment, ready=True, ready_at_outbound_cursor=barrier_cursor)
         self._ingress_generation = generation
         # A fresh cursor does not prove CacheOwner continuity: CacheOwner stays advisory.
         self._continuity.reset()
         self._cache_owner_untrusted = False
         self._reset_since_loss = False
+        self._cache_owner_resyncing = resume is not None
         self._attachment = attachment
         self.counters.attachments += 1
         self._publish_status()
         return attachment
+
+    def _attach_barrier(self, attachment: Attachment) -> int:
+        try:
+            return self._apply_and_publish_reset(attachment.worker)
+        except CoordinatorError as error:
+            self._worker_domain_failed = True
+            self._quarantine(attachment.generation, "attach reset transaction failed")
+            raise CoordinatorError(
+                "failed to establish Worker reset barrier before attach", code="internal"
+            ) from error
+
+    def restore(
+        self, *, next_generation: int, worker_blocks: Iterable[tuple[int, StorageTier, int]] = ()
+    ) -> None:
+        """A restarted agent's restored state, before anything is attached: attachment generations continue
+        at ``next_generation``, and the Worker dedup counts each restored resident ``(dp_rank, tier, hash)``
+        once (the index keeps sets; copies the engine held twice are forgotten, so their first remove passes).
+        Publishes a status: the outbound cursor where ids continue, CacheOwner unready.
+        """
+        if self._attachment is not None:
+            raise CoordinatorError("restore needs a coordinator with no attachment", code="conflict")
+        if not 1 <= next_generation < U64_MAX:
+            raise ValueError(f"next_generation must be in [1, U64_MAX), got {next_generation}")
+        self._next_attachment_generation = next_generation
+        self._dedup.seed(ResidencyDomain.WORKER, worker_blocks)
+        # The restored CacheOwner state is the persisted one: unready until a resumed attach is proven (a
+        # fresh attach makes it advisory again, as any fresh attach does).
+        self._cache_owner_resyncing = True
+        self._publish_status()
 
     def begin_detach(self, generation: int) -> None:
         attachment = self._require_attachment()
@@ -223,97 +272,6 @@ class SlotCoordinator:
         self._continuity.reset()
         self._publish_status()
 
-    def report_source_loss(self, generation: int, lost_batches: int) -> None:
-        """The listener could not repair ``lost_batches`` raw batches of ``generation`` (a control command;
-        a listener sends ``SourceSignal(lost_batches=...)`` in order with its chunks instead)."""
-        current = self._attachment is not None and self._attachment.generation == generation
-        self._count_source_loss(generation, lost_batches, current=current)
-
-    # -- source signals: the listener's verdicts, in order with its chunks ---------------------------
-
-    def handle_signal(self, signal: SourceSignal) -> None:
-        """Act on one verdict about the source of ``signal.generation``, after every chunk admitted before it.
-
-        Ignored (counted) unless the generation is the open attachment. In order: ``reset`` publishes a Worker
-        reset barrier and forgets the source cursor and the Worker dedup; ``lost_batches`` are counted (with
-        strict CacheOwner, CacheOwner is untrusted); ``state`` becomes the attachment's source state;
-        ``quarantine`` ends the attachment.
-        """
-        generation = signal.generation
-        attachment = self._attachment
-        if (
-            attachment is None
-            or attachment.generation != generation
-            or not attachment.ready
-            or self._ingress_generation != generation
-        ):
-            self.counters.signals_ignored += 1
-            log.info("source_signal_ignored", generation=generation, reason=signal.reason)
-            return
-        if signal.reset:
-            self._reset_source(attachment.worker, signal)
-        if signal.lost_batches:
-            self._count_source_loss(generation, signal.lost_batches, current=True)
-        if signal.state is not None:
-            self._set_source_state(signal.state, signal)
-        self._publish_status()
-        if signal.quarantine:
-            self.quarantine(generation, signal.reason or LISTENER_TERMINATED)
-
-    def _reset_source(self, worker: WorkerWithDpRank, signal: SourceSignal) -> None:
-        """Routers drop what may be stale at the barrier; the stream after it rebuilds the Worker state."""
-        self.counters.source_resets += 1
-        log.warning("source_reset", generation=signal.generation, reason=signal.reason)
-        try:
-            barrier_cursor = self._apply_and_publish_reset(worker)
-        except CoordinatorError as error:
-            raise CoordinatorError(
-                "failed to publish Worker source reset barrier", code="internal"
-            ) from error
-        self._continuity.reset()
-        self._dedup.reset_domain(worker.dp_rank, ResidencyDomain.WORKER)
-        self._reset_since_loss = True
-        attachment = self._require_attachment()
-        if (signal.state or attachment.source_state) is SourceState.READY:
-            # The stream from the barrier on carries the engine's complete history.
-            self._attachment = attrs.evolve(attachment, ready_at_outbound_cursor=barrier_cursor)
-            if attachment.source_state is SourceState.READY:
-                self._withdraw(attachment.generation)  # the ad names the old cursor; it is registered anew
-
-    def _count_source_loss(self, generation: int, lost_batches: int, *, current: bool) -> None:
-        self.counters.source_losses += lost_batches
-        log.warning("source_batches_lost", generation=generation, lost_batches=lost_batches)
-        if self.strict_cache_owner and current and lost_batches > 0:
-            self._reset_since_loss = False
-            if not self._cache_owner_untrusted:
-                self._cache_owner_untrusted = True
-                self._publish_status()
-
-    def _set_source_state(self, state: SourceState, signal: SourceSignal) -> None:
-        attachment = self._require_attachment()
-        if self._cache_owner_untrusted and state is SourceState.READY and self._reset_since_loss:
-            self._cache_owner_untrusted = False  # resynchronised after a reset: CacheOwner is trusted again
-        previous = attachment.source_state
-        if state is previous:
-            return
-        if state is SourceState.DEGRADED:
-            self.counters.degradations += 1
-        elif state is SourceState.DISCONNECTED:
-            self.counters.disconnects += 1
-        else:
-            self.counters.resyncs += 1
-        self._attachment = attrs.evolve(attachment, source_state=state)
-        log.warning(
-            "attachment_source_state",
-            generation=attachment.generation,
-            state=state.value,
-            previous=previous.value,
-            reason=signal.reason,
-        )
-        if previous is SourceState.READY:
-            # The attachment advertisement exists only while the attachment is ready.
-            self._withdraw(attachment.generation)
-
     # -- ingress (3.4) -----------------------------------------------------------------------------
 
     def handle_ingress(self, chunk: IngressChunk) -> None:
@@ -339,6 +297,9 @@ class SlotCoordinator:
         if chunk.cache_owner_fault is not None:
             self._fail_cache_owner(generation, chunk.cache_owner_fault)
         self._apply_and_publish(self._without_failed_cache_owner(chunk.events))
+        attachment = self._attachment
+        if chunk.final and attachment is not None and attachment.source_state is not SourceState.DEGRADED:
+            self._source_progress = (generation, chunk.source_cursor, chunk.source_digest)
 
     def _without_failed_cache_owner(self, events: Sequence[PlacementEvent]) -> Sequence[PlacementEvent]:
         if not self._cache_owner_domain_failed:
@@ -456,6 +417,8 @@ class SlotCoordinator:
     def _apply_and_publish_reset(self, worker: WorkerWithDpRank) -> int:
         """Publish a Worker-domain Cleared for ``worker`` as its own chunk; returns its outbound id."""
         barrier = PlacementEvent(CLEARED, StorageTier.DEVICE, ResidencyDomain.WORKER, worker.dp_rank)
+        # The Worker state no longer follows any engine batch: nothing to resume from until the next one.
+        self._source_progress = None
         self._apply_and_publish([barrier])
         return self._next_outbound_id - 1
 
@@ -537,7 +500,10 @@ class SlotCoordinator:
     def _take_outbound_id(self, generation: int) -> int:
         """The next outbound cursor: strictly increasing, never reused, never U64_MAX."""
         event_id = self._next_outbound_id
-        if event_id >= U64_MAX:
+        if event_id >= self._id_limit:
+            if event_id < U64_MAX:
+                # Never reached through the Trio shell, which waits for the lease to cover the work first.
+                raise CoordinatorError("outbound id lease exhausted", code="internal")
             self._fail_source(generation, "state-agent outbound cursor exhausted")
             raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
         self._next_outbound_id = event_id + 1
@@ -590,7 +556,11 @@ class SlotCoordinator:
             AgentStatus(
                 identity=self.identity,
                 attachment=None if attachment is None else attachment.status(),
-                cache_owner_ready=not (self._cache_owner_domain_failed or self._cache_owner_untrusted),
+                cache_owner_ready=not (
+                    self._cache_owner_domain_failed
+                    or self._cache_owner_untrusted
+                    or self._cache_owner_resyncing
+                ),
                 outbound_cursor=self._next_outbound_id - 1,
             )
         )

@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 import trio
 
-from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator
+from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator, SourceProgress
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import IngressChunk, SourceSignal
 from kvagent.model.status import AgentStatus, Attachment
@@ -100,6 +100,30 @@ class _Wakeup:
         return self._event
 
 
+class _LeaseGate:
+    """Where the task waits for the persisted outbound id lease to cover its next work (issue #17)."""
+
+    def __init__(self) -> None:
+        self._extended = trio.Event()
+        self.waiting = False  # the task is blocked on the lease (the persistence writer extends it at once)
+
+    def extended(self) -> None:
+        self._extended.set()
+        self._extended = trio.Event()
+
+    async def wait_for_room(self, core: SlotCoordinator, needed: int) -> None:
+        available = core.ids_available()
+        if available is None or available >= needed:
+            return
+        log.warning("outbound_id_lease_wait", needed=needed, available=available, lease_end=core.lease_end)
+        self.waiting = True
+        try:
+            while (available := core.ids_available()) is not None and available < needed:
+                await self._extended.wait()
+        finally:
+            self.waiting = False
+
+
 class StatusCell:
     """Holds the current :class:`AgentStatus`; readers never see a partial update.
 
@@ -160,17 +184,20 @@ class IngressMeter:
     by the first subtraction after it started waiting and checks again.
     """
 
-    __slots__ = ("_drained", "bytes")
+    __slots__ = ("_drained", "bytes", "ids")
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.ids = 0  # the most outbound ids the queued items can take (the lease check before a command)
         self._drained: trio.Event | None = None  # created only while someone waits
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, ids: int = 0) -> None:
         self.bytes += nbytes
+        self.ids += ids
 
-    def sub(self, nbytes: int) -> None:
+    def sub(self, nbytes: int, ids: int = 0) -> None:
         self.bytes -= nbytes
+        self.ids -= ids
         drained = self._drained
         if drained is not None:
             self._drained = None
@@ -178,7 +205,7 @@ class IngressMeter:
 
     def clear(self) -> None:
         """The queue is gone (the coordinator stopped): nothing is held any more."""
-        self.sub(self.bytes)
+        self.sub(self.bytes, self.ids)
 
     async def wait_at_most(self, limit: int) -> None:
         while self.bytes > limit:
@@ -198,20 +225,48 @@ class CoordinatorHandle:
         wakeup: _Wakeup,
         core: SlotCoordinator,
         meter: IngressMeter,
+        lease: _LeaseGate | None = None,
+        progress: trio.lowlevel.ParkingLot | None = None,
     ) -> None:
         self._control = control
         self._ingress = ingress
         self._wakeup = wakeup
         self._core = core
         self._meter = meter
+        self._lease = lease if lease is not None else _LeaseGate()
+        self._progress = progress if progress is not None else trio.lowlevel.ParkingLot()
 
     def admit_nowait(self, item: IngressChunk | SourceSignal) -> None:
         """Queue one ingress chunk or source signal without waiting, in order with everything admitted
         before it; raises CoordinatorClosed once the task is gone."""
         admit_ingress(self._ingress, item)
-        if type(item) is IngressChunk:
-            self._meter.add(item.raw_bytes)
+        self._meter.add(item.raw_bytes if type(item) is IngressChunk else 0, SlotCoordinator.ids_needed(item))
         self._wakeup.set()
+
+    # -- persistence hooks (issue #17): synchronous reads, consistent with everything handled so far ---
+
+    @property
+    def outbound_cursor(self) -> int:
+        """The last outbound id stamped (0: none)."""
+        return self._core.outbound_cursor
+
+    def source_progress(self) -> SourceProgress | None:
+        """(generation, engine seq, digest) of the last batch applied with complete history (see the core)."""
+        return self._core.source_progress()
+
+    def set_lease_end(self, lease_end: int) -> None:
+        """The outbound id lease is persisted up to ``lease_end``: ids below it may be stamped."""
+        self._core.set_lease_end(lease_end)
+        self._lease.extended()
+
+    @property
+    def lease_blocked(self) -> bool:
+        """The task is waiting for :meth:`set_lease_end` (the lease would be crossed)."""
+        return self._lease.waiting
+
+    async def wait_progress(self) -> None:
+        """Return after the task next handles a drain of ingress or a command (or blocks on the lease)."""
+        await self._progress.park()
 
     def statistics(self) -> CoordinatorStatistics:
         """The coordinator's counters, with the real ingress queue depth and bytes."""
@@ -233,8 +288,11 @@ class CoordinatorHandle:
         """Return once :attr:`ingress_bytes` is at most ``limit`` (woken by the coordinator, no polling)."""
         await self._meter.wait_at_most(limit)
 
-    async def attach(self, attachment: Attachment) -> Attachment:
-        return await self._call(lambda core, _: core.attach(attachment), "state-agent attach was dropped")
+    async def attach(self, attachment: Attachment, *, resume: tuple[int, int] | None = None) -> Attachment:
+        """Attach (``resume``: a restarted agent's resumed attach, see SlotCoordinator.attach)."""
+        return await self._call(
+            lambda core, _: core.attach(attachment, resume=resume), "state-agent attach was dropped"
+        )
 
     async def begin_detach(self, generation: int) -> None:
         await self._call(
@@ -299,12 +357,16 @@ class _CoordinatorTask:
         ingress: trio.MemoryReceiveChannel[IngressItem],
         wakeup: _Wakeup,
         meter: IngressMeter,
+        lease: _LeaseGate,
+        progress: trio.lowlevel.ParkingLot,
     ) -> None:
         self._core = core
         self._control = control
         self._ingress = ingress
         self._wakeup = wakeup
         self._meter = meter
+        self._lease = lease
+        self._progress = progress
         self._started = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -328,6 +390,9 @@ class _CoordinatorTask:
             except trio.EndOfChannel:
                 return
             if command is not None:
+                if not command.stops:
+                    # A command may publish a barrier and drain what is queued (CompleteDetach).
+                    await self._await_lease(self._meter.ids + 1)
                 command.execute(self._core, self._queued())
                 if command.stops:
                     return
@@ -339,12 +404,21 @@ class _CoordinatorTask:
                     await self._wakeup.arm().wait()
                     slice_end = clock() + SLICE_SECONDS
                     continue
+                await self._await_lease(sum(map(SlotCoordinator.ids_needed, items)))
                 with self._core.ingress_batch():
                     for item in items:
                         self._ingest(item)
+            self._progress.unpark_all()
             if clock() >= slice_end:
                 await trio.lowlevel.checkpoint()
                 slice_end = clock() + SLICE_SECONDS
+
+    async def _await_lease(self, needed: int) -> None:
+        available = self._core.ids_available()
+        if available is None or available >= needed:
+            return  # no lease, or room: the common case costs one call
+        self._progress.unpark_all()  # whoever extends the lease hears about it now
+        await self._lease.wait_for_room(self._core, needed)
 
     def _next_item(self) -> IngressItem | None:
         try:
@@ -365,19 +439,23 @@ class _CoordinatorTask:
     def _queued(self) -> Iterator[IngressItem]:
         """Everything already queued, taken without waiting (the CompleteDetach drain)."""
         while (item := self._next_item()) is not None:
-            if type(item) is IngressChunk:
-                self._meter.sub(item.raw_bytes)
+            self._meter.sub(
+                item.raw_bytes if type(item) is IngressChunk else 0, SlotCoordinator.ids_needed(item)
+            )
             yield item
 
     def _ingest(self, item: IngressItem) -> None:
         try:
             if isinstance(item, SourceSignal):
-                self._core.handle_signal(item)
+                try:
+                    self._core.handle_signal(item)
+                finally:
+                    self._meter.sub(0, SlotCoordinator.ids_needed(item))
             else:
                 try:
                     self._core.handle_ingress(item)
                 finally:
-                    self._meter.sub(item.raw_bytes)
+                    self._meter.sub(item.raw_bytes, len(item.events) + 1)
         except CoordinatorError as error:
             log.error("ingress_failed", error=str(error), code=error.code)
         except Exception:
@@ -404,7 +482,9 @@ def open_coordinator(
     ingress_send, ingress_receive = open_ingress_channel()
     wakeup = _Wakeup()
     meter = IngressMeter()
-    task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup, meter)
-    handle = CoordinatorHandle(control_send, ingress_send, wakeup, core, meter)
+    lease = _LeaseGate()
+    progress = trio.lowlevel.ParkingLot()
+    task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup, meter, lease, progress)
+    handle = CoordinatorHandle(control_send, ingress_send, wakeup, core, meter, lease, progress)
     core.bind_ingress_queue_depth(lambda: handle.ingress_backlog)
     return handle, task.run

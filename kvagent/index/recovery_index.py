@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, TypeAlias
 
 import attrs
@@ -178,6 +178,11 @@ class RecoveryIndex:
         # (domain, worker_id, dp_rank, state_source, tier) -> store key: owners are resolved and validated
         # once per route, not once per event (building and hashing an owner object costs more than a store).
         self._routes: dict[tuple[object, ...], StoreKey] = {}
+        # Ids in (_gap_floor, _gap_end] exist and carry no event (a restore, or ids skipped after a crash,
+        # issue #17): a range from inside it is answered from the ring, not with a dump, while the ring still
+        # reaches back to the first event after it. _gap_end is also the newest id when the ring is older.
+        self._gap_floor = 0
+        self._gap_end = 0
 
     # --- apply -------------------------------------------------------------------------------------
 
@@ -196,8 +201,10 @@ class RecoveryIndex:
         if event.residency_domain is _CACHE_OWNER and event.storage_tier is _DEVICE and cls is not Cleared:
             raise IndexApplyError("CacheOwner residency cannot target the Device tier")
         ring = self._ring
-        if ring:
-            newest = ring[-1].event_id
+        if ring or self._gap_end:
+            newest = ring[-1].event_id if ring else 0
+            if newest < self._gap_end:
+                newest = self._gap_end
             if event_id <= newest:
                 # Ids only grow (3.10); a smaller one would break the ring's binary search.
                 raise IndexApplyError(f"KV event id {event_id} does not follow newest buffered id {newest}")
@@ -299,7 +306,10 @@ class RecoveryIndex:
     # --- ring queries ------------------------------------------------------------------------------
 
     def current_event_id(self) -> int:
-        return self._ring[-1].event_id if self._ring else 0
+        ring = self._ring
+        if ring and ring[-1].event_id > self._gap_end:
+            return ring[-1].event_id
+        return self._gap_end
 
     def oldest_buffered_id(self) -> int | None:
         return self._ring[0].event_id if self._ring else None
@@ -308,17 +318,32 @@ class RecoveryIndex:
         """4.4, checked in order: InvalidRange, TreeDump, TooNew, Events (start through newest)."""
         if start is not None and end is not None and end < start:
             return InvalidRangeAnswer(start, end)
-        ring = self._ring
-        if start is None or not ring or start < ring[0].event_id:
+        if not self._ring_covers(start):
             try:
                 return self.tree_dump()
             except Exception as exc:  # 4.5: any failure becomes TreeDumpFailed, never an empty dump
                 log.exception("index_tree_dump_failed", error=str(exc))
                 return TreeDumpFailedAnswer(self.current_event_id(), str(exc))
-        newest = ring[-1].event_id
+        assert start is not None  # _ring_covers(None) is False
+        newest = self.current_event_id()
         if start > newest:
             return TooNewAnswer(start, end, newest)
         return EventsAnswer(self.ring_tail(start), newest)
+
+    def answers_with_dump(self, start: int | None, end: int | None) -> bool:
+        """Whether a range from ``start`` is answered with a tree dump (heavy work), without building it."""
+        return not self._ring_covers(start) and not (start is not None and end is not None and end < start)
+
+    def _ring_covers(self, start: int | None) -> bool:
+        """Every event from ``start`` on is in the ring (ids of the gap count as present and empty)."""
+        if start is None:
+            return False
+        ring = self._ring
+        if ring and start >= ring[0].event_id:
+            return True
+        if not self._gap_floor < start <= self._gap_end + 1:
+            return False
+        return not ring or ring[0].event_id <= self._gap_end + 1
 
     def range_or_snapshot(self, start: int | None, end: int | None) -> RangeAnswer | DumpSnapshot:
         """:meth:`events_in_range`, except that a tree dump comes as an unencoded :class:`DumpSnapshot`.
@@ -329,10 +354,7 @@ class RecoveryIndex:
         if cached is not None and cached[0] != self._applied:
             # Stale: release the copy now rather than hold a whole dump until the next one.
             self._snapshot_cache = None
-        ring = self._ring
-        if (start is None or not ring or start < ring[0].event_id) and not (
-            start is not None and end is not None and end < start
-        ):
+        if self.answers_with_dump(start, end):
             try:
                 return self.dump_snapshot()
             except Exception as exc:  # 4.5: any failure becomes TreeDumpFailed, never an empty dump
@@ -352,6 +374,103 @@ class RecoveryIndex:
         tail.reverse()
         return tuple(tail)
 
+    # --- restore (issue #17) ----------------------------------------------------------------------
+
+    def restore(
+        self,
+        snapshot_events: Iterable[RouterEvent],
+        suffix_events: Iterable[RouterEvent],
+        *,
+        snapshot_id: int | None = None,
+    ) -> None:
+        """A restarted agent's persisted state: a tree dump taken at outbound id ``snapshot_id`` (its events'
+        own ids are dump positions, ignored), then the outbound events after it, with their original ids.
+
+        Only into an empty index with no subscribers (nobody is told): the state and ring are as if the
+        events had been applied, and :meth:`current_event_id` is the newest suffix id (else ``snapshot_id``,
+        else 0).  Raises IndexApplyError on an event that does not apply.
+        """
+        if self._ring or self._stores or self._subscribers or self._gap_end:
+            raise RuntimeError("restore needs an empty index with no subscribers")
+        with gc_paused():
+            self._restore_snapshot(snapshot_events)
+        if snapshot_id:
+            self._gap_floor = self._gap_end = snapshot_id
+        self._applied += 1
+        self._dump_cache = self._snapshot_cache = None
+        for event in suffix_events:
+            self.apply(event)
+
+    def _restore_snapshot(self, events: Iterable[RouterEvent]) -> None:
+        """Apply a dump's one-block stores, a chain at a time: a dump lists each chain's blocks in a row, so
+        consecutive blocks of one route, each the child of the one before, are one store (as when live)."""
+        first: RouterEvent | None = None  # the first event of the chain being gathered
+        hashes: list[int] = []
+        tokens: list[int] = []
+        for event in events:
+            data = event.data
+            if (
+                first is not None
+                and type(data) is Stored
+                and data.parent_hash == hashes[-1]
+                and len(data.block_hashes) == 1
+                and data.mm_extra_infos is None
+                and event.storage_tier is first.storage_tier
+                and event.worker_id == first.worker_id
+                and event.dp_rank == first.dp_rank
+                and event.residency_domain is first.residency_domain
+                and event.state_source == first.state_source
+            ):
+                hashes.append(data.block_hashes[0])
+                tokens.append(data.tokens_hashes[0])
+                continue
+            if first is not None:
+                self._restore_chain(first, hashes, tokens)
+                first = None
+            if type(data) is Stored and len(data.block_hashes) == 1 and data.mm_extra_infos is None:
+                first, hashes, tokens = event, [data.block_hashes[0]], [data.tokens_hashes[0]]
+            else:
+                self._restore_state(event)
+        if first is not None:
+            self._restore_chain(first, hashes, tokens)
+
+    def _restore_chain(self, first: RouterEvent, hashes: list[int], tokens: list[int]) -> None:
+        parent = first.data.parent_hash if type(first.data) is Stored else None
+        self._restore_state(attrs.evolve(first, data=Stored(parent, tuple(hashes), tuple(tokens))))
+
+    def _restore_state(self, event: RouterEvent) -> None:
+        data = event.data
+        key = self._store_key(event)
+        if type(data) is Stored:
+            self._store(key, data)
+        elif type(data) is Removed:
+            store = self._stores.get(key)
+            if store is not None:
+                store.remove(data.block_hashes)
+                if not store:
+                    del self._stores[key]
+        elif type(data) is Cleared:
+            self._clear(key[0])
+        else:
+            raise IndexApplyError(f"unknown event data {type(data).__name__}")
+        if event.residency_domain is _CACHE_OWNER:
+            self._cache_owner_workers[key[0]] = (event.worker_id, event.dp_rank)  # type: ignore[index]
+
+    def skip_to(self, event_id: int) -> None:
+        """Ids up to ``event_id`` exist and carry no event (a crash skipped them): the next applied id must
+        be above it, and a range from any start in (current, event_id + 1] is answered with the events after
+        it, no dump.  A no-op unless ``event_id`` is above :meth:`current_event_id`."""
+        current = self.current_event_id()
+        if event_id <= current:
+            return
+        if event_id > U64_MAX:
+            raise ValueError(f"event id {event_id} is not a u64")
+        ring = self._ring
+        # Contiguous with the gap already known (a restore with no suffix): one gap from its floor.
+        self._gap_floor = self._gap_floor if not ring or ring[-1].event_id <= self._gap_end else current
+        self._gap_end = event_id
+        self._dump_cache = self._snapshot_cache = None
+
     # --- state views -------------------------------------------------------------------------------
 
     def resident_blocks(self) -> frozenset[tuple[ResidencyOwner, StorageTier, int]]:
@@ -360,6 +479,14 @@ class RecoveryIndex:
             for (owner, tier), store in self._stores.items()
             for block_hash in store.hashes()
         )
+
+    def resident_worker_blocks(self) -> Iterator[tuple[int, StorageTier, int]]:
+        """``(dp_rank, tier, block hash)`` of every resident Worker block (a restored coordinator's dedup)."""
+        for (owner, tier), store in list(self._stores.items()):
+            if isinstance(owner, WorkerWithDpRank):
+                rank = owner.dp_rank
+                for block_hash in store.hashes():
+                    yield rank, tier, block_hash
 
     @property
     def resident_block_count(self) -> int:

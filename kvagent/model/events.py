@@ -203,6 +203,9 @@ class IngressChunk:
     source_fault: str | None = None
     cache_owner_fault: str | None = None
     raw_bytes: int = 0  # raw payload bytes charged to this chunk (the listener's ingress byte budget)
+    # The xxh3 digest of the raw batch's payload (0: unknown): with ``source_cursor`` it is the resume
+    # point a restarted agent checks against the engine's replay (issue #17).
+    source_digest: int = 0
 
 
 class SourceState(enum.Enum):

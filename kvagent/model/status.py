@@ -22,6 +22,7 @@ __all__ = [
     "Attachment",
     "AttachmentSource",
     "AttachmentStatus",
+    "PersistenceStatus",
     "RepublishStatus",
 ]
 
@@ -158,15 +159,54 @@ class RepublishStatus:
         return cls(endpoint, replay_endpoint, None if seq is None else _uint(seq, f"{field}.seq"))
 
 
+PERSISTENCE_STATES = ("ok", "failed", "off")
+
+
+@attrs.frozen(slots=True)
+class PersistenceStatus:
+    """The slot's state directory: ``ok``, ``failed`` (serving from memory, retrying) or ``off`` (none).
+
+    ``persisted_id`` is the newest outbound id on disk, ``lag_events`` how many applied ids are not yet.
+    """
+
+    state: str = "off"
+    persisted_id: int = 0
+    lag_events: int = 0
+    disk_bytes: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "persisted_id": self.persisted_id,
+            "lag_events": self.lag_events,
+            "disk_bytes": self.disk_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, value: object, field: str = "persistence") -> PersistenceStatus:
+        obj = _object(value, field)
+        state = _member(obj, "state", field)
+        if state not in PERSISTENCE_STATES:
+            raise CodecError(f"{field}.state must be one of {', '.join(PERSISTENCE_STATES)}, got {state!r}")
+        return cls(
+            str(state),
+            _uint(_member(obj, "persisted_id", field), f"{field}.persisted_id"),
+            _uint(_member(obj, "lag_events", field), f"{field}.lag_events"),
+            _uint(_member(obj, "disk_bytes", field), f"{field}.disk_bytes"),
+        )
+
+
 @attrs.frozen(slots=True)
 class AgentStatus:
-    """A slot's status; ``republish`` is set only on slots that republish (and only then in the JSON)."""
+    """A slot's status; ``republish`` is set only on slots that republish (and only then in the JSON), and
+    ``persistence`` only on slots of a process that persists (``state`` ``off`` for a slot kept in memory)."""
 
     identity: KvStateAgentIdentity
     attachment: AttachmentStatus | None = None
     cache_owner_ready: bool = True
     outbound_cursor: int = 0
     republish: RepublishStatus | None = None
+    persistence: PersistenceStatus | None = None
 
     def to_json(self) -> dict[str, object]:
         value: dict[str, object] = {
@@ -177,6 +217,8 @@ class AgentStatus:
         }
         if self.republish is not None:
             value["republish"] = self.republish.to_json()
+        if self.persistence is not None:
+            value["persistence"] = self.persistence.to_json()
         return value
 
     @classmethod
@@ -192,6 +234,9 @@ class AgentStatus:
             None
             if obj.get("republish") is None
             else RepublishStatus.from_json(obj["republish"], "status.republish"),
+            None
+            if obj.get("persistence") is None
+            else PersistenceStatus.from_json(obj["persistence"], "status.persistence"),
         )
 
     def is_ready_generation(self, generation: int) -> bool:
@@ -204,7 +249,9 @@ class AgentStatus:
         """Generation ``generation`` is attached and not detaching or quarantined (its listener runs on,
         also while degraded or disconnected)."""
         return (
-            self.attachment is not None and self.attachment.generation == generation and self.attachment.is_open
+            self.attachment is not None
+            and self.attachment.generation == generation
+            and self.attachment.is_open
         )
 
     @property

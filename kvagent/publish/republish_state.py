@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import compress, islice
 from typing import TypeAlias
 
@@ -39,6 +39,7 @@ from kvagent.wire.vllm_events import (
 )
 
 __all__ = [
+    "MirrorRows",
     "RangeAnswer",
     "ReplayAnswer",
     "RepublishState",
@@ -111,6 +112,27 @@ class SnapshotStream:
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             self._payloads.close()
+            on_close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class MirrorRows:
+    """The republish mirror's blocks, frozen while open (see :meth:`RepublishState.mirror_rows`)."""
+
+    def __init__(self, blocks: Generator[SnapshotBlock, None, None], on_close: Callable[[], None]) -> None:
+        self._blocks = blocks
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __iter__(self) -> Iterator[SnapshotBlock]:
+        return self._blocks
+
+    def close(self) -> None:
+        """Unfreeze the mirror (on the event loop's thread); idempotent."""
+        self._blocks.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
             on_close()
 
     def __del__(self) -> None:
@@ -288,10 +310,10 @@ class RepublishState:
             )
         start = int.from_bytes(request, "big")
         last, oldest = self.last_seq, self.oldest_seq
-        if last is None or oldest is None or start > last:
+        if last is None or start > last:
             self._ranges_served += 1
             return RangeAnswer(iter(()))
-        if start < oldest:
+        if oldest is None or start < oldest:  # (an empty ring after a restore: every batch is older)
             return self._snapshot()
         self._ranges_served += 1
         # References to the ring's entries (not copies): the ring may evict while the answer streams.
@@ -312,6 +334,48 @@ class RepublishState:
             max_blocks=SNAPSHOT_MAX_BLOCKS,
         )
         return SnapshotAnswer(snapshot_frame_seq(included), SnapshotStream(payloads, self._snapshot_closed))
+
+    # --- persistence (issue #17) ---------------------------------------------------------------------------
+
+    @property
+    def mirror_current(self) -> bool:
+        """The mirror includes every published batch (no snapshot stream holds updates back)."""
+        return not self._deferred
+
+    def mirror_rows(self) -> MirrorRows:
+        """The mirror as of the last published batch, frozen until the returned rows are closed.
+
+        For a persisted snapshot: iterate it anywhere (a worker thread too: publishing meanwhile only queues
+        its mirror updates), then ``close()`` it on the event loop's thread. Raises RuntimeError unless
+        :attr:`mirror_current` (the rows would lag the index's state).
+        """
+        if self._deferred:
+            raise RuntimeError("the republish mirror lags the published batches (a snapshot stream is open)")
+        self._snapshots_open += 1
+        return MirrorRows(self.snapshot_blocks(), self._snapshot_closed)
+
+    def restore(
+        self, mirror_rows: Iterable[SnapshotBlock], suffix_events: Iterable[RouterEvent], next_seq: int
+    ) -> None:
+        """A restarted agent's state: the persisted mirror, then the outbound events after it applied; the
+        ring stays empty and seqs continue at ``next_seq`` (older starts are answered with snapshots).
+
+        Rows are ``(tier, block hash, parent hash, token bytes)`` in :meth:`mirror_rows` order (parents
+        first); empty token bytes mean unknown tokens.  Only before anything is published.
+        """
+        if self._next_seq or self._ring or self._mirror or self._deferred:
+            raise RuntimeError("restore needs a republish state that has published nothing")
+        if next_seq < 0:
+            raise ValueError(f"next_seq must be >= 0, got {next_seq}")
+        mirror = self._mirror
+        for tier, block_hash, parent, tokens in mirror_rows:
+            blocks = mirror.get(tier)
+            if blocks is None:
+                blocks = mirror[tier] = _TierBlocks(4 * self.block_size)
+            blocks.store(Stored(parent, (block_hash,), (0,), token_bytes=tokens or None))
+        self._apply([event for event in suffix_events if event.residency_domain is _WORKER])
+        self._next_seq = next_seq
+        self._mirror_seq = next_seq - 1 if next_seq else None
 
     def snapshot_blocks(self) -> Generator[SnapshotBlock, None, None]:
         """Every mirrored block, parents first within each tier.

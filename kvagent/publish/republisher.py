@@ -285,6 +285,11 @@ class VllmRepublisher:
 
     # --- read side -------------------------------------------------------------------------------
     @property
+    def state(self) -> RepublishState:
+        """The sans-IO state (a restarted slot restores it; its persistence reads the mirror)."""
+        return self._state
+
+    @property
     def last_seq(self) -> int | None:
         return self._state.last_seq
 

@@ -539,10 +539,7 @@ class Session:
 def _is_dump(index: RecoveryIndex, start: int | None, end: int | None) -> bool:
     """Whether ``range_or_snapshot(start, end)`` answers with a tree dump (its first check, without the
     dump): heavy work that must wait for a turn."""
-    if start is not None and end is not None and end < start:
-        return False
-    oldest = index.oldest_buffered_id()
-    return start is None or oldest is None or start < oldest
+    return index.answers_with_dump(start, end)
 
 
 def _first_agent_error(group: BaseExceptionGroup[KvAgentError]) -> KvAgentError:

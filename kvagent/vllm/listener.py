@@ -63,8 +63,9 @@ LISTENER_TERMINATED = "framework listener terminated"
 DECODE_FAILED = "failed to decode framework KV event batch"
 MiB = 1 << 20
 
-# What SourceSync carries for the shell between on_live/on_replay_reply and Apply: (topic, raw payload).
-_Batch = tuple[bytes, bytes]
+# What SourceSync carries for the shell between on_live/on_replay_reply and Apply: (topic, raw payload,
+# payload digest); the digest goes on the batch's chunks as its resume point (issue #17).
+_Batch = tuple[bytes, bytes, int]
 
 _positive = attrs.validators.gt(0)
 _positive_seconds = attrs.validators.gt(0.0)
@@ -311,7 +312,8 @@ class _Processor:
             if self.replay is not None and item.request == self.replay.current_request:
                 reply = item.reply
                 digest = xxh3_64_intdigest(reply.payload)
-                sync.on_replay_reply(reply.seq, digest, len(reply.payload), (reply.topic, reply.payload), now)
+                batch = (reply.topic, reply.payload, digest)
+                sync.on_replay_reply(reply.seq, digest, len(reply.payload), batch, now)
         elif kind is ReplayEndItem:
             assert isinstance(item, ReplayEndItem)
             if self.replay is not None and item.request == self.replay.current_request:
@@ -334,7 +336,8 @@ class _Processor:
         except WireDecodeError as exc:
             self.counters.decode_errors += 1
             raise ListenerError(f"{DECODE_FAILED}: {exc}") from exc
-        self.sync.on_live(seq, xxh3_64_intdigest(payload), len(payload), (topic, payload), now)
+        digest = xxh3_64_intdigest(payload)
+        self.sync.on_live(seq, digest, len(payload), (topic, payload, digest), now)
 
     # -- actions --------------------------------------------------------------------------------------
 
@@ -350,7 +353,7 @@ class _Processor:
                 payload_bytes = len(action.message[1])
                 await self._wait_for_coordinator_room()
                 self.pending_bytes -= payload_bytes
-                self._apply(action.seq, action.message[1])
+                self._apply(action.seq, action.message[1], action.message[2])
                 self.inbox.space_freed()
                 await self._yield_if_slice_over()
             elif kind is Signal:
@@ -388,7 +391,7 @@ class _Processor:
         except KvAgentError as exc:
             raise ListenerError(exc.message) from exc
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _apply(self, seq: int, payload: bytes, digest: int) -> None:
         """Decode, check, normalize and admit one batch SourceSync let through (in seq order)."""
         try:
             batch = decode_payload(payload, max_payload_bytes=self.options.max_payload_bytes)
@@ -408,8 +411,11 @@ class _Processor:
             chunks = build_ingress_chunks(self.generation, seq, normalized)
         except ChunkingError as exc:
             raise ListenerError(str(exc)) from exc
-        # The batch's bytes stay charged until its final chunk is handled.
-        chunks[-1] = attrs.evolve(chunks[-1], raw_bytes=len(payload))
+        # The batch's bytes stay charged until its final chunk is handled; every chunk names the batch's
+        # digest (the final one's is the coordinator's resume point).
+        for index in range(len(chunks) - 1):
+            chunks[index] = attrs.evolve(chunks[index], source_digest=digest)
+        chunks[-1] = attrs.evolve(chunks[-1], raw_bytes=len(payload), source_digest=digest)
         admit = self.coordinator.admit_nowait
         try:
             for chunk in chunks:
@@ -426,6 +432,7 @@ def _build(
     status: StatusCell,
     options: ListenerOptions,
     counters: ListenerCounters,
+    resume: tuple[int, int] | None = None,
 ) -> tuple[LiveReader, ReplayClient | None, _Processor]:
     source = attachment.source
     listener_bound = options.ingress_bytes // 2
@@ -436,6 +443,7 @@ def _build(
         reorder_window=options.reorder_window,
         reorder_wait=options.reorder_wait,
         cold_bootstrap=options.cold_bootstrap,
+        resume=resume,
     )
     replay = None
     if source.replay_endpoint:
@@ -487,17 +495,22 @@ async def run_listener(
     options: ListenerOptions = ListenerOptions(),
     zmq_context: zmq.Context[Any] | None = None,
     stats: ListenerCounters | None = None,
+    resume: tuple[int, int] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen to one attachment until cancelled or ended; ending on its own quarantines its generation.
 
     ``stats`` is the counters object the caller reads (a fresh one if not given). The SUB is connected
-    before ``task_status.started()``.
+    before ``task_status.started()``.  ``resume=(seq, digest)``: a restarted agent's last applied batch of
+    this engine (see :meth:`~kvagent.vllm.sequence.SourceSync.start`); the coordinator's attach must have
+    been a resumed one.
     """
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
     counters = stats if stats is not None else ListenerCounters()
     generation = attachment.generation
-    reader, replay, processor = _build(context, attachment, kv_block_size, coordinator, status, options, counters)
+    reader, replay, processor = _build(
+        context, attachment, kv_block_size, coordinator, status, options, counters, resume
+    )
     reader.open()
     error: str | None = None
     try:

@@ -49,15 +49,27 @@ class SourceSync(SourceSyncBase[M]):
     """The source synchronisation state machine of one attachment (TRUST-SPEC.md, rules 1-8).
 
     ``SourceSync(*, has_replay, reorder_window=8, reorder_wait=0.05, max_attempts_without_progress=3,
-    digest_memory=4096, cold_bootstrap=True)``; the state and its primitives are
+    digest_memory=4096, cold_bootstrap=True, resume=None)``; the state and its primitives are
     :class:`~kvagent.vllm.sync_state.SourceSyncBase`'s, the rules are here.
     """
 
     # -- inputs ------------------------------------------------------------------------------------------
 
     def start(self, now: float) -> None:
-        """Attach (rule 7): replay the engine's history from 0 first, if there is replay and bootstrap."""
-        if self._bootstrap:
+        """Attach (rule 7): replay the engine's history from 0 first, if there is replay and bootstrap.
+
+        Resumed (``resume=(seq, digest)``): ask the replay socket from ``seq``, strictly; the same bytes prove
+        the same engine and the answer goes on as the repair of what was missed (no reset, READY once
+        caught up), anything else takes the new-engine or lost-history path.  Without a replay socket the
+        engine cannot be checked: a reset, and the next live batch starts the history anew.
+        """
+        if self._resuming:
+            if self._has_replay:
+                self._deferring = True
+                self._request(ReplayPurpose.ANCHOR, strict=True)
+            else:
+                self._lose_history(None, "resumed without a replay socket: the engine cannot be checked")
+        elif self._bootstrap:
             self._unanchored = False
             self._request(ReplayPurpose.BOOTSTRAP)
         self._settle(now)

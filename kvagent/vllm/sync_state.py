@@ -75,9 +75,12 @@ class SourceSyncBase(Generic[M]):
         max_attempts_without_progress: int = 3,
         digest_memory: int = 4096,
         cold_bootstrap: bool = True,
+        resume: tuple[int, int] | None = None,
     ) -> None:
         if reorder_window < 0 or reorder_wait < 0 or max_attempts_without_progress < 1 or digest_memory < 1:
             raise ValueError("reorder_window/wait >= 0, max_attempts_without_progress and digest_memory >= 1")
+        if resume is not None and resume[0] < 0:
+            raise ValueError(f"resume seq must be >= 0, got {resume[0]}")
         self._has_replay = has_replay
         self._window = reorder_window
         self._wait = reorder_wait
@@ -117,6 +120,22 @@ class SourceSyncBase(Generic[M]):
         self._refeed_after_reply = False
         self._request_id = 0  # changes with every request and cancel
         self._c = SyncCounters()
+        # A restarted agent's resume point (seq, digest of its payload): what it applied before it stopped.
+        self._resuming = resume is not None
+        if resume is not None:
+            self._resume_at(*resume)
+
+    def _resume_at(self, seq: int, digest: int) -> None:
+        """Start as if batch ``seq`` (payload digest ``digest``) was the last applied, anchored; until the
+        replay proves the same engine, the state shows DISCONNECTED and READY is what a proof restores."""
+        self._applied = seq
+        slot = seq % self._capacity
+        self._ring_seq[slot] = seq
+        self._ring_digest[slot] = digest
+        self._ever_applied = True
+        self._unanchored = False
+        self._state = DISCONNECTED
+        self._restore = READY
 
     def take_actions(self) -> list[Action[M]]:
         """The actions emitted since the last call, in order."""
@@ -220,11 +239,16 @@ class SourceSyncBase(Generic[M]):
             self._c.degradations += 1
         if state is not None:
             self._state = state
+            self._resuming = False
         self._c.resets += reset
         self._c.lost_batches += lost
         self._actions.append(Signal(state=state, reset=reset, lost_batches=lost, reason=reason))
 
     def _show_restored(self) -> None:
         restore, self._restore = self._restore, None
+        if self._resuming:
+            reason = "resumed: the engine's replay continues the applied history"
+        else:
+            reason = "engine reconnected"
         if restore is not None and restore is not self._state:
-            self._signal(restore, reason="engine reconnected")
+            self._signal(restore, reason=reason)

@@ -5,6 +5,10 @@ lifecycle flags that decide whether an operation succeeds, and the listener's so
 Invariants after every step: published ids strictly increase (never reused), the index's resident set equals
 the model, a tree dump replayed into a fresh index reproduces the live one, and the status agrees with the
 model (ready only while open and the source is ready).
+
+Issue #17: the agent also crashes and restarts from a persisted index (a snapshot plus the suffix after it),
+with ids skipped or not, and re-attaches resumed (no barrier; CacheOwner unready until the source is READY)
+or not at all; the same invariants hold across it, ids included (never reused).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class Model:
     worker_failed: bool = False
     cache_owner_failed: bool = False
     completed: int | None = None
+    resyncing: bool = False  # restored from disk: CacheOwner unready until a fresh attach or READY
 
     def clear_worker(self) -> None:
         self.refcounts.clear()
@@ -141,6 +146,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         )
         self.model = Model()
         self.last_cursor = 0
+        self.persisted = (self.index.tree_dump(), 0)  # the last "compaction": a dump and its id
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -192,6 +198,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert attached.ready_at_outbound_cursor == self.core.outbound_cursor
         model.ready, model.ingress, model.completed = True, generation, None
         model.source_state = SourceState.READY
+        model.resyncing = False
 
     @rule(
         state=st.sampled_from([None, *SourceState]),
@@ -220,6 +227,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 return
         self.core.handle_signal(verdict)
         model.source_state = state or previous
+        if state is SourceState.READY:
+            model.resyncing = False
         attachment = self.status.get().attachment
         assert attachment is not None
         if reset and model.source_state is SourceState.READY:
@@ -333,6 +342,51 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.barrier()
         model.attached, model.completed = None, None
 
+    # -- a restart from persisted state (issue #17) ------------------------------------------------------
+
+    @rule()
+    def compact(self) -> None:
+        self.persisted = (self.index.tree_dump(), self.index.current_event_id())
+
+    @rule(skip=st.sampled_from([0, 0, 1, 1 << 24]), resume=st.booleans())
+    def crash_and_restart(self, skip: int, resume: bool) -> None:
+        model = self.model
+        dump, snapshot_id = self.persisted
+        oldest = self.index.oldest_buffered_id()
+        if snapshot_id < self.index.current_event_id() and (oldest is None or oldest > snapshot_id + 1):
+            dump, snapshot_id = self.index.tree_dump(), self.index.current_event_id()  # the writer's fallback
+        first_id = self.core.outbound_cursor + 1 + skip
+        index = RecoveryIndex(4, ring_capacity=64)
+        index.restore(dump.events, self.index.ring_tail(snapshot_id + 1), snapshot_id=snapshot_id)
+        index.skip_to(first_id - 1)
+        self.index = index
+        self.persisted = (index.tree_dump(), index.current_event_id())
+        self.core = SlotCoordinator(
+            identity=IDENTITY,
+            slot_rank=RANK,
+            index=index,
+            sink=self.sink,
+            on_status=self.status.set,
+            request_withdrawal=self.withdrawals.append,
+            first_outbound_id=first_id,
+        )
+        self.core.restore(next_generation=model.next_generation, worker_blocks=index.resident_worker_blocks())
+        # A new process: no failure flags, Worker copies counted once each, nothing attached yet.
+        model.refcounts = {(tier, block): 1 for owner, tier, block in model.resident if owner == WORKER}
+        model.worker_failed = model.cache_owner_failed = False
+        model.resyncing = True
+        was_attached, model.attached = model.attached is not None, None
+        model.ready, model.ingress, model.completed = False, None, None
+        if not (resume and was_attached):
+            return
+        published = len(self.sink.events)
+        attached = self.core.attach(ATTACHMENT, resume=(7, 0x5EED))
+        assert len(self.sink.events) == published, "a resumed attach publishes no barrier"
+        assert attached.generation == model.next_generation
+        model.attached = model.ingress = model.next_generation
+        model.next_generation += 1
+        model.ready, model.source_state = True, SourceState.DISCONNECTED
+
     # -- invariants ----------------------------------------------------------------------------------
 
     @invariant()
@@ -347,6 +401,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert self.index.resident_blocks() == frozenset(self.model.resident)
 
     @invariant()
+    def worker_dedup_matches_model(self) -> None:
+        """White-box: the dedup's Worker copy counts are the model's (a restart rebuilds them from the index)."""
+        counts = {
+            (tier, block): count
+            for (_rank, tier, domain), per_block in self.core._dedup._counts.items()
+            if domain is W
+            for block, count in per_block.items()
+        }
+        assert counts == self.model.refcounts
+
+    @invariant()
     def tree_dump_replays_to_the_live_index(self) -> None:
         dump = self.index.tree_dump()
         assert isinstance(dump, TreeDumpAnswer)
@@ -358,7 +423,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @invariant()
     def status_agrees_with_model(self) -> None:
         status = self.status.get()
-        assert status.cache_owner_ready is not self.model.cache_owner_failed
+        assert status.cache_owner_ready is not (self.model.cache_owner_failed or self.model.resyncing)
         if self.model.attached is None:
             assert status.attachment is None
         else:

@@ -1,8 +1,8 @@
 """The one layer rule import-linter cannot check: only ``kvagent.cli`` reads the environment or prints.
 
-The file discovery backend is the one other module that touches the filesystem: its directory is its
-storage.  Everything else gets paths, tokens and settings passed in, and reports through return values,
-exceptions, logs and ``statistics()``.
+The file discovery backend and the persistence store are the other modules that touch the filesystem: a
+directory or a state file is their storage.  Everything else gets paths, tokens and settings passed in,
+and reports through return values, exceptions, logs and ``statistics()``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 import kvagent
 
 PACKAGE = Path(kvagent.__file__).parent
-# The discovery backends own their storage directory (file: backend) and resolve ``file:DIR`` URLs.
-STORAGE_OWNERS = {"discovery/file.py", "discovery/__init__.py"}
+# The discovery backends own their storage directory (file: backend) and resolve ``file:DIR`` URLs; the
+# persistence store owns its state file.
+STORAGE_OWNERS = {"discovery/file.py", "discovery/__init__.py", "persist/store.py", "persist/schema.py"}
 CONSOLE_CALLS = {"print", "input", "breakpoint"}
 ENVIRONMENT = {("os", "environ"), ("os", "getenv"), ("os", "putenv"), ("sys", "stdout"), ("sys", "stderr"), ("sys", "argv")}
 FILE_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "iterdir", "expanduser", "home"}

@@ -1,0 +1,139 @@
+"""A slot's objects, built and wired before any of its tasks runs (and restored from its state file).
+
+Split from :mod:`kvagent.agent.slot`, which runs them: :func:`build_slot` makes the index, the coordinator
+(restored and leased when the slot persists, docs/durability.md), the status cell, the discovery records and
+the withdrawal channel; :func:`open_republisher` the slot's vLLM-compatible stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import structlog
+import trio
+import zmq
+
+from kvagent.agent.config import SlotAgentConfig
+from kvagent.agent.durable import DurableSlot
+from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
+from kvagent.discovery.ads import source_advertisement
+from kvagent.discovery.base import DiscoveryRecord
+from kvagent.discovery.withdrawal import AttachmentRecordHolder
+from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.ids import KvStateAgentIdentity, new_publisher_id
+from kvagent.model.status import AgentStatus
+from kvagent.publish.republisher import VllmRepublisher
+from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
+
+__all__ = ["SlotParts", "build_slot", "open_republisher"]
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen
+class SlotParts:
+    """Everything one slot owns, built before any task starts (see :func:`build_slot`)."""
+
+    config: SlotAgentConfig
+    identity: KvStateAgentIdentity
+    index: RecoveryIndex
+    status_cell: StatusCell
+    coordinator: CoordinatorHandle
+    run_coordinator: Callable[..., Awaitable[None]]
+    holder: AttachmentRecordHolder
+    source_record: DiscoveryRecord
+    withdraw_tx: trio.MemorySendChannel[int]
+    withdraw_rx: trio.MemoryReceiveChannel[int]
+    request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
+    republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
+    core: SlotCoordinator
+    durable: DurableSlot | None  # the slot's state file (None: in memory only)
+
+
+def build_slot(
+    config: SlotAgentConfig,
+    sink: EventSink | None,
+    republisher: VllmRepublisher | None,
+    durable: DurableSlot | None = None,
+) -> SlotParts:
+    """The slot's objects, wired together (and restored from ``durable``); nothing runs yet."""
+    if durable is not None:
+        publisher_id = durable.publisher_id
+    else:
+        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
+    identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
+    index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
+    status_cell = StatusCell(AgentStatus(identity))
+    # Unbounded as in the seed: the coordinator must never block on a withdrawal request, and the
+    # queue is bounded in practice by the number of quarantines (at most a few per attachment).
+    withdraw_tx, withdraw_rx = trio.open_memory_channel[int](math.inf)
+
+    def request_withdrawal(generation: int) -> None:
+        try:
+            withdraw_tx.send_nowait(generation)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            log.warning("withdrawal_request_dropped", generation=generation, reason="supervisor is gone")
+
+    sinks = [each for each in (sink, republisher) if each is not None]
+    outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
+    core = SlotCoordinator(
+        identity=identity,
+        slot_rank=config.dp_rank,
+        index=index,
+        sink=outbound,
+        on_status=status_cell.set,
+        request_withdrawal=request_withdrawal,
+        strict_cache_owner=config.strict_cache_owner,
+        first_outbound_id=1 if durable is None else durable.first_outbound_id,
+        lease_end=None if durable is None else durable.lease_end,
+    )
+    if durable is not None:
+        durable.restore(index, core, republisher)
+    coordinator, run_coordinator = open_coordinator(core)
+    source_record = source_advertisement(
+        identity=identity,
+        global_dp_rank=config.dp_rank,
+        kv_state_endpoint=config.kv_state_endpoint,
+        kv_block_size=config.kv_block_size,
+        ingress_protocol=config.ingress_protocol,
+        recovery_url=config.recovery_url,
+    )
+    return SlotParts(
+        config=config,
+        identity=identity,
+        index=index,
+        status_cell=status_cell,
+        coordinator=coordinator,
+        run_coordinator=run_coordinator,
+        holder=AttachmentRecordHolder(),
+        source_record=source_record,
+        withdraw_tx=withdraw_tx,
+        withdraw_rx=withdraw_rx,
+        request_withdrawal=request_withdrawal,
+        republisher=republisher,
+        core=core,
+        durable=durable,
+    )
+
+
+def open_republisher(config: SlotAgentConfig, context: zmq.Context[Any]) -> VllmRepublisher | None:
+    """The slot's republisher, bound at its endpoints offset by its dp_rank (vLLM's convention)."""
+    if config.republish is None:
+        return None
+    republisher = VllmRepublisher(
+        config.republish.for_rank(config.dp_rank),
+        dp_rank=config.dp_rank,
+        block_size=config.kv_block_size,
+        context=context,
+    )
+    log.info(
+        "republishing",
+        slot=config.name,
+        endpoint=republisher.endpoint,
+        replay_endpoint=republisher.replay_endpoint,
+    )
+    return republisher
