@@ -104,6 +104,12 @@ class DurableSlot:
         generation = 0 if loaded.attachment is None else loaded.attachment.generation
         core.restore(next_generation=generation + 1, worker_blocks=index.resident_worker_blocks())
         if republisher is not None:
+            if not loaded.mirror and next(index.resident_worker_blocks(), None) is not None:
+                # The previous run did not republish, so it kept no tokens: the republished stream cannot
+                # show the restored Worker blocks. Attach cold instead (a Worker reset, then the engine's
+                # history with its tokens) rather than republish a state without them.
+                log.warning("republish_enabled_on_restart", slot=str(self.path), resume="skipped")
+                self._resume_pending = False
             rows = [(r.tier, r.block_hash, r.parent_hash, r.token_bytes) for r in loaded.mirror]
             republisher.state.restore(rows, loaded.suffix_events, self.republish_next_seq)
 

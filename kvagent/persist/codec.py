@@ -98,12 +98,13 @@ def route_fields(
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
 
 
-def encode_batch(events: Sequence[RouterEvent]) -> bytes:
+def encode_batch(events: Sequence[RouterEvent], *, tokens: bool = True) -> bytes:
     """One appended batch as ``[routes, events]``: each distinct route (worker, tier, domain, rank, source,
     session) once, each event as ``[id, route index, kind, ...data]`` with its hashes as msgpack ints.
 
     A persist-only form, about five times cheaper to write than the wire map (which spells every field name
-    of every event): appends run beside ingest, under the same interpreter lock.
+    of every event): appends run beside ingest, under the same interpreter lock. ``tokens`` False leaves the
+    Stored tokens out (only the republish mirror needs them; they are most of a store's bytes).
     """
     routes: dict[tuple[object, ...], int] = {}
     route_rows: list[list[object]] = []
@@ -127,7 +128,7 @@ def encode_batch(events: Sequence[RouterEvent]) -> bytes:
                     data.parent_hash,
                     data.block_hashes,
                     data.tokens_hashes,
-                    data.token_bytes,
+                    data.token_bytes if tokens else None,
                     data.start_position,
                     wire_infos,
                 ]

@@ -242,12 +242,15 @@ class SlotStore:
                 "UPDATE slot SET lease_end = ?, republish_lease_end = ?, clean = 0", (lease_end, republish)
             )
 
-    def append(self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None) -> None:
+    def append(
+        self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None, *, tokens: bool = True
+    ) -> None:
         """Persist the next outbound events (ids ascending, above P, below the lease) and the progress
-        they reflect, in one transaction. ``attachment`` None keeps the recorded progress."""
+        they reflect, in one transaction. ``attachment`` None keeps the recorded progress; ``tokens`` False
+        leaves the stores' tokens out (a slot that does not republish never reads them back)."""
         if not events and attachment is None:
             return
-        body = encode_batch(events) if events else None
+        body = encode_batch(events, tokens=tokens) if events else None
         progress = None if attachment is None else attachment_to_bytes(attachment)
         with self._transaction() as db:
             current = self._leases(db)

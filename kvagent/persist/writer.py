@@ -268,7 +268,10 @@ class PersistenceWriter:
             elif current > self._persisted_id or progress != self._persisted_progress:
                 tail = self._events[:]  # every event after the persisted id, in this same synchronous step
                 self._events.clear()
-                await trio.to_thread.run_sync(self._store.append, tail, progress)
+                # Tokens only for a slot that republishes: nothing else reads them back, and they are
+                # most of a store's bytes (issue #17's bench: the write competes with ingest).
+                keep_tokens = self._republish is not None
+                await trio.to_thread.run_sync(partial(self._store.append, tail, progress, tokens=keep_tokens))
                 self._appends += 1
                 self._suffix += len(tail)
             self._persisted_id = max(self._persisted_id, current)

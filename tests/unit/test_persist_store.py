@@ -156,6 +156,15 @@ def test_appended_events_and_progress_round_trip(store: SlotStore) -> None:
     assert loaded.attachment == later
 
 
+def test_an_append_without_tokens_keeps_everything_else(store: SlotStore) -> None:
+    events = every_kind(1)
+    assert any(tokens_of(events)), "the fixture has stores with tokens"
+    store.append(events, PROGRESS, tokens=False)  # a slot that does not republish
+    loaded = reopen(store)
+    assert loaded.suffix_events == tuple(events)  # token_bytes takes no part in equality
+    assert not any(tokens_of(loaded.suffix_events))
+
+
 def test_progress_alone_is_recorded_and_none_keeps_it(store: SlotStore) -> None:
     store.append([], PROGRESS)  # a batch that dedup emptied still moves the engine seq
     store.append(every_kind(1), None)
