@@ -283,6 +283,10 @@ async def run_serve(config: ServeConfig) -> int:
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             await _serve_slots(config, token, context, signals)
+    except KeyboardInterrupt:
+        # A second SIGINT during the clean stop (a double Ctrl-C, or `timeout` signalling the process and
+        # its group) is redelivered by trio when the receiver closes: the stop is already done.
+        pass
     finally:
         context.destroy(linger=0)
     print("kvagent: stopped", file=sys.stderr, flush=True)

@@ -34,3 +34,18 @@ async def test_sigterm_closes_idle_and_following_clients_with_1001(
                     assert (closed.value.reason.code, closed.value.reason.reason) == (1001, "going away")
             returncode = await agent.process.wait()
             assert returncode == 0, "\n".join(agent.stderr_lines)
+
+
+async def test_a_double_sigint_stops_cleanly_without_a_traceback(tmp_path: Path, fake_engine: XpubEngine) -> None:
+    """A double Ctrl-C, or `timeout -s INT` (which signals the process and its group): one clean stop."""
+    with trio.fail_after(60):
+        async with serve(tmp_path, "--slot", f"s0={fake_engine.endpoint}", "--block-size", "32") as agent:
+            await fake_engine.wait_subscribed()
+            agent.process.send_signal(signal.SIGINT)
+            await agent.log.wait_for(lambda line: "shutdown_signal" in line)  # the first one is being handled
+            agent.process.send_signal(signal.SIGINT)
+            returncode = await agent.process.wait()
+            output = "\n".join(agent.stderr_lines)
+            assert returncode == 0, output
+            assert "Traceback" not in output
+            assert "kvagent: stopped" in output
