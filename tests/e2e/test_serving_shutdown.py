@@ -36,7 +36,9 @@ async def test_sigterm_closes_idle_and_following_clients_with_1001(
             assert returncode == 0, "\n".join(agent.stderr_lines)
 
 
-async def test_a_double_sigint_stops_cleanly_without_a_traceback(tmp_path: Path, fake_engine: XpubEngine) -> None:
+async def test_a_double_sigint_stops_cleanly_without_a_traceback(
+    tmp_path: Path, fake_engine: XpubEngine
+) -> None:
     """A double Ctrl-C, or `timeout -s INT` (which signals the process and its group): one clean stop."""
     with trio.fail_after(60):
         async with serve(tmp_path, "--slot", f"s0={fake_engine.endpoint}", "--block-size", "32") as agent:
