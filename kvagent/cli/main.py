@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -79,7 +80,8 @@ def _apply_republish(data: dict[str, Any], republish: dict[str, object] | None) 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvagent", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvagent {_version()}")
+    sub = parser.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="run slot agents (one per --slot)")
     serve.add_argument("--config", help="a kvagent.toml file (command-line options override it)")
@@ -234,9 +236,19 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return structure_serve_config(data)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvagent")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `kvagent`: the whole help, not just "a command is required"
+        parser.print_help(sys.stderr)
+        return 2
     if args.command == "slot-id":
         try:
             print(resolve_stable_dp_slot_id(args.name))
