@@ -38,6 +38,8 @@ __all__ = [
     "validate_serve_config",
 ]
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 EXTERNAL_INGRESS_ERROR = "external state-agent slots require vllm_residency_v1 ingress"
 
 
@@ -125,6 +127,7 @@ class ServeConfig:
     http: str | None = None  # the HTTP surface (metrics, health, readiness, status, dumps)
     metrics: str | None = None  # the older name of ``http``, still accepted
     log_format: str = "text"
+    log_level: str = "info"
     max_connections: int = 256
     max_message_bytes: int = 1 << 20
     status_interval: float = 5.0
@@ -401,6 +404,8 @@ def validate_serve_config(config: ServeConfig) -> None:
         errors.append(f"state_dir: must be a directory or {STATE_DIR_NONE!r}, got an empty string")
     if config.log_format not in ("text", "json"):
         errors.append(f"log_format: must be 'text' or 'json', got {config.log_format!r}")
+    if config.log_level not in LOG_LEVELS:
+        errors.append(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {config.log_level!r}")
     for key in (
         "max_connections",
         "max_message_bytes",

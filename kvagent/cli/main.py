@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(--metrics is the older name)",
     )
     serve.add_argument("--log-format", choices=["text", "json"])
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     _add_republish_arguments(serve)
     serve.add_argument("--max-connections", type=int)
     serve.add_argument(
@@ -211,7 +212,16 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             {**s, "simulate": True} if isinstance(s, dict) and not s.get("engine") else s
             for s in data["slots"]
         ]
-    for option in ("listen", "discovery", "token_file", "publish", "http", "log_format", "state_dir"):
+    for option in (
+        "listen",
+        "discovery",
+        "token_file",
+        "publish",
+        "http",
+        "log_format",
+        "log_level",
+        "state_dir",
+    ):
         value = getattr(args, option)
         if value is not None:
             data[option] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -271,7 +272,7 @@ async def _serve_slots(
 
 
 async def run_serve(config: ServeConfig) -> int:
-    configure_logging(config.log_format)
+    configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
     token, generated = load_or_create_token(config.token_file)
     if generated and config.token_file is None:
         # Printed once on the console (not through logging, so it never reaches log sinks).

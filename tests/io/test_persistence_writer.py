@@ -242,10 +242,12 @@ class FlakyStore(SlotStore):
 
     failing = False
 
-    def append(self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None) -> None:
+    def append(
+        self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None, *, tokens: bool = True
+    ) -> None:
         if FlakyStore.failing:
             raise StoreWriteError("database or disk is full")
-        super().append(events, attachment)
+        super().append(events, attachment, tokens=tokens)
 
     def write_snapshot(
         self,

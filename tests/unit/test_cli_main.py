@@ -1,4 +1,4 @@
-"""The top-level ``kvagent`` command: bare, ``--version``."""
+"""The top-level ``kvagent`` command: bare, ``--version``, ``--log-level``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import importlib.metadata
 
 import pytest
 
-from kvagent.cli.main import main
+from kvagent.cli.config import structure_serve_config
+from kvagent.cli.main import build_parser, main, serve_config_from_args
+from kvagent.model.errors import ConfigError
 
 
 def test_a_bare_kvagent_prints_the_whole_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,3 +24,15 @@ def test_version_names_the_installed_package(capsys: pytest.CaptureFixture[str])
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvagent {importlib.metadata.version('kvagent')}"
+
+
+def test_log_level_from_the_command_line_and_its_default() -> None:
+    parser = build_parser()
+    chosen = serve_config_from_args(parser.parse_args(["serve", "--slot", "s", "--log-level", "debug"]))
+    assert chosen.log_level == "debug"
+    assert serve_config_from_args(parser.parse_args(["serve", "--slot", "s"])).log_level == "info"
+
+
+def test_an_unknown_log_level_in_a_config_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="log_level: must be one of debug, info, warning, error"):
+        structure_serve_config({"slots": [{"name": "s"}], "log_level": "verbose"})
