@@ -41,7 +41,7 @@ from kvagent.agent.durable import (
 )
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
-from kvagent.coordinator.machine import CoordinatorStatistics
+from kvagent.coordinator.machine import SHUTDOWN_QUARANTINE, CoordinatorStatistics
 from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import (
@@ -395,7 +395,7 @@ class SlotAgent:
         current = self._status.get().attachment
         if current is not None:
             try:
-                await self._coordinator.quarantine(current.generation, "state-agent shutdown")
+                await self._coordinator.quarantine(current.generation, SHUTDOWN_QUARANTINE)
             except Exception as exc:
                 log.warning("shutdown_quarantine_failed", generation=current.generation, error=str(exc))
         record = self._holder.record

@@ -49,11 +49,15 @@ __all__ = [
     "CoordinatorCounters",
     "CoordinatorStatistics",
     "LocalIndex",
+    "SHUTDOWN_QUARANTINE",
     "SlotCoordinator",
     "SourceProgress",
 ]
 
+SHUTDOWN_QUARANTINE = "state-agent shutdown"  # the reason a stopping slot quarantines its attachment with
+
 log = structlog.get_logger(__name__)
+
 
 class LocalIndex(Protocol):
     """What the coordinator needs of :class:`kvagent.index.recovery_index.RecoveryIndex`."""
@@ -378,7 +382,10 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
             return False
         self._attachment = attrs.evolve(attachment, ready=False)
         self._ingress_generation = None
-        log.warning("ingress_quarantined", generation=generation, reason=reason)
+        # A shutdown quarantines by design: not worth a warning on every clean stop.
+        (log.info if reason == SHUTDOWN_QUARANTINE else log.warning)(
+            "ingress_quarantined", generation=generation, reason=reason
+        )
         self.counters.quarantines[reason] = self.counters.quarantines.get(reason, 0) + 1
         self._publish_status()
         return True
@@ -476,8 +483,14 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
                 continue
             domain = event.domain
             router_event = RouterEvent(
-                worker_id, event.tier, domain, self._take_outbound_id(generation), event.data, event.dp_rank,
-                owner, event.session_id,
+                worker_id,
+                event.tier,
+                domain,
+                self._take_outbound_id(generation),
+                event.data,
+                event.dp_rank,
+                owner,
+                event.session_id,
             )
             is_barrier = type(event.data) is Cleared
             try:
@@ -488,8 +501,13 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
                     failed_barrier = CoordinatorError("local reset barrier failed", code="internal")
                     failed_barrier.__cause__ = error
                     break
-                log.warning("local_apply_failed", worker_id=worker_id, dp_rank=event.dp_rank,
-                            domain=domain.value, error=str(error))
+                log.warning(
+                    "local_apply_failed",
+                    worker_id=worker_id,
+                    dp_rank=event.dp_rank,
+                    domain=domain.value,
+                    error=str(error),
+                )
             if is_barrier:
                 cleared_domains.append(domain)
             output.append(router_event)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from structlog.testing import capture_logs
 
+from kvagent.coordinator.machine import SHUTDOWN_QUARANTINE
 from kvagent.index.recovery_index import RecoveryIndex, TreeDumpAnswer
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
@@ -498,7 +500,10 @@ def test_an_event_larger_than_a_chunk_is_split_and_applies_like_the_whole_event(
     whole_store = Stored(None, hashes, tuple(h * 3 for h in hashes))
     # Removes the first 4000 blocks, plus hashes no block has (ignored), 8193 in all.
     whole_remove = Removed(hashes[:4000] + tuple(range(1, MAX_CHUNK_BLOCKS - 3999 + 1)))
-    events = [PlacementEvent(whole_store, DEVICE, W, SLOT_RANK), PlacementEvent(whole_remove, DEVICE, W, SLOT_RANK)]
+    events = [
+        PlacementEvent(whole_store, DEVICE, W, SLOT_RANK),
+        PlacementEvent(whole_remove, DEVICE, W, SLOT_RANK),
+    ]
     slot = Slot()
     generation = slot.core.attach(attachment_for(FIRST)).generation
     chunks = build_ingress_chunks(generation, 0, NormalizedBatch(events))
@@ -515,3 +520,16 @@ def test_an_event_larger_than_a_chunk_is_split_and_applies_like_the_whole_event(
     expected = reference.events_in_range(None, None)
     assert isinstance(expected, TreeDumpAnswer)
     assert dumped_rows(slot.dump()) == dumped_rows(expected)
+
+
+def test_a_shutdown_quarantine_logs_at_info_any_other_at_warning() -> None:
+    slot = Slot()
+    slot.core.attach(attachment_for(FIRST))
+    with capture_logs() as logs:
+        slot.core.quarantine(1, SHUTDOWN_QUARANTINE)
+    assert [(entry["event"], entry["log_level"]) for entry in logs] == [("ingress_quarantined", "info")]
+    other = Slot()
+    other.core.attach(attachment_for(FIRST))
+    with capture_logs() as logs:
+        other.core.quarantine(1, "framework listener terminated")
+    assert [(entry["event"], entry["log_level"]) for entry in logs] == [("ingress_quarantined", "warning")]
