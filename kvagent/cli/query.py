@@ -91,6 +91,8 @@ async def _query(args: argparse.Namespace, token: str | None) -> int:
             else f" (close code {reason.code}{f' {reason.reason}' if reason.reason else ''})"
         )
         return _fail(f"the agent at {args.url} closed the connection{detail}")
+    except BrokenPipeError:
+        raise  # our stdout, not the agent: run_query stops quietly
     except (HandshakeError, OSError) as exc:
         cause = exc.__cause__ or exc.__context__ or exc
         return _fail(f"cannot reach an agent at {args.url}: {cause}")

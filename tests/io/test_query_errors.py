@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -118,3 +120,26 @@ async def test_the_agent_stopping_during_follow_is_one_line_naming_the_close(
     assert result == [1]
     err = one_error_line(capsys)
     assert "closed the connection (close code 1001 going away)" in err
+
+
+async def test_a_reader_that_stops_early_ends_the_query_quietly(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvagent query SLOT follow | head -1`: exit 0 and nothing on stderr once the pipe closes."""
+    slot = FakeSlot("a")
+    for block in range(
+        1, 3001
+    ):  # a dump far larger than a pipe's buffer, so writing must hit the closed pipe
+        slot.store_worker(block, block - 1 if block > 1 else None)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, slot)
+            command = [sys.executable, "-m", "kvagent.cli.main", "query", "--url", url, "a", "follow"]
+            process = await trio.lowlevel.open_process(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            assert process.stdout is not None and process.stderr is not None
+            first = await process.stdout.receive_some(1024)
+            assert first.startswith(b'{"kind":"tree_dump"')
+            await process.stdout.aclose()  # the reader (`head -1`) is gone
+            assert await process.wait() == 0
+            assert await process.stderr.receive_some(65536) == b""
+            nursery.cancel_scope.cancel()
