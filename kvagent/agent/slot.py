@@ -261,8 +261,8 @@ class SlotAgent:
             self.ad_keeper.wake()
             return cursor
 
-    async def quarantine(self, generation: int, reason: str) -> None:
-        """Quarantine ``generation`` if it is the current attachment; an older one changes nothing.
+    async def quarantine(self, generation: int, reason: str) -> bool:
+        """Quarantine ``generation`` if it is the current attachment (True); an older one changes nothing.
 
         Returns without waiting for discovery: the coordinator hands the ad withdrawal to the withdrawal
         supervisor, which retries it until discovery answers.
@@ -270,10 +270,11 @@ class SlotAgent:
         self.ad_keeper.interrupt()
         async with self._lifecycle:
             self._check_open()
-            await self._coordinator.quarantine(generation, reason)
+            affected = await self._coordinator.quarantine(generation, reason)
             if self._listener is not None and self._listener.generation == generation:
                 await self._stop_listener()
             self.ad_keeper.wake()
+            return affected
 
     # SlotSurface control ops (websocket)
     async def control_attach(
@@ -292,7 +293,12 @@ class SlotAgent:
         return await self.detach(generation)
 
     async def control_quarantine(self, generation: int, reason: str) -> None:
-        await self.quarantine(generation, reason)
+        # Internally a stale quarantine is a silent no-op (a late listener); an operator is told.
+        if not await self.quarantine(generation, reason):
+            raise KvAgentError(
+                f"no current attachment has generation {generation}: nothing was quarantined",
+                code="generation_mismatch",
+            )
 
     # --- internals -----------------------------------------------------------------------------
     async def _start_listener(self, attachment: Attachment, resume: tuple[int, int] | None = None) -> None:

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -20,6 +21,7 @@ from kvagent.agent.http import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.memory import MemoryDiscovery
+from kvagent.model.errors import RecoveryClientError
 from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, SourceSignal, SourceState
 from kvagent.model.ids import attachment_record_id
 from kvagent.recovery.client import connect_slot
@@ -230,6 +232,28 @@ async def test_websocket_quarantine_returns_while_discovery_hangs() -> None:
                 assert attachment_ads(discovery) != []  # discovery has not answered yet
                 discovery.resume()
                 await discovery.wait_for(lambda records: not ads(records))
+                nursery.cancel_scope.cancel()
+            engine.close()
+
+
+async def test_websocket_quarantine_of_a_generation_that_is_not_current_is_refused() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_agent() as (agent, _discovery, _sink, context):
+            engine = XpubEngine(context)
+            generation = await attach(agent, engine)
+            registry = SlotRegistry()
+            registry.add(agent)
+            async with trio.open_nursery() as nursery:
+                info: RecoveryServerInfo = await nursery.start(
+                    partial(serve_recovery, registry, host="127.0.0.1", port=0, token=TOKEN)
+                )
+                async with connect_slot(f"ws://127.0.0.1:{info.port}", agent.name, token=TOKEN) as client:
+                    with pytest.raises(RecoveryClientError) as refused:
+                        await client.quarantine(generation + 5, "operator typo")
+                    assert refused.value.code == "generation_mismatch"
+                    status = await client.status()
+                assert status.attachment is not None and status.attachment.state == "ready"
+                assert agent.statistics().coordinator.quarantines == {}
                 nursery.cancel_scope.cancel()
             engine.close()
 
