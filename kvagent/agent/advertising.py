@@ -6,11 +6,18 @@ its ``ready_at_outbound_cursor`` moves while ready (so withdrawals never wait on
 and its ad is missing.  It registers under the slot's lifecycle lock, so it never advertises a generation
 that a detach or quarantine has closed; lifecycle calls :meth:`~AttachmentAdKeeper.interrupt` a registration
 that discovery keeps waiting before they take the lock.
+
+It also builds the URLs a slot advertises (:func:`recovery_base_url`, :func:`slot_recovery_url`,
+:func:`advertised_zmq_endpoint`): a reachable host instead of a wildcard bind address, IPv6 in brackets,
+the slot name percent-encoded as one path segment.
 """
 
 from __future__ import annotations
 
+import functools
+import socket
 from collections.abc import Callable
+from urllib.parse import quote
 
 import attrs
 import structlog
@@ -23,12 +30,78 @@ from kvagent.discovery.withdrawal import AttachmentRecordHolder
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import Attachment
 
-__all__ = ["AD_RETRY_INITIAL", "AD_RETRY_MAX", "AttachmentAdKeeper"]
+__all__ = [
+    "AD_RETRY_INITIAL",
+    "AD_RETRY_MAX",
+    "AttachmentAdKeeper",
+    "advertised_host",
+    "advertised_zmq_endpoint",
+    "http_url",
+    "recovery_base_url",
+    "slot_recovery_url",
+    "url_host",
+]
 
 log = structlog.get_logger(__name__)
 
 AD_RETRY_INITIAL = 0.1  # backoff after a failed registration, doubling up to AD_RETRY_MAX
 AD_RETRY_MAX = 5.0
+
+# Bind addresses that mean "every interface": no client can connect to them, so they are never advertised.
+WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+@functools.cache  # one lookup (and one log line) per process, however many URLs use it
+def _machine_hostname() -> str:
+    hostname = socket.getfqdn()
+    log.info(
+        "advertising_machine_hostname",
+        host=hostname,
+        hint="the listen address is a wildcard; pass --advertise HOST to advertise another name",
+    )
+    return hostname
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL: an IPv6 address in brackets (``[::1]``), anything else as is."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def advertised_host(bind_host: str, advertise: str | None = None) -> str:
+    """The host clients are told to connect to: ``advertise``, else the bind host unless it is a wildcard
+    (then this machine's fully qualified name), in URL form."""
+    if advertise is not None:
+        return url_host(advertise)
+    if bind_host in WILDCARD_HOSTS:
+        return url_host(_machine_hostname())
+    return url_host(bind_host)
+
+
+def recovery_base_url(bind_host: str, port: int, advertise: str | None = None) -> str:
+    """``ws://HOST:PORT`` of the websocket server bound at ``bind_host:port``."""
+    return f"ws://{advertised_host(bind_host, advertise)}:{port}"
+
+
+def http_url(bind_host: str, port: int, advertise: str | None = None) -> str:
+    """``http://HOST:PORT`` of the HTTP surface bound at ``bind_host:port``."""
+    return f"http://{advertised_host(bind_host, advertise)}:{port}"
+
+
+def slot_recovery_url(base_url: str, slot_name: str) -> str:
+    """The slot's websocket URL; the name is one percent-encoded path segment (spaces, ``ü``, ``%``...)."""
+    return f"{base_url}/v1/slots/{quote(slot_name, safe='')}"
+
+
+def advertised_zmq_endpoint(endpoint: str, advertise: str | None = None) -> str:
+    """A bound ``tcp://HOST:PORT`` endpoint with the advertised host (other transports as they are)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if not sep:
+        return endpoint
+    return f"tcp://{advertised_host(host.strip('[]'), advertise)}:{port}"
 
 
 class AttachmentAdKeeper:

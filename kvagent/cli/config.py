@@ -15,32 +15,45 @@ from typing import Any, NoReturn
 
 import attrs
 import cattrs
+import structlog
 from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
+from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
-from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material
+from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material, with_model
 from kvagent.publish.republisher import RepublishConfig
 
 __all__ = [
     "ConfigError",
     "EngineConfig",
+    "EtcdSettings",
     "RepublishSettings",
     "ServeConfig",
     "SlotConfig",
+    "SIMULATED_MODEL",
+    "SlotSpec",
     "default_state_dir",
+    "discovery_options",
     "load_config_file",
     "parse_slot_arg",
+    "parse_slot_spec",
     "resolve_cache_owner_id",
     "structure_serve_config",
     "validate_serve_config",
+    "warn_if_models_unnamed",
 ]
+
+log = structlog.get_logger(__name__)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 EXTERNAL_INGRESS_ERROR = "external state-agent slots require vllm_residency_v1 ingress"
+
+# The model a --simulate slot serves (its CacheOwnerId takes it, like any other model name).
+SIMULATED_MODEL = "kvagent-simulated"
 
 
 def default_state_dir() -> Path:
@@ -112,6 +125,21 @@ class SlotConfig:
     engine: EngineConfig | None = None
     simulate: bool = False
     republish: RepublishSettings | None = None
+    # The served model's name: part of the derived CacheOwnerId (docs/identity.md). Unset, a slot without
+    # an explicit cache_owner_id gets the top-level ``model``, else (simulated) SIMULATED_MODEL, else none.
+    model: str | None = None
+
+
+@attrs.frozen(slots=True)
+class EtcdSettings:
+    """``[etcd]``: options of an ``etcd://``/``etcds://`` discovery (docs/discovery.md, "Options")."""
+
+    ttl: float | None = None  # None: open_etcd_discovery's default (10 s)
+    username: str | None = None
+    password_file: str | None = None  # read at start; the password itself never sits in the config
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
 
 
 @attrs.frozen(slots=True)
@@ -138,6 +166,12 @@ class ServeConfig:
     max_pending_handshakes: int | None = None  # None: 128, at most a quarter of the fd limit
     send_deadline: float = 10.0
     outbound_queue_bytes: int = 1 << 20
+    # The host put into advertised and printed URLs; None: the listen host, or this machine's name for a
+    # wildcard listen address (kvagent/agent/advertising.py).
+    advertise: str | None = None
+    model: str | None = None  # the default of every slot's ``model``
+    silence_warning: float = 60.0  # seconds an attached engine may publish nothing before a WARNING
+    etcd: EtcdSettings = EtcdSettings()
 
     @property
     def http_listen(self) -> str | None:
@@ -145,8 +179,15 @@ class ServeConfig:
         return self.http if self.http is not None else self.metrics
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data that :func:`structure_serve_config` turns back into an equal config."""
+        """Plain data that :func:`structure_serve_config` turns back into an equal config.
+
+        A slot model inherited from ``model`` (or the simulator) is left out, so a command line that
+        changes those defaults (``--model``, ``--simulate``) still reaches the slot.
+        """
         data: dict[str, Any] = _converter.unstructure(self)
+        for slot, table in zip(self.slots, data["slots"], strict=True):
+            if slot.model == _inherited_model(self, slot):
+                table["model"] = None
         return data
 
 
@@ -207,7 +248,7 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _strict_str)
     converter.register_structure_hook(bool, _strict_bool)
     # Inner types first, so the outer generated hooks pick up the wrapped inner ones.
-    for type_ in (EngineConfig, RepublishSettings, SlotConfig):
+    for type_ in (EngineConfig, RepublishSettings, SlotConfig, EtcdSettings):
         converter.register_structure_hook(type_, _require_table(converter.get_structure_hook(type_)))
     slots_type = tuple[SlotConfig, ...]
     slots_hook = _require_list(converter.get_structure_hook(slots_type))
@@ -255,6 +296,8 @@ _HOST_PORT_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>
 def _host_port_problem(text: str, *, wildcard: bool) -> str | None:
     match = _HOST_PORT_RE.fullmatch(text)
     if match is None:
+        if text.count(":") > 1 and not text.startswith("["):
+            return f"expected HOST:PORT with an IPv6 host in brackets (like [::1]:8765), got {text!r}"
         return f"expected HOST:PORT, got {text!r}"
     if int(match["port"]) > 65535:
         return f"port must be 0..65535, got {match['port']}"
@@ -272,6 +315,19 @@ def _endpoint_problem(text: str, *, bind: bool) -> str | None:
         return None if rest else f"{scheme} endpoint needs a name, got {text!r}"
     problem = _host_port_problem(rest, wildcard=bind)
     return None if problem is None else f"{problem} (in {text!r})"
+
+
+_ADVERTISE_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9_.-]+")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
+
+
+def _advertise_problem(text: str) -> str | None:
+    """A host name or address (IPv6 with or without brackets), no port: URLs get the bound ports."""
+    if _ADVERTISE_RE.fullmatch(text) is None:
+        return f"expected a host name or IP address (no port, no scheme), got {text!r}"
+    if text in _WILDCARD_HOSTS:
+        return f"must name this machine as clients reach it, not the wildcard address {text!r}"
+    return None
 
 
 def _check(errors: list[str], path: str, problem: str | None) -> None:
@@ -349,6 +405,11 @@ def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
     if slot.ingress_protocol != IngressProtocol.VLLM_RESIDENCY_V1.value:
         errors.append(f"{path}.ingress_protocol: {EXTERNAL_INGRESS_ERROR}")
     _check(errors, f"{path}.cache_semantics", _identity_map_problem(slot.cache_semantics))
+    if slot.model is not None and slot.cache_owner_id is None:
+        try:
+            with_model(slot.cache_semantics, slot.model)
+        except IdentityError as exc:
+            errors.append(f"{path}.model: {exc}")
     _check(errors, f"{path}.routing_scope", _identity_map_problem(slot.routing_scope))
     if slot.cache_owner_id is not None:
         try:
@@ -367,6 +428,42 @@ def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
         _validate_engine(errors, f"{path}.engine", slot.engine)
         if slot.simulate:
             errors.append(f"{path}.simulate: cannot be combined with an engine")
+
+
+_ETCD_FLAGS = {
+    "ttl": "--etcd-ttl",
+    "username": "--etcd-user",
+    "password_file": "--etcd-password-file",
+    "ca_file": "--etcd-ca",
+    "cert_file": "--etcd-cert",
+    "key_file": "--etcd-key",
+}
+
+
+def _validate_etcd(errors: list[str], config: ServeConfig) -> None:
+    etcd = config.etcd
+    given = [key for key in _ETCD_FLAGS if getattr(etcd, key) is not None]
+    if not given:
+        return
+    if not config.discovery.startswith(("etcd://", "etcds://")):
+        errors.extend(
+            f"etcd.{key} ({_ETCD_FLAGS[key]}): needs an etcd:// or etcds:// discovery URL, "
+            f"discovery is {config.discovery!r}"
+            for key in given
+        )
+        return
+    if etcd.ttl is not None and etcd.ttl < 1:
+        errors.append(f"etcd.ttl (--etcd-ttl): must be at least 1 second, got {etcd.ttl}")
+    if (etcd.username is None) != (etcd.password_file is None):
+        errors.append("etcd.username (--etcd-user) and etcd.password_file (--etcd-password-file) go together")
+    if not config.discovery.startswith("etcds://"):
+        errors.extend(
+            f"etcd.{key} ({_ETCD_FLAGS[key]}): TLS files need an etcds:// discovery URL"
+            for key in ("ca_file", "cert_file", "key_file")
+            if getattr(etcd, key) is not None
+        )
+    if etcd.key_file is not None and etcd.cert_file is None:
+        errors.append("etcd.key_file (--etcd-key): needs etcd.cert_file (--etcd-cert)")
 
 
 def validate_serve_config(config: ServeConfig) -> None:
@@ -400,6 +497,11 @@ def validate_serve_config(config: ServeConfig) -> None:
         check_discovery_url(config.discovery)
     except ValueError as exc:
         errors.append(f"discovery: {exc}")
+    if config.advertise is not None:
+        _check(errors, "advertise", _advertise_problem(config.advertise))
+    if config.model is not None and not config.model:
+        errors.append("model: must not be empty")
+    _validate_etcd(errors, config)
     if not config.state_dir:
         errors.append(f"state_dir: must be a directory or {STATE_DIR_NONE!r}, got an empty string")
     if config.log_format not in ("text", "json"):
@@ -414,6 +516,7 @@ def validate_serve_config(config: ServeConfig) -> None:
         "handshake_timeout",
         "send_deadline",
         "outbound_queue_bytes",
+        "silence_warning",
     ):
         _check(errors, key, _positive(getattr(config, key)))
     if config.max_pending_handshakes is not None:
@@ -431,11 +534,27 @@ def structure_serve_config(data: Mapping[str, object], *, context: str | None = 
         config = _converter.structure(dict(data), ServeConfig)
     except (cattrs.BaseValidationError, ForbiddenExtraKeysError) as exc:
         _raise(_flatten(transform_error(exc, format_exception=_describe)), context)
+    config = _with_slot_models(config)
     try:
         validate_serve_config(config)
     except ConfigError as exc:
         _raise(exc.errors, context)
     return config
+
+
+def _inherited_model(config: ServeConfig, slot: SlotConfig) -> str | None:
+    if slot.cache_owner_id is not None:
+        return None  # an explicit id takes no model: it stays exactly the id given
+    return config.model or (SIMULATED_MODEL if slot.simulate else None)
+
+
+def _with_slot_models(config: ServeConfig) -> ServeConfig:
+    """Give every derived-id slot without a ``model`` the top-level one (a simulated slot: the simulator's)."""
+    slots = tuple(
+        slot if slot.model is not None else attrs.evolve(slot, model=_inherited_model(config, slot))
+        for slot in config.slots
+    )
+    return attrs.evolve(config, slots=slots)
 
 
 def load_config_file(path: str | os.PathLike[str]) -> ServeConfig:
@@ -450,20 +569,8 @@ def load_config_file(path: str | os.PathLike[str]) -> ServeConfig:
     return structure_serve_config(data, context=str(source))
 
 
-def parse_slot_arg(text: str) -> tuple[str, str | None]:
-    """``NAME`` or ``NAME=ENGINE_ENDPOINT`` (the endpoint may itself contain ``=``)."""
-    name, sep, endpoint = text.partition("=")
-    if not name:
-        raise ConfigError(f"--slot {text!r}: slot name must not be empty")
-    if not sep:
-        return name, None
-    if not endpoint:
-        raise ConfigError(f"--slot {text!r}: engine endpoint after '=' must not be empty")
-    return name, endpoint
-
-
 def resolve_cache_owner_id(slot: SlotConfig) -> CacheOwnerId:
-    """The slot's CacheOwnerId: the explicit text, or derived from its name and pool material."""
+    """The slot's CacheOwnerId: the explicit text, or derived from its name, model and pool material."""
     if slot.cache_owner_id is not None:
         return CacheOwnerId.parse(slot.cache_owner_id)
     return derive_cache_owner_id(
@@ -472,4 +579,49 @@ def resolve_cache_owner_id(slot: SlotConfig) -> CacheOwnerId:
         cache_semantics=slot.cache_semantics,
         routing_scope=slot.routing_scope,
         dc_id=slot.dc_id,
+        model=slot.model,
     )
+
+
+def warn_if_models_unnamed(config: ServeConfig) -> list[str]:
+    """Log ONE warning naming the slots whose derived CacheOwnerId has no model in it; those slots."""
+    unnamed = [
+        slot.name
+        for slot in config.slots
+        if slot.cache_owner_id is None
+        and slot.model is None
+        and not (slot.cache_semantics or {}).get("model")
+    ]
+    if unnamed:
+        log.warning(
+            "cache_owner_id_without_model",
+            slots=unnamed,
+            hint="slots of the same name serving different models get the same CacheOwnerId and collide; "
+            "pass --model NAME (or model = in the config), or --cache-owner-id",
+        )
+    return unnamed
+
+
+def _read_secret(path: str, key: str) -> str:
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{key}: cannot read {path}: {reason}") from None
+    secret = text.rstrip("\r\n")  # a trailing newline is the editor's, not the password's
+    if not secret:
+        raise ConfigError(f"{key}: {path} is empty")
+    return secret
+
+
+def discovery_options(config: ServeConfig) -> dict[str, object]:
+    """The keyword options of ``open_discovery(config.discovery, **options)``; reads the password file."""
+    etcd = config.etcd
+    options: dict[str, object] = {
+        key: getattr(etcd, key)
+        for key in ("ttl", "username", "ca_file", "cert_file", "key_file")
+        if getattr(etcd, key) is not None
+    }
+    if etcd.password_file is not None:
+        options["password"] = _read_secret(etcd.password_file, "etcd.password_file (--etcd-password-file)")
+    return options

@@ -10,7 +10,8 @@ from typing import Any
 
 import trio
 
-from kvagent.cli.config import ServeConfig, load_config_file, parse_slot_arg, structure_serve_config
+from kvagent.cli.config import ServeConfig, load_config_file, structure_serve_config
+from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
 from kvagent.model.errors import ConfigError, IdentityError
 from kvagent.model.ids import resolve_stable_dp_slot_id
 
@@ -78,6 +79,27 @@ def _apply_republish(data: dict[str, Any], republish: dict[str, object] | None) 
     data["slots"] = slots
 
 
+# --etcd-* flag -> its key in the [etcd] table
+_ETCD_OPTIONS = {
+    "etcd_ttl": "ttl",
+    "etcd_user": "username",
+    "etcd_password_file": "password_file",
+    "etcd_ca": "ca_file",
+    "etcd_cert": "cert_file",
+    "etcd_key": "key_file",
+}
+
+
+def _add_etcd_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("etcd discovery (TOML [etcd]; docs/discovery.md)")
+    group.add_argument("--etcd-ttl", type=float, metavar="SECONDS", help="lease TTL (default 10)")
+    group.add_argument("--etcd-user", metavar="NAME", help="etcd user (with --etcd-password-file)")
+    group.add_argument("--etcd-password-file", metavar="FILE", help="file holding the etcd user's password")
+    group.add_argument("--etcd-ca", metavar="FILE", help="CA bundle verifying etcd (etcds:// only)")
+    group.add_argument("--etcd-cert", metavar="FILE", help="client certificate (etcds:// only)")
+    group.add_argument("--etcd-key", metavar="FILE", help="client certificate's key (etcds:// only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvagent", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvagent {_version()}")
@@ -89,21 +111,60 @@ def build_parser() -> argparse.ArgumentParser:
         "--slot",
         action="append",
         default=[],
-        metavar="NAME[=ENGINE_ENDPOINT]",
-        help="a stable DP slot; with an endpoint it attaches at start, without one it waits for 'attach'",
+        metavar="NAME[=ENDPOINT][,KEY=VALUE...]",
+        help="a stable DP slot; with an engine endpoint it attaches at start, without one it waits for "
+        "'attach'. Per-slot keys (else the global flags): replay=ENDPOINT, worker=N, rank=N, topic=T, "
+        "model=M; e.g. 'gpu0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,worker=7,rank=0'",
     )
     serve.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
-    serve.add_argument("--worker-id", type=int, help="worker id of the engine attached at start")
-    serve.add_argument("--dp-rank", type=int, help="the slot's global data-parallel rank (default 0)")
-    serve.add_argument("--topic", help="raw vLLM topic filter (default: everything)")
-    serve.add_argument("--replay", metavar="ENDPOINT", help="vLLM replay (ROUTER) endpoint for gap repair")
+    serve.add_argument(
+        "--worker-id", type=int, help="worker id of the engine attached at start (per slot: worker=N)"
+    )
+    serve.add_argument(
+        "--dp-rank", type=int, help="the slot's global data-parallel rank (default 0; per slot: rank=N)"
+    )
+    serve.add_argument("--topic", help="raw vLLM topic filter (default: everything; per slot: topic=T)")
+    serve.add_argument(
+        "--replay",
+        metavar="ENDPOINT",
+        help="vLLM replay (ROUTER) endpoint for gap repair (per slot: replay=)",
+    )
+    serve.add_argument(
+        "--model",
+        metavar="NAME",
+        help="the served model's name; part of each derived CacheOwnerId, so two models' slots never "
+        "collide (per slot: model=NAME)",
+    )
     serve.add_argument("--cache-owner-id", help="full CacheOwnerId text instead of deriving one")
-    serve.add_argument("--cache-semantics", type=_key_value, action="append", metavar="KEY=VALUE")
-    serve.add_argument("--routing-scope", type=_key_value, action="append", metavar="KEY=VALUE")
+    serve.add_argument(
+        "--cache-semantics",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="explicit cache-semantics material of the derived CacheOwnerId (docs/identity.md; repeatable)",
+    )
+    serve.add_argument(
+        "--routing-scope",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="explicit routing-scope material of the derived CacheOwnerId (docs/identity.md; repeatable)",
+    )
     serve.add_argument("--dc-id", type=int, help="data-centre id (u64) of the derived CacheOwnerId")
     serve.add_argument("--ring-capacity", type=int, help="recovery ring buffer size in events (default 1024)")
-    serve.add_argument("--strict-cache-owner", action="store_true", default=None)
-    serve.add_argument("--listen", help="websocket HOST:PORT (default 127.0.0.1:8765)")
+    serve.add_argument(
+        "--strict-cache-owner",
+        action="store_true",
+        default=None,
+        help="refuse engine events whose cache owner differs from the slot's instead of counting them",
+    )
+    serve.add_argument("--listen", help="websocket HOST:PORT (default 127.0.0.1:8765; IPv6 as [::1]:8765)")
+    serve.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="host put into advertised and printed URLs (default: the --listen host, or this machine's "
+        "name when it listens on 0.0.0.0 or ::)",
+    )
     serve.add_argument("--discovery", help="memory | file:DIR | etcd://HOST:PORT[,HOST:PORT][/PREFIX]")
     serve.add_argument("--token-file", help="control token file (created with a fresh token if missing)")
     serve.add_argument(
@@ -144,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, help="seconds to close every client with 1001")
     serve.add_argument("--status-interval", type=float, help="seconds between console status lines")
     serve.add_argument(
+        "--silence-warning",
+        type=float,
+        metavar="SECONDS",
+        help="warn once when an attached engine has published nothing for this long (default 60)",
+    )
+    _add_etcd_arguments(serve)
+    serve.add_argument(
         "--simulate",
         action="store_true",
         help="attach every slot without an endpoint to an embedded simulated vLLM engine",
@@ -166,15 +234,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """Merge a config file (if any) with command-line options into one validated ServeConfig."""
-    data: dict[str, Any] = {}
-    if args.config:
-        data = load_config_file(args.config).to_dict()
+# The global engine flags each slot may override, with the --slot key that does it.
+_SHARED_FLAGS = (
+    ("--replay", "replay", "replay", True),
+    ("--worker-id", "worker_id", "worker", True),
+    ("--dp-rank", "dp_rank", "rank", False),
+)
+
+
+def _check_shared_flags(specs: list[SlotSpec], args: argparse.Namespace) -> None:
+    """A global --replay/--worker-id/--dp-rank that two slots would share is a mistake, not a default."""
+    for flag, option, key, engine_only in _SHARED_FLAGS:
+        value = getattr(args, option)
+        if value is None:
+            continue
+        sharing = [
+            spec.name
+            for spec in specs
+            if getattr(spec, key) is None and (spec.endpoint is not None or not engine_only)
+        ]
+        if len(sharing) > 1:
+            example = specs[0].name + ("=tcp://HOST:PORT" if engine_only else "")
+            raise ConfigError(
+                f"{flag} {value} would apply to every one of slots {', '.join(sharing)}: "
+                f"set it per slot instead, e.g. --slot '{example},{key}=...'"
+            )
+
+
+def _engine_table(spec: SlotSpec, args: argparse.Namespace) -> dict[str, object]:
+    engine: dict[str, object] = {"endpoint": spec.endpoint}
+    for key, own, default in (
+        ("topic", spec.topic, args.topic),
+        ("replay_endpoint", spec.replay, args.replay),
+        ("worker_id", spec.worker, args.worker_id),
+    ):
+        value = own if own is not None else default
+        if value is not None:
+            engine[key] = value
+    return engine
+
+
+def _slot_tables(args: argparse.Namespace, slot_defaults: dict[str, object]) -> list[dict[str, object]]:
+    """The ``[[slots]]`` tables of the --slot options (each key of a --slot overrides its global flag)."""
+    specs = [parse_slot_spec(text) for text in args.slot]
+    _check_shared_flags(specs, args)
+    slots: list[dict[str, object]] = []
+    for spec in specs:
+        slot: dict[str, object] = {"name": spec.name, **slot_defaults}
+        rank = spec.rank if spec.rank is not None else args.dp_rank
+        if rank is not None:
+            slot["dp_rank"] = rank
+        if spec.model is not None:
+            slot["model"] = spec.model
+        if spec.endpoint is not None:
+            slot["engine"] = _engine_table(spec, args)
+        elif args.simulate:
+            slot["simulate"] = True
+        slots.append(slot)
+    return slots
+
+
+def _slot_defaults(args: argparse.Namespace) -> dict[str, object]:
+    """Slot keys the command line sets for every slot (--dp-rank is applied per slot: it may be shared)."""
     slot_defaults: dict[str, object] = {}
     for option, key in (
         ("block_size", "kv_block_size"),
-        ("dp_rank", "dp_rank"),
         ("cache_owner_id", "cache_owner_id"),
         ("dc_id", "dc_id"),
         ("ring_capacity", "ring_capacity"),
@@ -187,33 +311,31 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         slot_defaults["cache_semantics"] = dict(args.cache_semantics)
     if args.routing_scope:
         slot_defaults["routing_scope"] = dict(args.routing_scope)
-    if args.slot:
-        slots: list[dict[str, object]] = []
-        for text in args.slot:
-            name, endpoint = parse_slot_arg(text)
-            slot: dict[str, object] = {"name": name, **slot_defaults}
-            if endpoint is not None:
-                engine: dict[str, object] = {"endpoint": endpoint}
-                if args.topic is not None:
-                    engine["topic"] = args.topic
-                if args.replay is not None:
-                    engine["replay_endpoint"] = args.replay
-                if args.worker_id is not None:
-                    engine["worker_id"] = args.worker_id
-                slot["engine"] = engine
-            elif args.simulate:
-                slot["simulate"] = True
-            slots.append(slot)
-        data["slots"] = slots
-    elif slot_defaults and isinstance(data.get("slots"), list):
-        data["slots"] = [{**dict(s), **slot_defaults} for s in data["slots"]]
-    if args.simulate and isinstance(data.get("slots"), list):
-        data["slots"] = [
-            {**s, "simulate": True} if isinstance(s, dict) and not s.get("engine") else s
-            for s in data["slots"]
-        ]
+    return slot_defaults
+
+
+def _override_file_slots(
+    data: dict[str, Any], args: argparse.Namespace, slot_defaults: dict[str, object]
+) -> None:
+    """Without --slot, the command line's slot options override every ``[[slots]]`` table of --config."""
+    file_slots = data.get("slots")
+    if not isinstance(file_slots, list):
+        return
+    if args.dp_rank is not None:
+        if len(file_slots) > 1:
+            raise ConfigError(
+                f"--dp-rank {args.dp_rank} would apply to all {len(file_slots)} [[slots]] of --config: "
+                "set dp_rank in each table instead"
+            )
+        slot_defaults = {**slot_defaults, "dp_rank": args.dp_rank}
+    if slot_defaults:
+        data["slots"] = [{**dict(s), **slot_defaults} for s in file_slots]
+
+
+def _apply_top_level(data: dict[str, Any], args: argparse.Namespace) -> None:
     for option in (
         "listen",
+        "advertise",
         "discovery",
         "token_file",
         "publish",
@@ -221,25 +343,47 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         "log_format",
         "log_level",
         "state_dir",
-    ):
-        value = getattr(args, option)
-        if value is not None:
-            data[option] = value
-    if args.http is not None:
-        data.pop("metrics", None)  # the file's older spelling of the same listener is overridden too
-    for option in (
+        "model",
+        "silence_warning",
         "max_connections",
         "handshake_timeout",
         "max_pending_handshakes",
         "send_deadline",
         "outbound_queue_bytes",
         "shutdown_timeout",
+        "status_interval",
     ):
         value = getattr(args, option)
         if value is not None:
             data[option] = value
-    if args.status_interval is not None:
-        data["status_interval"] = args.status_interval
+    if args.http is not None:
+        data.pop("metrics", None)  # the file's older spelling of the same listener is overridden too
+    etcd = {
+        key: getattr(args, option)
+        for option, key in _ETCD_OPTIONS.items()
+        if getattr(args, option) is not None
+    }
+    if etcd:
+        table = data.get("etcd")
+        data["etcd"] = {**(table if isinstance(table, dict) else {}), **etcd}
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Merge a config file (if any) with command-line options into one validated ServeConfig."""
+    data: dict[str, Any] = {}
+    if args.config:
+        data = load_config_file(args.config).to_dict()
+    slot_defaults = _slot_defaults(args)
+    if args.slot:
+        data["slots"] = _slot_tables(args, slot_defaults)
+    else:
+        _override_file_slots(data, args, slot_defaults)
+    if args.simulate and isinstance(data.get("slots"), list):
+        data["slots"] = [
+            {**s, "simulate": True} if isinstance(s, dict) and not s.get("engine") else s
+            for s in data["slots"]
+        ]
+    _apply_top_level(data, args)
     _apply_republish(data, _republish_from_args(args))
     if not data.get("slots"):
         raise ConfigError("at least one --slot (or a [[slots]] table in --config) is required")

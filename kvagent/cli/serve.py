@@ -16,13 +16,21 @@ import structlog
 import trio
 import zmq
 
+from kvagent.agent.advertising import advertised_zmq_endpoint, http_url, recovery_base_url, slot_recovery_url
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import slot_state_path
 from kvagent.agent.host import Host, open_host
 from kvagent.agent.http import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
-from kvagent.cli.config import STATE_DIR_NONE, ServeConfig, SlotConfig, resolve_cache_owner_id
+from kvagent.cli.config import (
+    STATE_DIR_NONE,
+    ServeConfig,
+    SlotConfig,
+    discovery_options,
+    resolve_cache_owner_id,
+    warn_if_models_unnamed,
+)
 from kvagent.cli.logs import configure_logging
 from kvagent.discovery import Discovery, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
@@ -76,11 +84,14 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         ring_capacity=slot.ring_capacity,
         ingress_protocol=IngressProtocol(slot.ingress_protocol),
         strict_cache_owner=slot.strict_cache_owner,
-        kv_state_endpoint=serve.publish or recovery_url,
+        kv_state_endpoint=advertised_zmq_endpoint(serve.publish, serve.advertise)
+        if serve.publish
+        else recovery_url,
         recovery_url=recovery_url,
         listener=ListenerOptions(rcvhwm=serve.rcvhwm),
         republish=None if slot.republish is None else slot.republish.to_config(),
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
+        silence_warning=serve.silence_warning,
     )
 
 
@@ -224,8 +235,12 @@ async def _start_servers(
         )
         http_host, http_port = _split_host_port(config.http_listen)
         bound = await nursery.start(partial(serve_http, sources, host=http_host, port=http_port))
-        print(f"kvagent: HTTP surface on http://{http_host}:{bound}", file=sys.stderr, flush=True)
-    return f"ws://{listen_host}:{server.port}"
+        print(
+            f"kvagent: HTTP surface on {http_url(http_host, bound, config.advertise)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return recovery_base_url(listen_host, server.port, config.advertise)
 
 
 async def _serve_slots(
@@ -242,14 +257,15 @@ async def _serve_slots(
         return None if event_plane is None else event_plane.sink_for(publisher_id)
 
     try:
-        async with open_discovery(config.discovery) as discovery, trio.open_nursery() as nursery:
+        options = discovery_options(config)
+        async with open_discovery(config.discovery, **options) as discovery, trio.open_nursery() as nursery:
             async with open_host(discovery=discovery, sink_factory=sink_factory, zmq_context=context) as host:
                 base_url = await _start_servers(
                     nursery, config, host, token=token, discovery=discovery, event_plane=event_plane
                 )
                 for slot in config.slots:
                     agent_config = slot_agent_config(
-                        slot, config, recovery_url=f"{base_url}/v1/slots/{slot.name}"
+                        slot, config, recovery_url=slot_recovery_url(base_url, slot.name)
                     )
                     agent = await host.add_slot(agent_config)
                     _print_republish(agent)
@@ -273,6 +289,7 @@ async def _serve_slots(
 
 async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
+    warn_if_models_unnamed(config)
     token, generated = load_or_create_token(config.token_file)
     if generated and config.token_file is None:
         # Printed once on the console (not through logging, so it never reaches log sinks).

@@ -36,6 +36,7 @@ __all__ = [
     "derive_cache_owner_id",
     "new_publisher_id",
     "resolve_stable_dp_slot_id",
+    "with_model",
 ]
 
 MAX_IDENTITY_ENTRIES = 32
@@ -59,6 +60,9 @@ DEFAULT_MATERIAL_VALUES = (b"kvagent-default",)
 EVENT_HASH_FORMAT_XXH3_64_U32LE = 1
 
 ATTACHMENT_RECORD_TAG = b"dynamo/kv-state-attachment-record/v2"
+
+# The cache-semantics key the served model's name is written under (kvagent defines; docs/identity.md).
+MODEL_KEY = "model"
 
 
 class IdentitySource(enum.Enum):
@@ -206,8 +210,7 @@ class CacheOwnerId:
     def parse(cls, text: str) -> CacheOwnerId:
         if not isinstance(text, str) or not _CACHE_OWNER_RE.fullmatch(text):
             raise IdentityError(
-                "cache owner id must be '<32 hex>:<32 hex>/<16 hex>/<32 hex>' in lowercase hex, "
-                f"got {text!r}"
+                f"cache owner id must be '<32 hex>:<32 hex>/<16 hex>/<32 hex>' in lowercase hex, got {text!r}"
             )
         domain_text, dc_text, slot_text = text.split("/")
         pool = PoolId(IndexerDomainId.parse(domain_text), DcId.parse(dc_text))
@@ -282,6 +285,22 @@ def _source(explicit: bool) -> IdentitySource:
     return IdentitySource.EXPLICIT if explicit else IdentitySource.DEFAULT_DERIVED
 
 
+def with_model(cache_semantics: Mapping[str, str] | None, model: str | None) -> Mapping[str, str] | None:
+    """The cache-semantics map with the served model as its ``model`` entry (unchanged without a model).
+
+    A ``model`` entry already in the map must name the same model: two spellings of one key would make the
+    derived id depend on which of them wins.
+    """
+    if model is None:
+        return cache_semantics
+    if not model:
+        raise IdentityError("model name must not be empty")
+    existing = (cache_semantics or {}).get(MODEL_KEY)
+    if existing is not None and existing != model:
+        raise IdentityError(f"cache semantics say model {existing!r} but the slot serves model {model!r}")
+    return {**(cache_semantics or {}), MODEL_KEY: model}
+
+
 def derive_cache_owner_id(
     slot_name: str,
     *,
@@ -290,10 +309,16 @@ def derive_cache_owner_id(
     routing_scope: Mapping[str, str] | None = None,
     dc_id: int = 0,
     event_hash_format: int = EVENT_HASH_FORMAT_XXH3_64_U32LE,
+    model: str | None = None,
 ) -> CacheOwnerId:
-    """Derive a full CacheOwnerId from a slot name and optional explicit pool material."""
+    """Derive a full CacheOwnerId from a slot name and optional explicit pool material.
+
+    ``model`` (the served model's name) is explicit cache-semantics material (``{"model": NAME}``), so the
+    same slot name serving two models gives two ids; without it the id is what it always was.
+    """
     if kv_block_size <= 0:
         raise IdentityError("kv_block_size cannot be zero")
+    cache_semantics = with_model(cache_semantics, model)
     semantics = CacheSemanticsId(
         digest16(cache_semantics_material(cache_semantics, kv_block_size, event_hash_format)),
         _source(bool(cache_semantics)),
