@@ -3,6 +3,8 @@ and ``--silence-warning`` — from the command line (and TOML) to the config the
 
 from __future__ import annotations
 
+import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -423,3 +425,50 @@ def test_slot_agents_advertise_a_reachable_publish_endpoint() -> None:
     assert agent.kv_state_endpoint == "tcp://node-3:5600"
     local = config_of("--slot", "a", "--state-dir", "none")
     assert slot_agent_config(local.slots[0], local, recovery_url="ws://h:1").kv_state_endpoint == "ws://h:1"
+
+
+# -- the documented examples -----------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _toml_blocks(page: str) -> list[str]:
+    text = (DOCS / page).read_text()
+    return [block.split("```", 1)[0] for block in text.split("```toml\n")[1:]]
+
+
+def test_the_documented_toml_examples_load_as_documented() -> None:
+    (example,) = _toml_blocks("configuration.md")
+    config = structure_serve_config(tomllib.loads(example))
+    assert [(slot.name, slot.model, slot.dp_rank) for slot in config.slots] == [
+        ("gpu0", "meta-llama/Llama-3.1-8B", 0),
+        ("gpu1", "Qwen/Qwen2.5-7B", 1),
+    ]
+    assert (config.advertise, config.listen, config.etcd.username) == (
+        "node-3.example",
+        "[::]:8765",
+        "kvagent",
+    )
+    (options,) = _toml_blocks("discovery.md")
+    etcd = structure_serve_config({**tomllib.loads(options), "slots": [{"name": "s"}]}).etcd
+    assert etcd == EtcdSettings(
+        ttl=10.0,
+        username="kvagent",
+        password_file="/etc/kvagent/etcd-password",
+        ca_file="/etc/kvagent/etcd-ca.pem",
+        cert_file="/etc/kvagent/client.pem",
+        key_file="/etc/kvagent/client-key.pem",
+    )
+
+
+def test_the_readme_multi_slot_command_parses() -> None:
+    readme = (DOCS.parent / "README.md").read_text()
+    command = readme.split("### Several slots / identity", 1)[1].split("```\n", 2)[1]
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:2] == ["kvagent", "serve"]
+    config = config_of(*argv[2:])
+    assert [(slot.name, slot.dp_rank, slot.model) for slot in config.slots] == [
+        ("gpu0", 0, "meta-llama/Llama-3.1-8B"),
+        ("gpu1", 1, "meta-llama/Llama-3.1-8B"),
+    ]
+    assert [slot.engine.worker_id for slot in config.slots if slot.engine] == [7, 8]
