@@ -407,7 +407,7 @@ def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
     _check(errors, f"{path}.cache_semantics", _identity_map_problem(slot.cache_semantics))
     if slot.model is not None and slot.cache_owner_id is None:
         try:
-            with_model(slot.cache_semantics, slot.model)
+            explicit_material(with_model(slot.cache_semantics, slot.model) or {})
         except IdentityError as exc:
             errors.append(f"{path}.model: {exc}")
     _check(errors, f"{path}.routing_scope", _identity_map_problem(slot.routing_scope))

@@ -256,6 +256,9 @@ def test_an_explicit_cache_owner_id_stays_exactly_as_given() -> None:
 def test_a_model_contradicting_the_cache_semantics_is_refused() -> None:
     message = refused("--slot", "a", "--model", "b", "--cache-semantics", "model=a")
     assert message == "slots[0].model: cache semantics say model 'a' but the slot serves model 'b'"
+    assert refused("--slot", "a", "--model", "m" * 1025).startswith(
+        "slots[0].model: identity value for 'model'"
+    )
     same = config_of("--slot", "a", "--model", "a", "--cache-semantics", "model=a").slots[0]
     assert resolve_cache_owner_id(same) == derive_cache_owner_id(
         "a", kv_block_size=16, cache_semantics={"model": "a"}
