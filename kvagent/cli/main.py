@@ -182,10 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the HTTP surface here: /metrics, /healthz, /readyz, /v1/slots[/SLOT/status|dump] "
         "(--metrics is the older name)",
     )
-    serve.add_argument("--log-format", choices=["text", "json"])
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="log lines as text (default) or one JSON object each"
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     _add_republish_arguments(serve)
-    serve.add_argument("--max-connections", type=int)
+    serve.add_argument(
+        "--max-connections", type=int, help="websocket connections served at once (default 256)"
+    )
     serve.add_argument(
         "--handshake-timeout",
         type=float,

@@ -3,6 +3,7 @@ and ``--silence-warning`` — from the command line (and TOML) to the config the
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import tomllib
 from pathlib import Path
@@ -475,3 +476,9 @@ def test_the_readme_multi_slot_command_parses() -> None:
         ("gpu1", 1, "meta-llama/Llama-3.1-8B"),
     ]
     assert [slot.engine.worker_id for slot in config.slots if slot.engine] == [7, 8]
+
+
+def test_every_serve_flag_explains_itself() -> None:
+    (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    serve = subparsers.choices["serve"]
+    assert [action.option_strings for action in serve._actions if not action.help] == []
