@@ -19,6 +19,7 @@ import structlog
 from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
+from kvagent.cli.etcd_settings import EtcdSettings, etcd_open_options, etcd_problems
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
@@ -128,18 +129,6 @@ class SlotConfig:
     # The served model's name: part of the derived CacheOwnerId (docs/identity.md). Unset, a slot without
     # an explicit cache_owner_id gets the top-level ``model``, else (simulated) SIMULATED_MODEL, else none.
     model: str | None = None
-
-
-@attrs.frozen(slots=True)
-class EtcdSettings:
-    """``[etcd]``: options of an ``etcd://``/``etcds://`` discovery (docs/discovery.md, "Options")."""
-
-    ttl: float | None = None  # None: open_etcd_discovery's default (10 s)
-    username: str | None = None
-    password_file: str | None = None  # read at start; the password itself never sits in the config
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
 
 
 @attrs.frozen(slots=True)
@@ -430,42 +419,6 @@ def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
             errors.append(f"{path}.simulate: cannot be combined with an engine")
 
 
-_ETCD_FLAGS = {
-    "ttl": "--etcd-ttl",
-    "username": "--etcd-user",
-    "password_file": "--etcd-password-file",
-    "ca_file": "--etcd-ca",
-    "cert_file": "--etcd-cert",
-    "key_file": "--etcd-key",
-}
-
-
-def _validate_etcd(errors: list[str], config: ServeConfig) -> None:
-    etcd = config.etcd
-    given = [key for key in _ETCD_FLAGS if getattr(etcd, key) is not None]
-    if not given:
-        return
-    if not config.discovery.startswith(("etcd://", "etcds://")):
-        errors.extend(
-            f"etcd.{key} ({_ETCD_FLAGS[key]}): needs an etcd:// or etcds:// discovery URL, "
-            f"discovery is {config.discovery!r}"
-            for key in given
-        )
-        return
-    if etcd.ttl is not None and etcd.ttl < 1:
-        errors.append(f"etcd.ttl (--etcd-ttl): must be at least 1 second, got {etcd.ttl}")
-    if (etcd.username is None) != (etcd.password_file is None):
-        errors.append("etcd.username (--etcd-user) and etcd.password_file (--etcd-password-file) go together")
-    if not config.discovery.startswith("etcds://"):
-        errors.extend(
-            f"etcd.{key} ({_ETCD_FLAGS[key]}): TLS files need an etcds:// discovery URL"
-            for key in ("ca_file", "cert_file", "key_file")
-            if getattr(etcd, key) is not None
-        )
-    if etcd.key_file is not None and etcd.cert_file is None:
-        errors.append("etcd.key_file (--etcd-key): needs etcd.cert_file (--etcd-cert)")
-
-
 def validate_serve_config(config: ServeConfig) -> None:
     """Raise :class:`ConfigError` listing every semantic problem of an already typed config."""
     errors: list[str] = []
@@ -501,7 +454,7 @@ def validate_serve_config(config: ServeConfig) -> None:
         _check(errors, "advertise", _advertise_problem(config.advertise))
     if config.model is not None and not config.model:
         errors.append("model: must not be empty")
-    _validate_etcd(errors, config)
+    errors.extend(etcd_problems(config.etcd, config.discovery))
     if not config.state_dir:
         errors.append(f"state_dir: must be a directory or {STATE_DIR_NONE!r}, got an empty string")
     if config.log_format not in ("text", "json"):
@@ -602,26 +555,6 @@ def warn_if_models_unnamed(config: ServeConfig) -> list[str]:
     return unnamed
 
 
-def _read_secret(path: str, key: str) -> str:
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"{key}: cannot read {path}: {reason}") from None
-    secret = text.rstrip("\r\n")  # a trailing newline is the editor's, not the password's
-    if not secret:
-        raise ConfigError(f"{key}: {path} is empty")
-    return secret
-
-
 def discovery_options(config: ServeConfig) -> dict[str, object]:
     """The keyword options of ``open_discovery(config.discovery, **options)``; reads the password file."""
-    etcd = config.etcd
-    options: dict[str, object] = {
-        key: getattr(etcd, key)
-        for key in ("ttl", "username", "ca_file", "cert_file", "key_file")
-        if getattr(etcd, key) is not None
-    }
-    if etcd.password_file is not None:
-        options["password"] = _read_secret(etcd.password_file, "etcd.password_file (--etcd-password-file)")
-    return options
+    return etcd_open_options(config.etcd)
