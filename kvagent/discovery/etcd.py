@@ -10,9 +10,9 @@ import builtins
 import json
 import math
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import httpx
@@ -27,10 +27,13 @@ from kvagent.discovery.etcd_gateway import (
     EtcdUnreachable,
     JsonList,
     JsonObject,
+    KeyTaken,
+    StoredValue,
     b64,
     int_field,
     parse_etcd_url,
     prefix_range,
+    stored_value,
     unb64,
 )
 from kvagent.discovery.ownership import SlotClaim, SlotHolder, ownership_refused
@@ -86,27 +89,6 @@ class EtcdStatistics:
     regrants: int = 0
     reregistrations: int = 0
     recoveries: int = 0
-
-
-@attrs.frozen(slots=True)
-class _StoredValue:
-    value: bytes
-    mod_revision: int
-    lease: int
-
-
-def _stored_value(kv: Mapping[str, Any]) -> _StoredValue:
-    return _StoredValue(
-        value=unb64(kv.get("value")), mod_revision=int_field(kv, "mod_revision"), lease=int_field(kv, "lease")
-    )
-
-
-class _KeyTaken(Exception):
-    """A put-if-absent found another value at the key (``existing``, as stored)."""
-
-    def __init__(self, existing: bytes) -> None:
-        super().__init__("key taken")
-        self.existing = existing
 
 
 def _encode_record(record: DiscoveryRecord) -> bytes:
@@ -187,7 +169,7 @@ class EtcdDiscovery:
             self._check_open()
             try:
                 await self._put_on_lease_locked(key, _encode_record(record), self._same_record(key, record))
-            except _KeyTaken:
+            except KeyTaken:
                 raise DiscoveryConflict(f"{key} is already registered with a different payload") from None
             self._registered[key] = record
 
@@ -204,7 +186,7 @@ class EtcdDiscovery:
             value = holder.to_json()
             try:
                 await self._put_on_lease_locked(key, value, value.__eq__)
-            except _KeyTaken as taken:
+            except KeyTaken as taken:
                 hint = f" (etcd key {key}; a dead holder's claim expires within its lease TTL)"
                 raise ownership_refused(holder, SlotHolder.from_json(taken.existing), hint=hint) from None
             self._owned[key] = holder
@@ -430,7 +412,7 @@ class EtcdDiscovery:
             value = holder.to_json()
             try:
                 await self._put_locked(key, value, value.__eq__)
-            except _KeyTaken as taken:
+            except KeyTaken as taken:
                 # Another process claimed the slot while our lease was lost: two agents now serve it.
                 other = SlotHolder.from_json(taken.existing)
                 log.error(
@@ -443,7 +425,7 @@ class EtcdDiscovery:
         for key, record in builtins.list(self._registered.items()):
             try:
                 changed = await self._put_locked(key, _encode_record(record), self._same_record(key, record))
-            except _KeyTaken:
+            except KeyTaken:
                 # Someone else now owns this id with another payload; it is no longer ours to restore.
                 log.error(
                     "etcd_reregistration_conflict", key=key, error="registered with a different payload"
@@ -482,16 +464,16 @@ class EtcdDiscovery:
             return None
         return record
 
-    async def _get(self, key: str) -> _StoredValue | None:
+    async def _get(self, key: str) -> StoredValue | None:
         answer = await self._gateway.call("/v3/kv/range", {"key": b64(key.encode())})
         kvs = answer.get("kvs", [])
-        return _stored_value(kvs[0]) if kvs else None
+        return stored_value(kvs[0]) if kvs else None
 
     def _same_record(self, key: str, record: DiscoveryRecord) -> Callable[[bytes], bool]:
         return lambda stored: self._decode_record(key, stored) == record
 
     async def _put_on_lease_locked(self, key: str, value: bytes, same: Callable[[bytes], bool]) -> None:
-        """:meth:`_put_locked` on a live lease (granted or recovered first); raises _KeyTaken."""
+        """:meth:`_put_locked` on a live lease (granted or recovered first); raises KeyTaken."""
         await self._ensure_lease_locked()
         try:
             await self._put_locked(key, value, same)
@@ -505,7 +487,7 @@ class EtcdDiscovery:
 
     async def _put_locked(self, key: str, value: bytes, same: Callable[[bytes], bool]) -> bool:
         """Put-if-absent under our lease; a value ``same`` accepts moves to our lease, any other raises
-        _KeyTaken. True if etcd changed."""
+        KeyTaken. True if etcd changed."""
         lease = self._lease_id
         assert lease is not None
         key_b64 = b64(key.encode())
@@ -520,9 +502,9 @@ class EtcdDiscovery:
             if not kvs:  # deleted since our compare: absent again
                 compare = absent
                 continue
-            existing = _stored_value(kvs[0])
+            existing = stored_value(kvs[0])
             if not same(existing.value):
-                raise _KeyTaken(existing.value)
+                raise KeyTaken(existing.value)
             if existing.lease == lease:
                 return False
             # Identical payload on another (e.g. our lost) lease: move it to ours, fenced on what we read.

@@ -17,9 +17,11 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import zmq
 
 from kvagent import SlotAgentConfig
 from kvagent.agent.host import SlotStateKind, open_host
@@ -29,8 +31,10 @@ from kvagent.discovery.etcd import EtcdDiscovery, open_etcd_discovery
 from kvagent.discovery.file import owner_lock_path
 from kvagent.discovery.ownership import SlotClaim, SlotHolder, SlotOwnership, claim_slot
 from kvagent.model.errors import DiscoveryError, KvAgentError, SlotOwnershipError
+from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, KV_STATE_SOURCES_TOPIC
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id
 from tests.io.test_etcd import lease_ttl, raw_get, revoke
+from tests.support.agent import XpubEngine, attach, batch, gpu_store, is_store_of, wait_for_event
 from tests.support.etcd_server import EtcdEndpoint
 from tests.support.serve import serve
 
@@ -474,3 +478,38 @@ async def test_a_second_serve_of_the_same_slot_is_refused(
         assert "stop it or choose another --slot" in stderr
         assert first.process.poll() is None  # the holder keeps serving
         assert not (tmp_path / "second-state" / "slots" / "s0.sqlite3").exists()  # refused before opening it
+
+
+async def test_a_full_disk_while_running_refuses_the_advertisement_and_the_slot_keeps_serving(
+    tiny_tmpfs: Path,
+) -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    discovery = FileDiscovery(tiny_tmpfs / "discovery")
+    try:
+        with trio.fail_after(30):
+            async with open_host(discovery=discovery, zmq_context=context) as host:
+                agent = await host.add_slot(slot_config("s"))
+                assert [r.topic for r in await discovery.list()] == [KV_STATE_SOURCES_TOPIC]
+                fill(tiny_tmpfs)
+                refused_engine = XpubEngine(context)
+                refused: list[BaseException] = []
+                try:
+                    await attach(agent, refused_engine)  # its ad cannot be written: attach is rolled back
+                except* KvAgentError as group:
+                    refused.extend(group.exceptions)
+                assert len(refused) == 1 and "failed to advertise" in str(refused[0])
+                cause = refused[0].__cause__
+                assert isinstance(cause, DiscoveryError)
+                assert_one_line(cause, "could not write record", "No space left on device")
+                refused_engine.close()
+                assert host.states["s"].kind is SlotStateKind.RUNNING  # the process keeps serving
+                assert agent.status().attachment is None
+                (tiny_tmpfs / "filler").unlink()
+                engine = XpubEngine(context)
+                await attach(agent, engine)
+                assert KV_STATE_ATTACHMENTS_TOPIC in [r.topic for r in await discovery.list()]
+                await engine.send_payload(batch([gpu_store([5], block_size=16)]))
+                await wait_for_event(agent, is_store_of(5))
+                engine.close()
+    finally:
+        context.destroy(linger=0)
