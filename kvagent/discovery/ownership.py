@@ -79,16 +79,16 @@ class SlotHolder:
 
 
 def ownership_refused(wanted: SlotHolder, holder: SlotHolder | None, *, hint: str = "") -> SlotOwnershipError:
-    """The one-line refusal: the slot, the holder, and what to do."""
+    """The one-line refusal: the slot, the holder (``hint``: where the claim is), and what to do."""
     who = "an unknown holder" if holder is None else holder.describe()
     if holder is not None and holder.slot != wanted.slot:
-        what = (
-            f"slot {wanted.slot!r} has the CacheOwnerId of slot {holder.slot!r}, already served by {who}; "
+        return SlotOwnershipError(
+            f"slot {wanted.slot!r} has the CacheOwnerId of slot {holder.slot!r}, already served by {who}{hint}; "
             "stop it or give this slot another name or --cache-owner-id"
         )
-    else:
-        what = f"slot {wanted.slot!r} is already served by {who}; stop it or choose another --slot"
-    return SlotOwnershipError(f"{what}{hint}")
+    return SlotOwnershipError(
+        f"slot {wanted.slot!r} is already served by {who}{hint}; stop it or choose another --slot"
+    )
 
 
 class SlotClaim(Protocol):

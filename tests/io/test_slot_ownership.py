@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 import trio
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvagent import SlotAgentConfig
 from kvagent.agent.host import SlotStateKind, open_host
@@ -129,6 +132,54 @@ def test_holder_text_round_trips_and_garbage_is_an_unknown_holder() -> None:
         b'{"slot":"s","cache_owner_id":"o","hostname":"h","pid":"x"}',
     ):
         assert SlotHolder.from_json(garbage) is None
+
+
+CLAIM_OPS = st.lists(
+    st.tuples(st.sampled_from(["claim", "release"]), st.integers(0, 2), st.integers(0, 1), st.integers(0, 1)),
+    max_size=25,
+)
+OWNERS = (OWNER_A, OWNER_B)
+
+
+async def run_claims_against_a_model(
+    backends: list[SlotOwnership], ops: list[tuple[str, int, int, int]]
+) -> None:
+    """Claimant ``c`` (a backend of its own: another "process") claims or releases ``OWNERS[o]`` under slot
+    name ``n``; the model is a dict owner -> claimant, and a refusal must name the model's holder."""
+    model: dict[str, tuple[int, str]] = {}
+    held: dict[tuple[int, str], SlotClaim] = {}
+    for op, claimant, owner_index, name_index in ops:
+        owner, name = OWNERS[owner_index], f"slot{name_index}"
+        backend = backends[claimant % len(backends)]
+        if op == "claim":
+            try:
+                claim_ = await claim(backend, slot=name, owner=owner, url=f"ws://c{claimant}:1")
+            except SlotOwnershipError as error:
+                assert owner in model, f"refused a free CacheOwnerId: {error}"
+                assert f"ws://c{model[owner][0]}:1" in str(error)
+                continue
+            assert owner not in model, "a held CacheOwnerId was claimed twice"
+            model[owner] = (claimant, name)
+            held[(claimant, owner)] = claim_
+        elif (claimant, owner) in held:
+            await held.pop((claimant, owner)).release()
+            del model[owner]
+    for claim_ in held.values():
+        await claim_.release()
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=CLAIM_OPS)
+def test_memory_claims_follow_a_dict_model(ops: list[tuple[str, int, int, int]]) -> None:
+    trio.run(run_claims_against_a_model, [MemoryDiscovery()], ops)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=CLAIM_OPS)
+def test_file_claims_follow_a_dict_model(ops: list[tuple[str, int, int, int]]) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        backends: list[SlotOwnership] = [FileDiscovery(directory) for _ in range(3)]
+        trio.run(run_claims_against_a_model, backends, ops)
 
 
 # -- host: the claim comes before the state file and every advertisement ----------------------------------
