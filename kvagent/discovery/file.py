@@ -200,14 +200,23 @@ class _FileClaim:
         self._discovery = discovery
         self._fd: int | None = fd
 
-    def release_now(self) -> None:
+    def _take(self) -> int | None:
+        """The descriptor, once (in the Trio thread, so the backend's claim set is never shared)."""
         fd, self._fd = self._fd, None
+        self._discovery._claims.discard(self)
+        return fd
+
+    def release_now(self) -> None:
+        fd = self._take()
         if fd is not None:
-            self._discovery._claims.discard(self)
             _release_sync(fd)
 
     async def release(self) -> None:
-        await trio.to_thread.run_sync(self.release_now)
+        fd = self._take()
+        if fd is None:
+            await trio.lowlevel.checkpoint()
+            return
+        await trio.to_thread.run_sync(_release_sync, fd)
 
 
 class FileDiscovery:

@@ -171,7 +171,8 @@ async def run_claims_against_a_model(
 @settings(max_examples=40, deadline=None)
 @given(ops=CLAIM_OPS)
 def test_memory_claims_follow_a_dict_model(ops: list[tuple[str, int, int, int]]) -> None:
-    trio.run(run_claims_against_a_model, [MemoryDiscovery()], ops)
+    backends: list[SlotOwnership] = [MemoryDiscovery()]  # one process: its claimants share the backend
+    trio.run(run_claims_against_a_model, backends, ops)
 
 
 @settings(max_examples=40, deadline=None)
@@ -511,7 +512,7 @@ async def run_second_serve(tmp_path: Path, discovery_url: str) -> subprocess.Com
         return await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
 
 
-@pytest.mark.parametrize("backend", ["file", "etcd"])
+@pytest.mark.parametrize("backend", ["file", pytest.param("etcd", marks=pytest.mark.etcd)])
 async def test_a_second_serve_of_the_same_slot_is_refused(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
