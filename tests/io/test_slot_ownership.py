@@ -530,6 +530,11 @@ async def test_a_second_serve_of_the_same_slot_is_refused(
         assert "stop it or choose another --slot" in stderr
         assert first.process.poll() is None  # the holder keeps serving
         assert not (tmp_path / "second-state" / "slots" / "s0.sqlite3").exists()  # refused before opening it
+        first.process.send_signal(signal.SIGTERM)  # a clean stop releases the claim
+        with trio.fail_after(30):
+            await first.process.wait()
+    async with serve(tmp_path, "--slot", "s0", "--simulate", "--discovery", url) as successor:
+        assert successor.process.poll() is None
 
 
 async def test_a_full_disk_while_running_refuses_the_advertisement_and_the_slot_keeps_serving(
