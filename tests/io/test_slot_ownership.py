@@ -341,6 +341,19 @@ def assert_one_line(error: KvAgentError, *fragments: str) -> None:
         assert fragment in message, message
 
 
+async def test_file_discovery_on_an_unusable_path_fails_with_one_line(tmp_path: Path) -> None:
+    """Needs no mount rights: the discovery "directory" is a regular file."""
+    not_a_directory = tmp_path / "discovery"
+    not_a_directory.write_text("")
+    discovery = FileDiscovery(not_a_directory)
+    with pytest.raises(DiscoveryError) as claimed:
+        await claim(discovery)
+    assert_one_line(claimed.value, "could not claim slot 'gpu0'", "Not a directory", str(not_a_directory))
+    with pytest.raises(DiscoveryError) as registered:
+        await discovery.register(record())
+    assert_one_line(registered.value, "could not write record 5", "Not a directory", str(not_a_directory))
+
+
 async def test_file_discovery_on_a_read_only_directory_fails_with_one_line(tiny_tmpfs: Path) -> None:
     directory = tiny_tmpfs / "discovery"
     directory.mkdir()
