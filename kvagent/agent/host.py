@@ -20,6 +20,7 @@ from kvagent.agent.durable import open_durable_slot
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot import SlotAgent, open_slot_agent
 from kvagent.discovery.base import Discovery
+from kvagent.discovery.ownership import SlotClaim, claim_slot
 from kvagent.model.errors import KvAgentError
 from kvagent.model.ids import new_publisher_id
 from kvagent.publish.sinks import EventSink
@@ -147,7 +148,15 @@ class Host:
         task_status: trio.TaskStatus[SlotAgent] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         started = False
+        claim: SlotClaim | None = None
         try:
+            # A single owner per slot: claimed before its state file is opened and anything is advertised.
+            claim = await claim_slot(
+                self._discovery,
+                slot=config.name,
+                cache_owner_id=str(config.cache_owner_id),
+                url=config.recovery_url,
+            )
             # The state file first: a restarted slot keeps its publisher id, which its sink must name.
             durable = await open_durable_slot(config, new_publisher_id())
             if durable is not None:
@@ -174,6 +183,9 @@ class Host:
             log.exception("slot_failed", slot=config.name)
             self._states[config.name] = SlotState(SlotStateKind.FAILED, str(exc))
         finally:
+            if claim is not None:  # after the slot's ads are withdrawn, never before
+                with trio.move_on_after(config.shutdown_step_timeout, shield=True):
+                    await claim.release()
             self.registry.remove(config.name)
             task.agent = None
             task.stopped.set()

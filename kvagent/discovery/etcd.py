@@ -10,9 +10,9 @@ import builtins
 import json
 import math
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import httpx
@@ -27,12 +27,16 @@ from kvagent.discovery.etcd_gateway import (
     EtcdUnreachable,
     JsonList,
     JsonObject,
+    KeyTaken,
+    StoredValue,
     b64,
     int_field,
     parse_etcd_url,
     prefix_range,
+    stored_value,
     unb64,
 )
+from kvagent.discovery.ownership import SlotClaim, SlotHolder, ownership_refused
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = [
@@ -47,6 +51,8 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 KEY_LAYOUT_VERSION = "v2"
+# Slot claims live beside the records' root, so neither list() nor a watch of the records sees them.
+OWNERS_SEGMENT = "owners"
 _LEASE_NOT_FOUND = "requested lease not found"
 # A put races only with other writers of the same key; give up after this many lost races rather than spin.
 _MAX_PUT_ATTEMPTS = 4
@@ -85,19 +91,6 @@ class EtcdStatistics:
     recoveries: int = 0
 
 
-@attrs.frozen(slots=True)
-class _StoredValue:
-    value: bytes
-    mod_revision: int
-    lease: int
-
-
-def _stored_value(kv: Mapping[str, Any]) -> _StoredValue:
-    return _StoredValue(
-        value=unb64(kv.get("value")), mod_revision=int_field(kv, "mod_revision"), lease=int_field(kv, "lease")
-    )
-
-
 def _encode_record(record: DiscoveryRecord) -> bytes:
     # to_json() is canonical, so an identical payload always stores the identical value.
     return record.to_json().encode()
@@ -117,6 +110,8 @@ class EtcdDiscovery:
         self._needs_reregistration = False
         # Records this process registered and has not unregistered: re-registered under a new lease.
         self._registered: dict[str, DiscoveryRecord] = {}
+        # Slot claims this process holds, by owner key: put again under a re-granted lease, like records.
+        self._owned: dict[str, SlotHolder] = {}
         # One writer at a time: re-registration must never resurrect a record being unregistered.
         self._lock = trio.Lock()
         self._statistics = EtcdStatistics()
@@ -152,6 +147,10 @@ class EtcdDiscovery:
     def key_for(self, topic: str, record_id: int) -> str:
         return f"{self._topic_prefix(topic)}{record_id}"
 
+    def owner_key(self, cache_owner_id: str) -> str:
+        """The key of a CacheOwnerId's slot claim: ``<prefix>/owners/<CacheOwnerId>``."""
+        return f"{self.prefix}/{OWNERS_SEGMENT}/{cache_owner_id}"
+
     def _topic_prefix(self, topic: str) -> str:
         return f"{self._root}{check_topic(topic)}/"
 
@@ -168,17 +167,45 @@ class EtcdDiscovery:
         key = self.key_for(record.topic, record.record_id)
         async with self._lock:
             self._check_open()
-            await self._ensure_lease_locked()
             try:
-                await self._put_locked(key, record)
-            except EtcdApiError as error:
-                if _LEASE_NOT_FOUND not in error.etcd_message:
-                    raise
-                # etcd expired the lease before our keepalive noticed: recover, then try once more.
-                self._lose_lease_locked("lease not found on put")
-                await self._ensure_lease_locked()
-                await self._put_locked(key, record)
+                await self._put_on_lease_locked(key, _encode_record(record), self._same_record(key, record))
+            except KeyTaken:
+                raise DiscoveryConflict(f"{key} is already registered with a different payload") from None
             self._registered[key] = record
+
+    # -- SlotOwnership -----------------------------------------------------------------------------------
+
+    async def claim_slot(self, holder: SlotHolder) -> SlotClaim:
+        """Put ``<prefix>/owners/<CacheOwnerId>`` if absent, on this process's lease: it vanishes when the
+        lease does (a killed holder frees the slot within the TTL); a held key refuses the claim."""
+        key = self.owner_key(holder.cache_owner_id)
+        async with self._lock:
+            self._check_open()
+            if key in self._owned:
+                raise ownership_refused(holder, self._owned[key], hint=" (in this process)")
+            value = holder.to_json()
+            try:
+                await self._put_on_lease_locked(key, value, value.__eq__)
+            except KeyTaken as taken:
+                hint = f" (etcd key {key}; a dead holder's claim expires within its lease TTL)"
+                raise ownership_refused(holder, SlotHolder.from_json(taken.existing), hint=hint) from None
+            self._owned[key] = holder
+        return _EtcdClaim(self, key, holder)
+
+    async def _release_claim(self, key: str, holder: SlotHolder) -> None:
+        """Delete the claim only while it still holds our value (never a successor's claim)."""
+        async with self._lock:
+            if self._owned.get(key) is not holder:
+                return
+            del self._owned[key]
+            if self._closed:  # the lease is revoked: the key went with it
+                return
+            key_b64 = b64(key.encode())
+            same = {"key": key_b64, "target": "VALUE", "result": "EQUAL", "value": b64(holder.to_json())}
+            try:
+                await self._txn([same], success=[{"request_delete_range": {"key": key_b64}}], failure=[])
+            except DiscoveryError as error:  # the claim still goes with our lease (revoked at close)
+                log.warning("etcd_slot_release_failed", slot=holder.slot, key=key, error=str(error))
 
     async def unregister(self, topic: str, record_id: int) -> None:
         """Delete the record if present, fenced on the revision read (a newer value is never deleted)."""
@@ -335,9 +362,7 @@ class EtcdDiscovery:
             except DiscoveryError as error:
                 self._count(keepalive_failures=1)
                 overdue = trio.current_time() - self._last_keepalive > self._lease_ttl
-                log.warning(
-                    "etcd_keepalive_failed", lease=self._lease_id, overdue=overdue, error=str(error)
-                )
+                log.warning("etcd_keepalive_failed", lease=self._lease_id, overdue=overdue, error=str(error))
                 if overdue:  # etcd may have expired it already; assume so and start over once reachable
                     self._lose_lease_locked("keepalive failing past the lease TTL")
                 return
@@ -383,12 +408,28 @@ class EtcdDiscovery:
         log.info("etcd_lease_granted", lease=self._lease_id, ttl=self._lease_ttl)
 
     async def _reregister_locked(self) -> None:
+        for key, holder in builtins.list(self._owned.items()):
+            value = holder.to_json()
+            try:
+                await self._put_locked(key, value, value.__eq__)
+            except KeyTaken as taken:
+                # Another process claimed the slot while our lease was lost: two agents now serve it.
+                other = SlotHolder.from_json(taken.existing)
+                log.error(
+                    "etcd_slot_ownership_lost",
+                    slot=holder.slot,
+                    key=key,
+                    holder=None if other is None else other.describe(),
+                )
+                del self._owned[key]
         for key, record in builtins.list(self._registered.items()):
             try:
-                changed = await self._put_locked(key, record)
-            except DiscoveryConflict as error:
+                changed = await self._put_locked(key, _encode_record(record), self._same_record(key, record))
+            except KeyTaken:
                 # Someone else now owns this id with another payload; it is no longer ours to restore.
-                log.error("etcd_reregistration_conflict", key=key, error=str(error))
+                log.error(
+                    "etcd_reregistration_conflict", key=key, error="registered with a different payload"
+                )
                 del self._registered[key]
                 continue
             if changed:
@@ -423,17 +464,34 @@ class EtcdDiscovery:
             return None
         return record
 
-    async def _get(self, key: str) -> _StoredValue | None:
+    async def _get(self, key: str) -> StoredValue | None:
         answer = await self._gateway.call("/v3/kv/range", {"key": b64(key.encode())})
         kvs = answer.get("kvs", [])
-        return _stored_value(kvs[0]) if kvs else None
+        return stored_value(kvs[0]) if kvs else None
 
-    async def _put_locked(self, key: str, record: DiscoveryRecord) -> bool:
-        """Put-if-absent under our lease; an identical value moves to our lease. True if etcd changed."""
+    def _same_record(self, key: str, record: DiscoveryRecord) -> Callable[[bytes], bool]:
+        return lambda stored: self._decode_record(key, stored) == record
+
+    async def _put_on_lease_locked(self, key: str, value: bytes, same: Callable[[bytes], bool]) -> None:
+        """:meth:`_put_locked` on a live lease (granted or recovered first); raises KeyTaken."""
+        await self._ensure_lease_locked()
+        try:
+            await self._put_locked(key, value, same)
+        except EtcdApiError as error:
+            if _LEASE_NOT_FOUND not in error.etcd_message:
+                raise
+            # etcd expired the lease before our keepalive noticed: recover, then try once more.
+            self._lose_lease_locked("lease not found on put")
+            await self._ensure_lease_locked()
+            await self._put_locked(key, value, same)
+
+    async def _put_locked(self, key: str, value: bytes, same: Callable[[bytes], bool]) -> bool:
+        """Put-if-absent under our lease; a value ``same`` accepts moves to our lease, any other raises
+        KeyTaken. True if etcd changed."""
         lease = self._lease_id
         assert lease is not None
         key_b64 = b64(key.encode())
-        put = [{"request_put": {"key": key_b64, "value": b64(_encode_record(record)), "lease": str(lease)}}]
+        put = [{"request_put": {"key": key_b64, "value": b64(value), "lease": str(lease)}}]
         absent = {"key": key_b64, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         compare = absent
         for _ in range(_MAX_PUT_ATTEMPTS):
@@ -444,9 +502,9 @@ class EtcdDiscovery:
             if not kvs:  # deleted since our compare: absent again
                 compare = absent
                 continue
-            existing = _stored_value(kvs[0])
-            if self._decode_record(key, existing.value) != record:
-                raise DiscoveryConflict(f"{key} is already registered with a different payload")
+            existing = stored_value(kvs[0])
+            if not same(existing.value):
+                raise KeyTaken(existing.value)
             if existing.lease == lease:
                 return False
             # Identical payload on another (e.g. our lost) lease: move it to ours, fenced on what we read.
@@ -526,3 +584,13 @@ async def open_etcd_discovery(
         if own_client:
             with trio.move_on_after(1, shield=True):
                 await client.aclose()
+
+
+class _EtcdClaim:
+    def __init__(self, discovery: EtcdDiscovery, key: str, holder: SlotHolder) -> None:
+        self._discovery = discovery
+        self._key = key
+        self._holder = holder
+
+    async def release(self) -> None:
+        await self._discovery._release_claim(self._key, self._holder)

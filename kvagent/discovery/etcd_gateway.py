@@ -24,10 +24,13 @@ __all__ = [
     "EtcdUnreachable",
     "JsonList",
     "JsonObject",
+    "KeyTaken",
+    "StoredValue",
     "b64",
     "int_field",
     "parse_etcd_url",
     "prefix_range",
+    "stored_value",
     "unb64",
 ]
 
@@ -102,6 +105,29 @@ def prefix_range(prefix: bytes) -> tuple[str, str]:
 def int_field(obj: Mapping[str, Any], field: str) -> int:
     # The gateway renders int64 as JSON strings and omits zero values entirely.
     return int(obj.get(field, 0))
+
+
+@attrs.frozen(slots=True)
+class StoredValue:
+    """One key's value as etcd stores it, with the fences a txn compares against."""
+
+    value: bytes
+    mod_revision: int
+    lease: int
+
+
+def stored_value(kv: Mapping[str, Any]) -> StoredValue:
+    return StoredValue(
+        value=unb64(kv.get("value")), mod_revision=int_field(kv, "mod_revision"), lease=int_field(kv, "lease")
+    )
+
+
+class KeyTaken(Exception):
+    """A put-if-absent found another value at the key (``existing``, as stored)."""
+
+    def __init__(self, existing: bytes) -> None:
+        super().__init__("key taken")
+        self.existing = existing
 
 
 class EtcdUnreachable(DiscoveryError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -20,13 +21,16 @@ import structlog
 import trio
 
 from kvagent.discovery.base import DiscoveryRecord, check_topic
-from kvagent.model.errors import DiscoveryConflict, DiscoveryError
+from kvagent.discovery.ownership import SlotClaim, SlotHolder, ownership_refused
+from kvagent.model.errors import DiscoveryConflict, DiscoveryError, SlotOwnershipError
 
 __all__ = ["FileDiscovery"]
 
 log = structlog.get_logger(__name__)
 
 SUFFIX = ".json"
+# Hidden, so listing (which skips hidden names) never mistakes it for a topic.
+OWNERS_DIRECTORY = ".owners"
 
 
 def _encode(record: DiscoveryRecord) -> bytes:
@@ -147,12 +151,81 @@ def _list_sync(root: Path, topic: str | None) -> list[DiscoveryRecord]:
     return records
 
 
+def owner_lock_path(root: Path, cache_owner_id: str) -> Path:
+    """The lock file of a CacheOwnerId (its text made a file name: ':' and '/' become '-')."""
+    return root / OWNERS_DIRECTORY / f"{cache_owner_id.replace(':', '-').replace('/', '-')}.lock"
+
+
+def _read_holder(fd: int) -> SlotHolder | None:
+    with contextlib.suppress(OSError):
+        return SlotHolder.from_json(os.pread(fd, 4096, 0))
+    return None
+
+
+def _claim_sync(root: Path, holder: SlotHolder) -> int:
+    """Lock the CacheOwnerId's file and write ``holder`` into it; the open descriptor holds the claim.
+
+    The lock file is never unlinked (unlinking races with a contender that has it open: both could end up
+    "holding" different inodes); a released claim is an empty, unlocked file.
+    """
+    path = owner_lock_path(root, holder.cache_owner_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ownership_refused(holder, _read_holder(fd), hint=f" (lock {path})") from None
+        os.ftruncate(fd, 0)
+        data = holder.to_json() + b"\n"
+        if os.pwrite(fd, data, 0) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    except BaseException:
+        os.close(fd)  # closing drops the lock
+        raise
+    return fd
+
+
+def _release_sync(fd: int) -> None:
+    try:
+        # A stale holder text only misnames a holder; the lock is what counts.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+class _FileClaim:
+    def __init__(self, discovery: FileDiscovery, fd: int) -> None:
+        self._discovery = discovery
+        self._fd: int | None = fd
+
+    def _take(self) -> int | None:
+        """The descriptor, once (in the Trio thread, so the backend's claim set is never shared)."""
+        fd, self._fd = self._fd, None
+        self._discovery._claims.discard(self)
+        return fd
+
+    def release_now(self) -> None:
+        fd = self._take()
+        if fd is not None:
+            _release_sync(fd)
+
+    async def release(self) -> None:
+        fd = self._take()
+        if fd is None:
+            await trio.lowlevel.checkpoint()
+            return
+        await trio.to_thread.run_sync(_release_sync, fd)
+
+
 class FileDiscovery:
     """Discovery records as files under ``directory`` (created if missing)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).expanduser()
         self._closed = False
+        self._claims: set[_FileClaim] = set()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -164,7 +237,8 @@ class FileDiscovery:
             await trio.to_thread.run_sync(_register_sync, self.directory, record)
         except OSError as exc:
             raise DiscoveryError(
-                f"could not register record {record.record_id} in {self.directory}: {exc}"
+                f"file discovery could not write record {record.record_id} in {self.directory}: "
+                f"{_describe_os_error(exc)}"
             ) from exc
 
     async def unregister(self, topic: str, record_id: int) -> None:
@@ -174,7 +248,8 @@ class FileDiscovery:
             await trio.to_thread.run_sync(_unregister_sync, self.directory, topic, record_id)
         except OSError as exc:
             raise DiscoveryError(
-                f"could not unregister record {record_id} in {self.directory}: {exc}"
+                f"file discovery could not remove record {record_id} in {self.directory}: "
+                f"{_describe_os_error(exc)}"
             ) from exc
 
     async def list(self, topic: str | None = None) -> list[DiscoveryRecord]:
@@ -183,6 +258,31 @@ class FileDiscovery:
             check_topic(topic)
         return await trio.to_thread.run_sync(_list_sync, self.directory, topic)
 
+    async def claim_slot(self, holder: SlotHolder) -> SlotClaim:
+        """Hold ``DIR/.owners/<CacheOwnerId>.lock`` (flock) for the claim's life: the kernel drops it when
+        this process dies, so a killed agent never leaves its slot claimed."""
+        self._check_open()
+        try:
+            fd = await trio.to_thread.run_sync(_claim_sync, self.directory, holder)
+        except SlotOwnershipError:
+            raise
+        except OSError as exc:
+            raise DiscoveryError(
+                f"file discovery could not claim slot {holder.slot!r} in {self.directory}: "
+                f"{_describe_os_error(exc)}"
+            ) from exc
+        claim = _FileClaim(self, fd)
+        self._claims.add(claim)
+        return claim
+
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
         self._closed = True
+        for claim in list(self._claims):  # claims outliving the backend: give them up with it
+            claim.release_now()
+
+
+def _describe_os_error(exc: OSError) -> str:
+    """One line: the errno text and the path it concerns (``str(OSError)`` without the ``[Errno n]``)."""
+    text = exc.strerror or str(exc)
+    return f"{text} ({exc.filename})" if exc.filename else text

@@ -8,6 +8,7 @@ import attrs
 import trio
 
 from kvagent.discovery.base import DiscoveryRecord, check_topic
+from kvagent.discovery.ownership import SlotClaim, SlotHolder, ownership_refused
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 
 __all__ = ["InjectedFailure", "MemoryDiscovery", "OperationAttempt"]
@@ -45,6 +46,7 @@ class MemoryDiscovery:
         self._fail_on: frozenset[str] = frozenset()
         self._failing_on: frozenset[str] = frozenset()
         self._closed = False
+        self._owners: dict[str, SlotHolder] = {}
         self.attempts: list[OperationAttempt] = []
 
     # -- fault injection -------------------------------------------------------------------------
@@ -88,6 +90,11 @@ class MemoryDiscovery:
     def records(self) -> dict[tuple[str, int], DiscoveryRecord]:
         """A snapshot of the current records keyed by (topic, record_id)."""
         return dict(self._records)
+
+    @property
+    def owners(self) -> dict[str, SlotHolder]:
+        """A snapshot of the held slot claims keyed by CacheOwnerId text."""
+        return dict(self._owners)
 
     async def wait_for(
         self, predicate: Callable[[dict[tuple[str, int], DiscoveryRecord]], bool]
@@ -141,3 +148,31 @@ class MemoryDiscovery:
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
         self._closed = True
+
+    # -- SlotOwnership (not recorded in attempts: those count the Discovery calls) ------------------
+
+    async def claim_slot(self, holder: SlotHolder) -> SlotClaim:
+        await trio.lowlevel.checkpoint()
+        if self._closed:
+            raise DiscoveryError("memory discovery is closed")
+        existing = self._owners.get(holder.cache_owner_id)
+        if existing is not None:
+            raise ownership_refused(holder, existing, hint=" (in this process)")
+        self._owners[holder.cache_owner_id] = holder
+        self._notify()
+        return _MemoryClaim(self, holder)
+
+    def _release(self, holder: SlotHolder) -> None:
+        if self._owners.get(holder.cache_owner_id) is holder:
+            del self._owners[holder.cache_owner_id]
+            self._notify()
+
+
+class _MemoryClaim:
+    def __init__(self, discovery: MemoryDiscovery, holder: SlotHolder) -> None:
+        self._discovery = discovery
+        self._holder = holder
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._discovery._release(self._holder)

@@ -23,6 +23,7 @@ __all__ = [
     "ListenerError",
     "RecoveryClientError",
     "SinkError",
+    "SlotOwnershipError",
     "WireDecodeError",
 ]
 
@@ -38,6 +39,7 @@ ERROR_CODES = frozenset(
         "internal",
         "conflict",
         "overloaded",
+        "slot_owned",
     }
 )
 
@@ -130,6 +132,13 @@ class DiscoveryConflict(DiscoveryError):
     """A record id is already registered with a different payload."""
 
     default_code = "conflict"
+
+
+class SlotOwnershipError(DiscoveryError):
+    """Another agent (this process or another) already serves the slot's CacheOwnerId in this discovery
+    namespace; the message is one line naming the slot, the holder and what to do."""
+
+    default_code = "slot_owned"
 
 
 # --- the recovery client -------------------------------------------------------------------------------
