@@ -11,6 +11,7 @@ from typing import Any
 import trio
 
 from kvagent.cli.config import ServeConfig, load_config_file, parse_slot_arg, structure_serve_config
+from kvagent.cli.top import add_top_parser
 from kvagent.model.errors import ConfigError, IdentityError
 from kvagent.model.ids import resolve_stable_dp_slot_id
 
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dp-rank", type=int, help="engine DP rank (default: the current attachment's, else 0)"
     )
 
+    add_top_parser(sub)
+
     slot_id = sub.add_parser("slot-id", help="print the stable DP slot id derived from a slot name")
     slot_id.add_argument("name")
     return parser
@@ -289,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvagent.cli.serve import run_serve
 
         return trio.run(run_serve, config)
+    if args.command == "top":
+        from kvagent.cli.top import run_top
+
+        return trio.run(run_top, args)
     from kvagent.cli.query import run_query
 
     try:
