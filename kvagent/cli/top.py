@@ -87,13 +87,15 @@ def sparkline(values: list[float]) -> str:
 class SlotResidency:
     """Resident block hashes by store, as the agent's index keys them, kept from one slot's follow stream.
 
-    A Worker ``Cleared`` drops every Worker store of its rank, a CacheOwner one that owner's stores
-    (kvagent/index/recovery_index.py); a ``Removed`` of a hash not held is ignored.
+    A Worker store is (worker id, rank, tier), a CacheOwner store (owner, tier) whatever the worker; a
+    Worker ``Cleared`` drops every Worker store of its rank, a CacheOwner one that owner's stores
+    (kvagent/index/recovery_index.py, pinned by tests/unit/test_top_model.py); a ``Removed`` of a hash
+    not held is ignored.
     """
 
     def __init__(self) -> None:
-        # (Worker domain?, rank or CacheOwner, worker id, tier) -> resident hashes
-        self._stores: dict[tuple[bool, object, int, StorageTier], set[int]] = {}
+        # (Worker domain?, rank or CacheOwner, worker id or None, tier) -> resident hashes
+        self._stores: dict[tuple[bool, object, int | None, StorageTier], set[int]] = {}
         self.last_event_id: int | None = None
         self.resets = 0  # Cleared events seen live: a Worker reset (degradation, restart) or a cache clear
 
@@ -101,7 +103,7 @@ class SlotResidency:
         self.last_event_id = event.event_id
         worker = event.residency_domain is ResidencyDomain.WORKER
         owner: object = event.dp_rank if worker else event.state_source
-        key = (worker, owner, event.worker_id, event.storage_tier)
+        key = (worker, owner, event.worker_id if worker else None, event.storage_tier)
         data = event.data
         if isinstance(data, Stored):
             self._stores.setdefault(key, set()).update(data.block_hashes)

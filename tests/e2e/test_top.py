@@ -19,15 +19,6 @@ from typing import TypeVar
 import pexpect
 import trio
 
-from kvagent.cli.top import SlotResidency, SlotRow, TopState, render_table, sparkline
-from kvagent.model.events import (
-    CLEARED,
-    Removed,
-    ResidencyDomain,
-    RouterEvent,
-    StorageTier,
-    Stored,
-)
 from tests.support.serve import serve
 
 TIMEOUT = 60
@@ -159,62 +150,3 @@ async def test_once_without_a_terminal_prints_one_table(tmp_path: Path) -> None:
     rows = [m for m in ROW.finditer(result.stdout) if m["slot"] == "demo"]
     assert len(rows) == 1 and rows[0]["state"] == "ready"
     assert "\x1b[" not in result.stdout  # not a terminal: plain text
-
-
-# --- the model behind the table (no I/O) -----------------------------------------------------------
-
-
-def event(
-    event_id: int, data: Stored | Removed | object, *, tier: StorageTier = StorageTier.DEVICE
-) -> RouterEvent:
-    return RouterEvent(
-        worker_id=7,
-        storage_tier=tier,
-        residency_domain=ResidencyDomain.WORKER,
-        event_id=event_id,
-        data=data,  # type: ignore[arg-type]
-        dp_rank=0,
-    )
-
-
-def stored(*hashes: int) -> Stored:
-    return Stored(parent_hash=None, block_hashes=hashes, tokens_hashes=hashes)
-
-
-def test_residency_counts_blocks_per_tier_through_removes_and_clears() -> None:
-    residency = SlotResidency()
-    residency.apply(event(1, stored(1, 2, 3)), live=False)
-    residency.apply(event(2, stored(10, 11), tier=StorageTier.HOST_PINNED), live=False)
-    residency.apply(event(3, stored(3)), live=True)  # already resident: still one block
-    assert residency.by_tier() == {StorageTier.DEVICE: 3, StorageTier.HOST_PINNED: 2}
-    residency.apply(event(4, Removed((2, 99))), live=True)  # 99 was never resident
-    assert residency.by_tier()[StorageTier.DEVICE] == 2
-    residency.apply(event(5, CLEARED), live=True)  # a Worker clear drops every tier of the rank
-    assert sum(residency.by_tier().values()) == 0
-    assert residency.resets == 1 and residency.last_event_id == 5
-
-
-def test_rates_come_from_cursor_growth_and_a_restart_is_no_sample() -> None:
-    row = SlotRow("s")
-    row.sample({"outbound_cursor": 100}, now=10.0)
-    row.sample({"outbound_cursor": 150}, now=10.5)
-    row.sample({"outbound_cursor": 3}, now=11.0)  # the agent restarted: cursor went back
-    row.sample({"outbound_cursor": 13}, now=12.0)
-    assert list(row.rates) == [100.0, 10.0]
-    assert sparkline([0, 0]) == "▁▁"
-    assert sparkline([1, 8]) == "▂█"
-
-
-def test_a_degraded_slot_shows_why() -> None:
-    state = TopState("ws://x")
-    attachment = {
-        "generation": 2,
-        "state": "degraded",
-        "ready": False,
-        "worker": {"worker_id": 1, "dp_rank": 0},
-    }
-    state.apply_list([{"name": "s", "status": {"attachment": attachment, "outbound_cursor": 5}}], now=1.0)
-    table = render_table(state)
-    cells = [str(column._cells[0]) for column in table.columns]
-    assert cells[:4] == ["s", "degraded", "2", "5"]
-    assert "history lost" in cells[-1]
