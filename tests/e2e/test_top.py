@@ -21,7 +21,7 @@ import trio
 
 from tests.support.serve import serve
 
-TIMEOUT = 60
+TIMEOUT = 120  # a bound, not a wait: the machine is shared and can be slow
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][0-9A-Za-z]")
 # One table row: slot, state, generation, cursor (cells separated by box lines).
 ROW = re.compile(r"│ (?P<slot>[^│]+?)\s+│ (?P<state>\w+)\s+│\s+(?P<gen>\d+) │\s+(?P<cursor>\d+) │[^\n]*")
