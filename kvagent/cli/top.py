@@ -292,6 +292,8 @@ async def _follow_slot(state: TopState, name: str) -> None:
                         state.changed()
         except FollowOverrun:
             row.follow_error = "block view overran; re-reading"
+            state.changed()
+            await trio.sleep(1)  # each retry re-reads a whole dump: not in a tight loop
             continue
         except (RecoveryClientError, ConnectionRejected, ConnectionClosed, HandshakeError, OSError) as exc:
             # The slot went away (or the agent is stopping): the list poll reports the agent itself.
