@@ -12,6 +12,7 @@ import trio
 
 from kvagent.cli.config import ServeConfig, load_config_file, structure_serve_config
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
+from kvagent.cli.top import add_top_parser
 from kvagent.model.errors import ConfigError, IdentityError
 from kvagent.model.ids import resolve_stable_dp_slot_id
 
@@ -226,12 +227,28 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("--token-file", help="control token file (for attach/detach/quarantine)")
     query.add_argument("--msgpack", action="store_true", help="use binary msgpack frames")
     query.add_argument("slot", help="slot name (or '-' with op 'list')")
-    query.add_argument("op", choices=["status", "recover", "follow", "list", "detach", "quarantine"])
+    query.add_argument(
+        "op", choices=["status", "recover", "follow", "list", "attach", "detach", "quarantine"]
+    )
     query.add_argument("--from", dest="from_", type=int, help="cursor: recover/follow after this id")
     query.add_argument("--end", type=int, help="recover: end id (validates, does not truncate)")
     query.add_argument("--generation", type=int, help="detach/quarantine: attachment generation")
     query.add_argument("--reason", default="operator quarantine", help="quarantine reason")
     query.add_argument("--limit", type=int, help="follow: stop after this many live events")
+    attach = query.add_argument_group("attach (needs the control token)")
+    attach.add_argument("--endpoint", metavar="tcp://HOST:PORT", help="the engine's KV event (PUB) endpoint")
+    attach.add_argument("--replay", metavar="ENDPOINT", help="the engine's replay (ROUTER) endpoint")
+    attach.add_argument("--topic", default="", help="raw vLLM topic filter (default: everything)")
+    attach.add_argument(
+        "--worker-id",
+        type=int,
+        help="engine worker id (default: derived from slot and endpoint, as serve does)",
+    )
+    attach.add_argument(
+        "--dp-rank", type=int, help="engine DP rank (default: the current attachment's, else 0)"
+    )
+
+    add_top_parser(sub)
 
     slot_id = sub.add_parser("slot-id", help="print the stable DP slot id derived from a slot name")
     slot_id.add_argument("name")
@@ -423,6 +440,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvagent.cli.serve import run_serve
 
         return trio.run(run_serve, config)
+    if args.command == "top":
+        from kvagent.cli.top import run_top
+
+        return trio.run(run_top, args)
     from kvagent.cli.query import run_query
 
     try:

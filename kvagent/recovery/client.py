@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import msgpack
@@ -328,13 +329,20 @@ def _fence_fields(expected_identity: KvStateAgentIdentity | None, generation: in
 
 
 def slot_url(url: str, slot: str | None) -> str:
-    """``<url>/v1/slots/<slot>``, or ``<url>/v1/slots`` when slot is None or ``-``; accepts either as url."""
+    """``<url>/v1/slots/<slot>``, or ``<url>/v1/slots`` when slot is None or ``-``; accepts either as url.
+
+    The slot name is percent-encoded (``gpu 0`` → ``gpu%200``, ``ü`` → ``%C3%BC``; ``/`` too): a name is
+    any text, a URL path is not, and the server percent-decodes the segment back (docs/protocol.md).
+    """
     base = url.rstrip("/")
     if "/v1/slots" not in base:
         base = f"{base}/v1/slots"
-    if slot in (None, "-") or base.endswith(f"/{slot}"):
+    if slot in (None, "-"):
         return base
-    return f"{base}/{slot}"
+    segment = quote(slot, safe="")
+    if base.endswith(f"/v1/slots/{segment}"):
+        return base
+    return f"{base}/{segment}"
 
 
 @asynccontextmanager
