@@ -72,10 +72,16 @@ class SlotAgentConfig:
     republish: RepublishConfig | None = None
     # The slot's SQLite state file (docs/durability.md); None keeps every state in memory only.
     state_path: Path | None = None
+    # Seconds an attached engine may publish nothing before the slot logs one WARNING (docs/metrics.md).
+    silence_warning: float = 60.0
 
     def __attrs_post_init__(self) -> None:
         if not self.name:
             raise KvAgentError("slot name must not be empty", code="bad_request")
+        if not self.silence_warning > 0:
+            raise KvAgentError(
+                f"silence_warning must be > 0 seconds, got {self.silence_warning}", code="bad_request"
+            )
         if self.ingress_protocol is not IngressProtocol.VLLM_RESIDENCY_V1:
             raise KvAgentError(
                 "external state-agent slots require vllm_residency_v1 ingress", code="bad_request"
