@@ -7,8 +7,10 @@ the withdrawal channel; :func:`open_republisher` the slot's vLLM-compatible stre
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -16,6 +18,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent._util.latency import LatencyHistogram
 from kvagent.agent.config import SlotAgentConfig
 from kvagent.agent.durable import DurableSlot
 from kvagent.coordinator.machine import SlotCoordinator
@@ -29,9 +32,28 @@ from kvagent.model.status import AgentStatus
 from kvagent.publish.republisher import VllmRepublisher
 from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
 
-__all__ = ["SlotParts", "build_slot", "open_republisher"]
+__all__ = ["SlotParts", "TimedSlotCoordinator", "build_slot", "open_republisher"]
 
 log = structlog.get_logger(__name__)
+
+
+class TimedSlotCoordinator(SlotCoordinator):
+    """The slot's coordinator, timing each drain of ingress it applies (``kvagent_ingest_apply_seconds``).
+
+    The coordinator task wraps every drain (up to a few chunks) in :meth:`ingress_batch`; two clock reads
+    per drain cost nothing next to the events applied in it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.apply_latency = LatencyHistogram()
+
+    @contextlib.contextmanager
+    def ingress_batch(self) -> Iterator[None]:
+        started = time.perf_counter()
+        with super().ingress_batch():
+            yield
+        self.apply_latency.observe(time.perf_counter() - started)
 
 
 @attrs.frozen
@@ -50,7 +72,7 @@ class SlotParts:
     withdraw_rx: trio.MemoryReceiveChannel[int]
     request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
     republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
-    core: SlotCoordinator
+    core: TimedSlotCoordinator
     durable: DurableSlot | None  # the slot's state file (None: in memory only)
 
 
@@ -80,7 +102,7 @@ def build_slot(
 
     sinks = [each for each in (sink, republisher) if each is not None]
     outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
-    core = SlotCoordinator(
+    core = TimedSlotCoordinator(
         identity=identity,
         slot_rank=config.dp_rank,
         index=index,
