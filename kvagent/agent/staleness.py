@@ -2,59 +2,71 @@
 
 An engine that never publishes (dead, misconfigured, or a vLLM that *connected* its PUB instead of binding
 it) leaves a slot ``ready`` with 0 events/s. The listener's reader notes when it last received a live
-message (:attr:`~kvagent.vllm.reader.LiveReader.last_live_at`, once per drain); from that:
+message (:attr:`~kvagent.vllm.reader.LiveReader.last_live_at`, Trio's clock, once per drain); from that:
 
 - :func:`last_event_age` is the seconds since then (None before the first message), shown in the status
   (``last_event_age_s``) and as ``kvagent_slot_last_event_age_seconds``;
 - :func:`watch_silence` runs beside each attachment's listener and logs ONE ``engine_silent`` WARNING per
   silence episode (nothing for ``silence_warning`` seconds since the last message, or since the attach when
   none came yet), and an ``engine_events_resumed`` INFO when messages come again.
+
+Both read Trio's clock, so they must run inside Trio (every status and metrics reader does).
 """
 
 from __future__ import annotations
 
-import time
+from typing import Protocol
 
 import structlog
 import trio
 
-from kvagent.vllm.reader import LiveReader
-
-__all__ = ["last_event_age", "watch_silence"]
+__all__ = ["LiveSource", "last_event_age", "watch_silence"]
 
 log = structlog.get_logger(__name__)
 
 
-def last_event_age(reader: LiveReader | None, now: float | None = None) -> float | None:
-    """Seconds since ``reader`` last received a live message; None before the first one."""
-    if reader is None or reader.last_live_at is None:
+class LiveSource(Protocol):
+    """What the silence watch reads of the listener's reader (:class:`~kvagent.vllm.reader.LiveReader`)."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def last_live_at(self) -> float | None: ...
+
+    async def wait_for_live(self) -> None: ...
+
+
+def last_event_age(source: LiveSource | None) -> float | None:
+    """Seconds since ``source`` last received a live message; None before the first one."""
+    if source is None or source.last_live_at is None:
         return None
-    return max(0.0, (time.monotonic() if now is None else now) - reader.last_live_at)
+    return max(0.0, trio.current_time() - source.last_live_at)
 
 
-async def watch_silence(reader: LiveReader, *, slot: str, generation: int, silence_warning: float) -> None:
+async def watch_silence(source: LiveSource, *, slot: str, generation: int, silence_warning: float) -> None:
     """Warn once per silence episode of ``silence_warning`` seconds; runs until cancelled."""
-    attached_at = time.monotonic()
+    attached_at = trio.current_time()
     while True:
-        quiet_since = attached_at if reader.last_live_at is None else reader.last_live_at
-        remaining = quiet_since + silence_warning - time.monotonic()
-        if remaining > 0:
-            await trio.sleep(remaining)  # a timer, not a poll: it wakes when the episode would be due
+        quiet_since = attached_at if source.last_live_at is None else source.last_live_at
+        due = quiet_since + silence_warning
+        if trio.current_time() < due:
+            await trio.sleep_until(due)  # a timer, not a poll: it wakes when the episode would be due
             continue
         log.warning(
             "engine_silent",
             slot=slot,
             generation=generation,
-            endpoint=reader.endpoint,
-            silent_s=round(time.monotonic() - quiet_since, 3),
-            ever_received=reader.last_live_at is not None,
-            hint="the engine publishes nothing: is it running, and bound at this endpoint?",
+            endpoint=source.endpoint,
+            silent_s=round(trio.current_time() - quiet_since, 3),
+            ever_received=source.last_live_at is not None,
+            hint="no KV events: an idle engine publishes none; if it serves requests, is it bound at this endpoint?",
         )
-        await reader.wait_for_live()
+        await source.wait_for_live()
         log.info(
             "engine_events_resumed",
             slot=slot,
             generation=generation,
-            endpoint=reader.endpoint,
-            silent_s=round(time.monotonic() - quiet_since, 3),
+            endpoint=source.endpoint,
+            silent_s=round(trio.current_time() - quiet_since, 3),
         )

@@ -196,7 +196,9 @@ class _Subscription:
             sub.setsockopt(zmq.LINGER, 0)
             # A unique address: the default one is derived from the FD number, which a re-opened socket
             # may reuse while the old monitor is still bound.
-            monitor = sub.get_monitor_socket(_MONITOR_EVENTS, f"inproc://kvagent-sub-monitor-{next(_monitor_ids)}")
+            monitor = sub.get_monitor_socket(
+                _MONITOR_EVENTS, f"inproc://kvagent-sub-monitor-{next(_monitor_ids)}"
+            )
             monitor.setsockopt(zmq.LINGER, 0)
             self.monitor = TrioSocket(monitor)
             sub.connect(endpoint)
@@ -238,7 +240,7 @@ class LiveReader:
         self.bytes_bound = bytes_bound
         self.shed_after = shed_after
         self.connect_warning_after = connect_warning_after
-        # time.monotonic() of the last drain that received a live message (None: none yet).
+        # trio.current_time() of the last drain that received a live message (None: none yet).
         self.last_live_at: float | None = None
         self.connect_warnings = 0
         self._handshake = trio.Event()  # set at the first successful handshake with the engine
@@ -286,7 +288,7 @@ class LiveReader:
             received = self.messages
             outcome = self._drain(subscription.sub)
             if self.messages != received:
-                self.last_live_at = time.monotonic()  # once per drain, not per message
+                self.last_live_at = trio.current_time()  # once per drain, not per message
                 if self._live_waiter is not None:
                     self._live_waiter.set()
                     self._live_waiter = None
@@ -383,6 +385,10 @@ class LiveReader:
             while True:
                 frames = await monitor.recv_multipart()
                 self._on_monitor_event(parse_monitor_message(frames)["event"])
+
+    async def wait_connected(self) -> None:
+        """Return once a handshake with the engine has succeeded (at once if one already has)."""
+        await self._handshake.wait()
 
     async def wait_for_live(self) -> None:
         """Return at the next drain that receives a live message (the slot's silence watch waits here)."""
