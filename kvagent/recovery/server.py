@@ -386,7 +386,7 @@ class _Server:
         """One connection's lifetime: its session beside its heartbeat; a bug closes only this connection."""
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeat, ws)
+                nursery.start_soon(self._heartbeat, ws, session.slot)
                 await session.run()
                 nursery.cancel_scope.cancel()
         except* ConnectionClosed:
@@ -395,7 +395,7 @@ class _Server:
             log.exception("connection_failed", slot=session.slot, close_code=CLOSE_INTERNAL_ERROR)
             ws.close(CLOSE_INTERNAL_ERROR, "internal error", urgent=True)
 
-    async def _heartbeat(self, ws: WebSocket) -> None:
+    async def _heartbeat(self, ws: WebSocket, slot: str | None) -> None:
         """Ping, and drop a peer that stops answering; the ping goes out between frames of any answer."""
         while True:
             await trio.sleep(self.options.heartbeat_interval)
@@ -403,7 +403,7 @@ class _Server:
                 await ws.ping()
             if waited.cancelled_caught:
                 self.stats.ping_timeouts += 1
-                log.info("peer_ping_timeout")
+                log.info("peer_ping_timeout", slot=slot)
                 ws.close(CLOSE_PING_TIMEOUT, "ping timeout", urgent=True)
                 return
 

@@ -6,13 +6,18 @@ Logs are captured with the contextvars the agent's tasks bind merged in, as ``kv
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import trio
 
-from kvagent.model.errors import KvAgentError
+from kvagent.agent.host import SlotRegistry
+from kvagent.model.errors import KvAgentError, RecoveryClientError
+from kvagent.recovery.client import connect_slot
+from kvagent.recovery.server import RecoveryServerInfo, serve_recovery
 from tests.support.agent import TIMEOUT, XpubEngine, attach, batch, gpu_store, running_agent
 from tests.support.logwatch import LogWatch, watch_logs
+from tests.support.recovery import TOKEN
 
 
 @pytest.fixture
@@ -61,4 +66,39 @@ async def test_an_internal_quarantine_names_the_slot_generation_and_reason(logs:
             (entry,) = logs.named("ingress_quarantined")
             assert entry["slot"] == "s0" and entry["generation"] == generation
             assert entry["reason"] and entry["log_level"] == "warning"
+            engine.close()
+
+
+async def test_control_over_the_websocket_is_logged_and_the_token_never_is(
+    logs: LogWatch, nursery: trio.Nursery
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_agent() as (agent, _discovery, _sink, context):
+            registry = SlotRegistry()
+            registry.add(agent)
+            info: RecoveryServerInfo = await nursery.start(
+                partial(serve_recovery, registry, host="127.0.0.1", port=0, token=TOKEN)
+            )
+            url = f"ws://127.0.0.1:{info.port}"
+            engine = XpubEngine(context)
+            async with trio.open_nursery() as subscribing:
+                subscribing.start_soon(engine.wait_subscribed)
+                async with connect_slot(url, "s0", token=TOKEN) as client:
+                    answer = await client.attach(worker_id=5, dp_rank=0, endpoint=engine.endpoint)
+            generation = int(answer["generation"])
+            async with connect_slot(url, "s0", token=TOKEN) as client:
+                await client.quarantine(generation, "maintenance")
+                await client.detach(generation)
+            async with connect_slot(url, "s0", token="wrong-" + TOKEN) as client:
+                with pytest.raises(RecoveryClientError):
+                    await client.detach(generation)
+            (attach_line,) = logs.named("slot_attached")
+            (quarantine_line,) = logs.named("slot_quarantined")
+            (detach_line,) = logs.named("slot_detached")
+            for line in (attach_line, quarantine_line, detach_line):
+                assert (line["slot"], line["generation"]) == ("s0", generation)
+            assert attach_line["worker_id"] == 5 and quarantine_line["reason"] == "maintenance"
+            (failed,) = logs.named("request_failed")
+            assert (failed["slot"], failed["code"]) == ("s0", "unauthorized")
+            assert TOKEN not in repr(logs.entries)
             engine.close()
