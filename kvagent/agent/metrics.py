@@ -239,6 +239,11 @@ _SLOT_GAUGES: tuple[tuple[str, str, _Reading], ...] = (
     ),
     ("resident_blocks", "Resident blocks in the recovery index", lambda v: v.resident_blocks),
     (
+        "engine_connected",
+        "1 while the slot's SUB is connected to the attached engine's PUB (0: never met, or dropped)",
+        lambda v: None if v.statistics.engine_connected is None else float(v.statistics.engine_connected),
+    ),
+    (
         "slot_last_event_age_seconds",
         "Seconds since the attached engine's last live message reached the slot (absent before the first)",
         lambda v: v.status.last_event_age_s,

@@ -86,6 +86,8 @@ class SlotStatistics:
     persistence: PersistenceStatistics | None = None  # None: the slot keeps its state in memory only
     # Seconds the coordinator spent applying each drain of ingress (None: not measured, e.g. a test double).
     apply_latency: LatencySnapshot | None = None
+    # Whether the attached engine's PUB and the slot's SUB are connected (None: no attachment).
+    engine_connected: bool | None = None
 
 
 @attrs.define
@@ -188,7 +190,14 @@ class SlotAgent:
             if self.durable is None or self.durable.writer is None
             else self.durable.writer.statistics(),
             apply_latency=self._core.apply_latency.snapshot(),
+            engine_connected=self._engine_connected(),
         )
+
+    def _engine_connected(self) -> bool | None:
+        counters = self._latest_listener_counters
+        if self._attachment is None or counters is None or counters.reader is None:
+            return None
+        return counters.reader.engine_connected
 
     # --- lifecycle -----------------------------------------------------------------------------
     def _check_open(self) -> None:

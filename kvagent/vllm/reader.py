@@ -386,6 +386,11 @@ class LiveReader:
                 frames = await monitor.recv_multipart()
                 self._on_monitor_event(parse_monitor_message(frames)["event"])
 
+    @property
+    def engine_connected(self) -> bool:
+        """Whether the SUB has a working connection to the engine now (a handshake, and no drop since)."""
+        return bool(self._engine_connected)
+
     async def wait_connected(self) -> None:
         """Return once a handshake with the engine has succeeded (at once if one already has)."""
         await self._handshake.wait()

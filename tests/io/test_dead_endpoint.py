@@ -15,14 +15,16 @@ import pytest
 import trio
 import trio.testing
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvagent import SlotAgentConfig, open_slot_agent
+from kvagent import SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent.agent.config import AttachmentConfig
+from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.testing import RecordingSink
 from kvagent.vllm.listener import ListenerOptions
 from kvagent.vllm.reader import Inbox, LiveReader, unreachable_endpoint_hint
-from tests.support.agent import TIMEOUT, XpubEngine
+from tests.support.agent import TIMEOUT, XpubEngine, attach
 from tests.support.ids import OWNER
 from tests.support.logwatch import LogWatch, watch_logs
 
@@ -153,6 +155,38 @@ async def test_an_attached_slot_on_a_dead_endpoint_warns(logs: LogWatch, context
             await agent.attach(AttachmentConfig(worker_id=1, dp_rank=0, endpoint=endpoint))
             warning = await wait_for_warning(logs)
             assert warning["endpoint"] == endpoint
+            assert agent.statistics().engine_connected is False
+            assert connected_gauge(agent) == {"s0": 0.0}
+            await agent.detach(1)
+            assert agent.statistics().engine_connected is None
+            assert connected_gauge(agent) == {}
+
+
+async def test_an_attached_slot_on_a_bound_engine_is_connected(context: zmq.Context[Any]) -> None:
+    config = SlotAgentConfig(name="s0", cache_owner_id=OWNER, kv_block_size=32)
+    engine = XpubEngine(context)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with open_slot_agent(
+                config, discovery=MemoryDiscovery(), sink=RecordingSink(), zmq_context=context
+            ) as agent:
+                assert connected_gauge(agent) == {}, "no attachment: no series"
+                await attach(agent, engine)
+                while agent.statistics().engine_connected is not True:
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)  # the monitor event is on its way
+                assert connected_gauge(agent) == {"s0": 1.0}
+    finally:
+        engine.close()
+
+
+def connected_gauge(agent: SlotAgent) -> dict[str, float]:
+    text = render_metrics(MetricSources(slots=lambda: [agent])).decode()
+    return {
+        sample.labels["slot"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvagent_engine_connected"
+        for sample in family.samples
+    }
 
 
 def test_the_hint_for_other_transports_names_the_endpoint() -> None:
