@@ -38,7 +38,7 @@ log = structlog.get_logger(__name__)
 
 
 class TimedSlotCoordinator(SlotCoordinator):
-    """The slot's coordinator, timing each drain of ingress it applies (``kvagent_ingest_apply_seconds``).
+    """The slot's coordinator, timing each drain of ingress it applies (``kvagent_ingest_apply_latency_seconds``).
 
     The coordinator task wraps every drain (up to a few chunks) in :meth:`ingress_batch`; two clock reads
     per drain cost nothing next to the events applied in it.
