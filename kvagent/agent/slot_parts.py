@@ -7,10 +7,11 @@ the withdrawal channel; :func:`open_republisher` the slot's vLLM-compatible stre
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any
 
 import attrs
@@ -37,23 +38,44 @@ __all__ = ["SlotParts", "TimedSlotCoordinator", "build_slot", "open_republisher"
 log = structlog.get_logger(__name__)
 
 
+class _TimedDrain:
+    """Wraps the coordinator's own drain context and times it (a class: a generator CM costs ~2 µs more)."""
+
+    __slots__ = ("_histogram", "_inner", "_started")
+
+    def __init__(self, inner: AbstractContextManager[None], histogram: LatencyHistogram) -> None:
+        self._inner = inner
+        self._histogram = histogram
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+        self._inner.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> bool | None:
+        try:
+            return self._inner.__exit__(kind, value, traceback)
+        finally:
+            self._histogram.observe(time.perf_counter() - self._started)
+
+
 class TimedSlotCoordinator(SlotCoordinator):
     """The slot's coordinator, timing each drain of ingress it applies (``kvagent_ingest_apply_latency_seconds``).
 
     The coordinator task wraps every drain (up to a few chunks) in :meth:`ingress_batch`; two clock reads
-    per drain cost nothing next to the events applied in it.
+    and a bucket increment per drain are well under a microsecond.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.apply_latency = LatencyHistogram()
 
-    @contextlib.contextmanager
-    def ingress_batch(self) -> Iterator[None]:
-        started = time.perf_counter()
-        with super().ingress_batch():
-            yield
-        self.apply_latency.observe(time.perf_counter() - started)
+    # The base returns contextlib's generator context manager; this one is a plain context manager of the
+    # same protocol (``with core.ingress_batch(): ...`` is the only use), hence the ignore.
+    def ingress_batch(self) -> _TimedDrain:  # type: ignore[override]
+        return _TimedDrain(super().ingress_batch(), self.apply_latency)
 
 
 @attrs.frozen
