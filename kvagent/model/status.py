@@ -211,7 +211,8 @@ class AgentStatus:
     outbound_cursor: int = 0
     republish: RepublishStatus | None = None
     persistence: PersistenceStatus | None = None
-    last_event_age_s: float | None = None
+    # A measurement, not state: two snapshots of the same state compare equal whatever their ages.
+    last_event_age_s: float | None = attrs.field(default=None, eq=False)
 
     def to_json(self) -> dict[str, object]:
         value: dict[str, object] = {

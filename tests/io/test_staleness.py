@@ -171,3 +171,8 @@ async def test_one_warning_per_episode_in_virtual_time(
         assert len(logs.named("engine_silent")) == 2
         assert last_event_age(source) == pytest.approx(61.0)
         nursery.cancel_scope.cancel()
+
+
+def test_the_age_is_a_measurement_left_out_of_status_equality() -> None:
+    assert AgentStatus(IDENTITY, last_event_age_s=1.0) == AgentStatus(IDENTITY, last_event_age_s=2.0)
+    assert AgentStatus(IDENTITY, last_event_age_s=1.0).to_json()["last_event_age_s"] == 1.0
