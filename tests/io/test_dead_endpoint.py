@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +194,14 @@ def test_the_hint_for_other_transports_names_the_endpoint() -> None:
     assert "ipc:///tmp/kv.sock" in unreachable_endpoint_hint("ipc:///tmp/kv.sock")
     with pytest.raises(ValueError):
         ListenerOptions(connect_warning_after=0)
+
+
+async def test_an_ipc_endpoint_nobody_binds_warns_too(
+    logs: LogWatch, context: zmq.Context[Any], tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{tmp_path / 'kv-events.sock'}"
+    async with running_reader(context, endpoint, warn_after=0.2):
+        warning = await wait_for_warning(logs)
+        assert warning["endpoint"] == endpoint
+        assert warning["hint"] == unreachable_endpoint_hint(endpoint)
+        assert "tcp://*" not in warning["hint"], "the vLLM tcp advice does not apply to ipc"
