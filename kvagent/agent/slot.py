@@ -42,7 +42,7 @@ from kvagent.agent.durable import (
 )
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
-from kvagent.agent.staleness import last_event_age, watch_silence
+from kvagent.agent.staleness import last_event_age, run_then_cancel, watch_silence
 from kvagent.coordinator.machine import SHUTDOWN_QUARANTINE, CoordinatorStatistics
 from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.base import Discovery, DiscoveryRecord
@@ -366,10 +366,11 @@ class SlotAgent:
         try:
             with task.scope:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(self._listen_then_stop_watching, listen, nursery.cancel_scope)
+                    await nursery.start(run_then_cancel, listen, nursery.cancel_scope)
                     task.running = True
-                    if task.counters.reader is not None:
-                        nursery.start_soon(self._watch_silence, task)
+                    if (reader := task.counters.reader) is not None:
+                        watch = partial(watch_silence, reader, slot=self.name, generation=task.generation)
+                        nursery.start_soon(partial(watch, silence_warning=self.config.silence_warning))
                     task_status.started()
         except* Exception:
             if not task.running:
@@ -381,28 +382,6 @@ class SlotAgent:
                 await self._coordinator.quarantine(attachment.generation, "framework listener terminated")
         finally:
             task.finished.set()
-
-    @staticmethod
-    async def _listen_then_stop_watching(
-        listen: Callable[..., Awaitable[None]],
-        watchers: trio.CancelScope,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Run the listener; once it ends (quarantined, failed) its silence watch has nothing to watch."""
-        try:
-            await listen(task_status=task_status)
-        finally:
-            watchers.cancel()
-
-    async def _watch_silence(self, task: _ListenerTask) -> None:
-        assert task.counters.reader is not None
-        await watch_silence(
-            task.counters.reader,
-            slot=self.name,
-            generation=task.generation,
-            silence_warning=self.config.silence_warning,
-        )
 
     async def _stop_listener(self) -> None:
         task, self._listener = self._listener, None

@@ -15,12 +15,13 @@ Both read Trio's clock, so they must run inside Trio (every status and metrics r
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import structlog
 import trio
 
-__all__ = ["LiveSource", "last_event_age", "watch_silence"]
+__all__ = ["LiveSource", "last_event_age", "run_then_cancel", "watch_silence"]
 
 log = structlog.get_logger(__name__)
 
@@ -70,3 +71,17 @@ async def watch_silence(source: LiveSource, *, slot: str, generation: int, silen
             endpoint=source.endpoint,
             silent_s=round(trio.current_time() - quiet_since, 3),
         )
+
+
+async def run_then_cancel(
+    run: Callable[..., Awaitable[None]],
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``run`` (a listener), then cancel ``scope``: once the listener ends its silence watch has nothing
+    to watch, and must not keep the listener task's nursery open."""
+    try:
+        await run(task_status=task_status)
+    finally:
+        scope.cancel()

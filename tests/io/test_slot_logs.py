@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import trio
+import trio.testing
 
 from kvagent.agent.host import SlotRegistry
 from kvagent.model.errors import KvAgentError, RecoveryClientError
@@ -18,6 +19,19 @@ from kvagent.recovery.server import RecoveryServerInfo, serve_recovery
 from tests.support.agent import TIMEOUT, XpubEngine, attach, batch, gpu_store, running_agent
 from tests.support.logwatch import LogWatch, watch_logs
 from tests.support.recovery import TOKEN
+
+
+def running_task_names() -> list[str]:
+    """The names of every task of this run (trio names a task after its function, partials unwrapped)."""
+    names: list[str] = []
+    pending = [trio.lowlevel.current_root_task()]
+    while pending:
+        task = pending.pop()
+        if task is None:
+            continue
+        names.append(task.name)
+        pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return names
 
 
 @pytest.fixture
@@ -61,11 +75,16 @@ async def test_an_internal_quarantine_names_the_slot_generation_and_reason(logs:
         async with running_agent() as (agent, _discovery, _sink, context):
             engine = XpubEngine(context)
             generation = await attach(agent, engine)
+            task_names_before = running_task_names()
             await engine.send_payload(batch([gpu_store([1])], rank=3))  # another rank: the listener ends
             await agent.status_cell.wait_for(lambda status: not status.is_open_generation(generation))
             (entry,) = logs.named("ingress_quarantined")
             assert entry["slot"] == "s0" and entry["generation"] == generation
             assert entry["reason"] and entry["log_level"] == "warning"
+            # The ended listener's silence watch ended with it (no warning for a quarantined generation).
+            assert "watch_silence" in str(task_names_before), "the watch ran beside the listener"
+            await trio.testing.wait_all_tasks_blocked()
+            assert not any("watch_silence" in name for name in running_task_names())
             engine.close()
 
 
