@@ -9,13 +9,16 @@ families.  :func:`readiness` is what ``/readyz`` answers.  The HTTP server itsel
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvagent import __version__
+from kvagent._util.latency import LatencySnapshot
 from kvagent.agent.host import SlotState, SlotStateKind
 from kvagent.agent.slot import SlotAgent, SlotStatistics
 from kvagent.discovery.etcd import EtcdStatistics
@@ -236,6 +239,16 @@ _SLOT_GAUGES: tuple[tuple[str, str, _Reading], ...] = (
     ),
     ("resident_blocks", "Resident blocks in the recovery index", lambda v: v.resident_blocks),
     (
+        "engine_connected",
+        "1 while the slot's SUB is connected to the attached engine's PUB (0: never met, or dropped)",
+        lambda v: None if v.statistics.engine_connected is None else float(v.statistics.engine_connected),
+    ),
+    (
+        "slot_last_event_age_seconds",
+        "Seconds since the attached engine's last live message reached the slot (absent before the first)",
+        lambda v: v.status.last_event_age_s,
+    ),
+    (
         "ingress_queue_depth",
         "Ingress chunks and signals waiting for the coordinator",
         lambda v: v.statistics.coordinator.ingress_queue_depth,
@@ -278,6 +291,27 @@ def _slot_families(views: list[_SlotView]) -> Iterator[Metric]:
         for name in SLOT_STATES:
             state.add_metric([view.name, name], 1.0 if name == current else 0.0)
     yield state
+    apply = HistogramMetricFamily(
+        "kvagent_ingest_apply_latency_seconds",
+        "Seconds the coordinator spent applying one drain of ingress (up to 8 chunks)",
+        labels=["slot"],
+    )
+    for view in views:
+        if view.statistics.apply_latency is not None:
+            _add_histogram(apply, [view.name], view.statistics.apply_latency)
+    yield apply
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], snapshot: LatencySnapshot) -> None:
+    family.add_metric(labels, snapshot.cumulative(), snapshot.sum)
+
+
+def _build_info() -> GaugeMetricFamily:
+    info = GaugeMetricFamily(
+        "kvagent_build_info", "Always 1: the kvagent and Python versions", labels=["version", "python"]
+    )
+    info.add_metric([__version__, platform.python_version()], 1.0)
+    return info
 
 
 # Per-slot families of the vLLM-compatible republisher (slots that republish): name after ``kvagent_republish_``,
@@ -421,6 +455,14 @@ def _server_families(server: ServerStatistics) -> Iterator[Metric]:
     yield _labelled(
         "kvagent_recovery_request_errors", "Recovery error responses, by code", "code", server.request_errors
     )
+    latency = HistogramMetricFamily(
+        "kvagent_recovery_request_latency_seconds",
+        "Seconds to answer one recovery request, by op (follow excluded)",
+        labels=["op"],
+    )
+    for op, snapshot in sorted(server.request_latency.items()):
+        _add_histogram(latency, [op], snapshot)
+    yield latency
 
 
 def _event_plane_families(plane: EventPlaneStatistics) -> Iterator[Metric]:
@@ -473,6 +515,7 @@ class SlotMetricsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         views = [_SlotView.of(agent) for agent in sorted(self._sources.slots(), key=lambda agent: agent.name)]
+        yield _build_info()
         yield from _slot_families(views)
         yield from _republish_families(views)
         yield from _persistence_families(views)

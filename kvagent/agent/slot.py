@@ -31,6 +31,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent._util.latency import LatencySnapshot
 from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import (
@@ -41,6 +42,7 @@ from kvagent.agent.durable import (
 )
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
+from kvagent.agent.staleness import last_event_age, run_then_cancel, watch_silence
 from kvagent.coordinator.machine import SHUTDOWN_QUARANTINE, CoordinatorStatistics
 from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.base import Discovery, DiscoveryRecord
@@ -82,6 +84,10 @@ class SlotStatistics:
     withdrawal: WithdrawalStatistics
     republish: RepublisherStatistics | None = None
     persistence: PersistenceStatistics | None = None  # None: the slot keeps its state in memory only
+    # Seconds the coordinator spent applying each drain of ingress (None: not measured, e.g. a test double).
+    apply_latency: LatencySnapshot | None = None
+    # Whether the attached engine's PUB and the slot's SUB are connected (None: no attachment).
+    engine_connected: bool | None = None
 
 
 @attrs.define
@@ -155,7 +161,14 @@ class SlotAgent:
             status = attrs.evolve(status, republish=self.republisher.status())
         writer = None if self.durable is None else self.durable.writer
         persistence = PersistenceStatus() if writer is None else writer.statistics().status()
-        return attrs.evolve(status, persistence=persistence)
+        return attrs.evolve(status, persistence=persistence, last_event_age_s=self.last_event_age())
+
+    def last_event_age(self) -> float | None:
+        """Seconds since the attached engine's last live message (None: detached, or nothing received yet)."""
+        counters = self._latest_listener_counters
+        if self._attachment is None or counters is None:
+            return None
+        return last_event_age(counters.reader)
 
     @property
     def current_attachment(self) -> Attachment | None:
@@ -176,7 +189,15 @@ class SlotAgent:
             persistence=None
             if self.durable is None or self.durable.writer is None
             else self.durable.writer.statistics(),
+            apply_latency=self._core.apply_latency.snapshot(),
+            engine_connected=self._engine_connected(),
         )
+
+    def _engine_connected(self) -> bool | None:
+        counters = self._latest_listener_counters
+        if self._attachment is None or counters is None or counters.reader is None:
+            return None
+        return counters.reader.engine_connected
 
     # --- lifecycle -----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -217,6 +238,15 @@ class SlotAgent:
             await self._advertise_attachment(attached)
             self._attachment = self.ad_keeper.attached = attached
             self.ad_keeper.wake()
+            log.info(
+                "slot_attached",
+                slot=self.name,
+                generation=generation,
+                worker_id=config.worker_id,
+                endpoint=config.endpoint,
+                replay_endpoint=config.replay_endpoint,
+                resumed=resume is not None,
+            )
             status = self._status.get().attachment
             return status if status is not None and status.generation == generation else attached.status()
 
@@ -259,6 +289,7 @@ class SlotAgent:
             cursor = await self._coordinator.complete_detach(generation)
             self._attachment = self.ad_keeper.attached = None
             self.ad_keeper.wake()
+            log.info("slot_detached", slot=self.name, generation=generation, outbound_cursor=cursor)
             return cursor
 
     async def quarantine(self, generation: int, reason: str) -> bool:
@@ -274,6 +305,8 @@ class SlotAgent:
             if self._listener is not None and self._listener.generation == generation:
                 await self._stop_listener()
             self.ad_keeper.wake()
+            if affected:
+                log.info("slot_quarantined", slot=self.name, generation=generation, reason=reason)
             return affected
 
     # SlotSurface control ops (websocket)
@@ -333,8 +366,11 @@ class SlotAgent:
         try:
             with task.scope:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(listen)
+                    await nursery.start(run_then_cancel, listen, nursery.cancel_scope)
                     task.running = True
+                    if (reader := task.counters.reader) is not None:
+                        watch = partial(watch_silence, reader, slot=self.name, generation=task.generation)
+                        nursery.start_soon(partial(watch, silence_warning=self.config.silence_warning))
                     task_status.started()
         except* Exception:
             if not task.running:

@@ -8,7 +8,10 @@ the withdrawal channel; :func:`open_republisher` the slot's vLLM-compatible stre
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any
 
 import attrs
@@ -16,6 +19,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent._util.latency import LatencyHistogram
 from kvagent.agent.config import SlotAgentConfig
 from kvagent.agent.durable import DurableSlot
 from kvagent.coordinator.machine import SlotCoordinator
@@ -29,9 +33,49 @@ from kvagent.model.status import AgentStatus
 from kvagent.publish.republisher import VllmRepublisher
 from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
 
-__all__ = ["SlotParts", "build_slot", "open_republisher"]
+__all__ = ["SlotParts", "TimedSlotCoordinator", "build_slot", "open_republisher"]
 
 log = structlog.get_logger(__name__)
+
+
+class _TimedDrain:
+    """Wraps the coordinator's own drain context and times it (a class: a generator CM costs ~2 µs more)."""
+
+    __slots__ = ("_histogram", "_inner", "_started")
+
+    def __init__(self, inner: AbstractContextManager[None], histogram: LatencyHistogram) -> None:
+        self._inner = inner
+        self._histogram = histogram
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+        self._inner.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> bool | None:
+        try:
+            return self._inner.__exit__(kind, value, traceback)
+        finally:
+            self._histogram.observe(time.perf_counter() - self._started)
+
+
+class TimedSlotCoordinator(SlotCoordinator):
+    """The slot's coordinator, timing each drain of ingress it applies (``kvagent_ingest_apply_latency_seconds``).
+
+    The coordinator task wraps every drain (up to a few chunks) in :meth:`ingress_batch`; two clock reads
+    and a bucket increment per drain are well under a microsecond.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.apply_latency = LatencyHistogram()
+
+    # The base returns contextlib's generator context manager; this one is a plain context manager of the
+    # same protocol (``with core.ingress_batch(): ...`` is the only use), hence the ignore.
+    def ingress_batch(self) -> _TimedDrain:  # type: ignore[override]
+        return _TimedDrain(super().ingress_batch(), self.apply_latency)
 
 
 @attrs.frozen
@@ -50,7 +94,7 @@ class SlotParts:
     withdraw_rx: trio.MemoryReceiveChannel[int]
     request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
     republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
-    core: SlotCoordinator
+    core: TimedSlotCoordinator
     durable: DurableSlot | None  # the slot's state file (None: in memory only)
 
 
@@ -80,7 +124,7 @@ def build_slot(
 
     sinks = [each for each in (sink, republisher) if each is not None]
     outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
-    core = SlotCoordinator(
+    core = TimedSlotCoordinator(
         identity=identity,
         slot_rank=config.dp_rank,
         index=index,

@@ -199,7 +199,11 @@ class PersistenceStatus:
 @attrs.frozen(slots=True)
 class AgentStatus:
     """A slot's status; ``republish`` is set only on slots that republish (and only then in the JSON), and
-    ``persistence`` only on slots of a process that persists (``state`` ``off`` for a slot kept in memory)."""
+    ``persistence`` only on slots of a process that persists (``state`` ``off`` for a slot kept in memory).
+
+    ``last_event_age_s`` is the seconds since the attached engine's last live message reached the slot
+    (None: no attachment, or nothing received from it yet); always in the JSON, ``null`` when None.
+    """
 
     identity: KvStateAgentIdentity
     attachment: AttachmentStatus | None = None
@@ -207,6 +211,8 @@ class AgentStatus:
     outbound_cursor: int = 0
     republish: RepublishStatus | None = None
     persistence: PersistenceStatus | None = None
+    # A measurement, not state: two snapshots of the same state compare equal whatever their ages.
+    last_event_age_s: float | None = attrs.field(default=None, eq=False)
 
     def to_json(self) -> dict[str, object]:
         value: dict[str, object] = {
@@ -214,6 +220,7 @@ class AgentStatus:
             "attachment": None if self.attachment is None else self.attachment.to_json(),
             "cache_owner_ready": self.cache_owner_ready,
             "outbound_cursor": self.outbound_cursor,
+            "last_event_age_s": self.last_event_age_s,
         }
         if self.republish is not None:
             value["republish"] = self.republish.to_json()
@@ -237,6 +244,7 @@ class AgentStatus:
             None
             if obj.get("persistence") is None
             else PersistenceStatus.from_json(obj["persistence"], "status.persistence"),
+            _optional_seconds(obj.get("last_event_age_s"), "status.last_event_age_s"),
         )
 
     def is_ready_generation(self, generation: int) -> bool:
@@ -289,6 +297,15 @@ def _uint(value: object, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= U64_MAX:
         raise CodecError(f"{field} must be a u64, got {value!r}")
     return value
+
+
+def _optional_seconds(value: object, field: str) -> float | None:
+    """A non-negative number of seconds, or None (an older agent leaves the member out)."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise CodecError(f"{field} must be a non-negative number or null, got {value!r}")
+    return float(value)
 
 
 def _bool(value: object, field: str) -> bool:

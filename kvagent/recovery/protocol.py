@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import attrs
 import msgpack
 
+from kvagent._util.latency import LatencySnapshot
 from kvagent.index.recovery_index import (
     EventsAnswer,
     InvalidRangeAnswer,
@@ -131,6 +132,8 @@ class ServerStatistics:
             the send deadline.
         ping_timeouts: connections closed because the peer did not answer a ping in time.
         accept_capacity_errors: ``accept`` calls that failed for lack of descriptors or memory.
+        request_latency: the seconds each request took to answer, by op (``follow`` excluded), as
+            histograms; left out of equality (a snapshot of timings never compares equal by value).
     """
 
     connections_open: int
@@ -145,6 +148,7 @@ class ServerStatistics:
     send_overruns: int = 0
     ping_timeouts: int = 0
     accept_capacity_errors: int = 0
+    request_latency: Mapping[str, LatencySnapshot] = attrs.field(factory=dict, eq=False)
 
 
 # --- frames -----------------------------------------------------------------------------------------

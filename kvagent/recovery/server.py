@@ -27,6 +27,7 @@ import trio
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, RejectConnection, RejectData, Request
 
+from kvagent._util.latency import LatencyHistogram
 from kvagent._util.listen import (
     PendingHandshakes,
     accept_loop,
@@ -111,6 +112,7 @@ class ServerStats:
         self.requests: dict[str, int] = {}
         self.request_errors: dict[str, int] = {}  # error responses by code
         self.request_seconds_sum = 0.0
+        self.request_latency: dict[str, LatencyHistogram] = {}  # by op, the same bounded label set
         self.handshakes_pending = 0
         self.handshake_timeouts = 0
         self.handshakes_dropped = 0
@@ -127,8 +129,12 @@ class ServerStats:
     def count_error(self, code: str) -> None:
         self.request_errors[code] = self.request_errors.get(code, 0) + 1
 
-    def count_request_seconds(self, seconds: float) -> None:
+    def count_request_seconds(self, seconds: float, op: str = "invalid") -> None:
         self.request_seconds_sum += seconds
+        histogram = self.request_latency.get(op)
+        if histogram is None:
+            histogram = self.request_latency[op] = LatencyHistogram()
+        histogram.observe(seconds)
 
     def count_accept_capacity_error(self) -> None:
         self.accept_capacity_errors += 1
@@ -153,6 +159,7 @@ class ServerStats:
             send_overruns=self.send_overruns,
             ping_timeouts=self.ping_timeouts,
             accept_capacity_errors=self.accept_capacity_errors,
+            request_latency={op: histogram.snapshot() for op, histogram in self.request_latency.items()},
         )
 
 
@@ -379,7 +386,7 @@ class _Server:
         """One connection's lifetime: its session beside its heartbeat; a bug closes only this connection."""
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeat, ws)
+                nursery.start_soon(self._heartbeat, ws, session.slot)
                 await session.run()
                 nursery.cancel_scope.cancel()
         except* ConnectionClosed:
@@ -388,7 +395,7 @@ class _Server:
             log.exception("connection_failed", slot=session.slot, close_code=CLOSE_INTERNAL_ERROR)
             ws.close(CLOSE_INTERNAL_ERROR, "internal error", urgent=True)
 
-    async def _heartbeat(self, ws: WebSocket) -> None:
+    async def _heartbeat(self, ws: WebSocket, slot: str | None) -> None:
         """Ping, and drop a peer that stops answering; the ping goes out between frames of any answer."""
         while True:
             await trio.sleep(self.options.heartbeat_interval)
@@ -396,7 +403,7 @@ class _Server:
                 await ws.ping()
             if waited.cancelled_caught:
                 self.stats.ping_timeouts += 1
-                log.info("peer_ping_timeout")
+                log.info("peer_ping_timeout", slot=slot)
                 ws.close(CLOSE_PING_TIMEOUT, "ping timeout", urgent=True)
                 return
 

@@ -105,7 +105,7 @@ class RequestCounters(Protocol):
 
     def count_error(self, code: str) -> None: ...
 
-    def count_request_seconds(self, seconds: float) -> None: ...
+    def count_request_seconds(self, seconds: float, op: str = "invalid") -> None: ...
 
 
 @attrs.frozen(slots=True)
@@ -356,7 +356,7 @@ class Session:
         finally:
             turn.release()
             if op_label != "follow":
-                counters.count_request_seconds(trio.current_time() - started)
+                counters.count_request_seconds(trio.current_time() - started, op_label)
 
     async def _dispatch(self, op: str, request: Mapping[str, Any], writer: AnswerWriter) -> None:
         request_id = writer.request_id

@@ -95,6 +95,8 @@ class ListenerOptions:
     # Over its half of the budget the reader sheds; with shed_after > 0 it first stops reading for up to that
     # long (libzmq's queue and the engine's send HWM hold a burst meanwhile; math.inf: never shed).
     shed_after: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    # No engine handshake on the SUB within this many seconds: one WARNING naming the endpoint (reader.py).
+    connect_warning_after: float = attrs.field(default=3.0, validator=_positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.ingress_bytes < 4 * self.max_payload_bytes:
@@ -481,6 +483,7 @@ def _build(
         held_bytes=lambda: sync.held_bytes + processor.pending_bytes,
         shed_held=shed_held,
         shed_after=options.shed_after,
+        connect_warning_after=options.connect_warning_after,
     )
     counters.sync, counters.reader, counters.replay = sync, reader, replay
     return reader, replay, processor

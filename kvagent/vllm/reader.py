@@ -17,6 +17,12 @@ The SUB's monitor socket (``get_monitor_socket``) tells when the engine's connec
 (``EVENT_DISCONNECTED``) and comes back (``EVENT_HANDSHAKE_SUCCEEDED``). A small task owns the monitor
 socket and forwards these as :class:`LinkItem` s, in order with the data. The listener's own re-open after
 shedding is not an engine reconnect: only a handshake after a reported disconnect is one.
+
+The monitor also tells a dead endpoint: when no handshake ever succeeds within ``connect_warning_after``
+seconds, nothing answers at the endpoint, and the reader logs ONE warning naming it and the usual cause (vLLM
+binds its event PUB only for ``tcp://*:PORT``, ``::`` or ipc addresses and otherwise *connects* it, so two
+connecting sockets never meet). ``last_live_at`` is when the SUB last received a live message (the slot's
+staleness gauge and silence warning read it).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ __all__ = [
     "LiveReader",
     "ReplayEndItem",
     "ReplyItem",
+    "unreachable_endpoint_hint",
 ]
 
 log = structlog.get_logger(__name__)
@@ -189,7 +196,9 @@ class _Subscription:
             sub.setsockopt(zmq.LINGER, 0)
             # A unique address: the default one is derived from the FD number, which a re-opened socket
             # may reuse while the old monitor is still bound.
-            monitor = sub.get_monitor_socket(_MONITOR_EVENTS, f"inproc://kvagent-sub-monitor-{next(_monitor_ids)}")
+            monitor = sub.get_monitor_socket(
+                _MONITOR_EVENTS, f"inproc://kvagent-sub-monitor-{next(_monitor_ids)}"
+            )
             monitor.setsockopt(zmq.LINGER, 0)
             self.monitor = TrioSocket(monitor)
             sub.connect(endpoint)
@@ -221,6 +230,7 @@ class LiveReader:
         held_bytes: Callable[[], int],
         shed_held: Callable[[], int],
         shed_after: float = 0.0,
+        connect_warning_after: float = 3.0,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
@@ -229,6 +239,12 @@ class LiveReader:
         self.inbox = inbox
         self.bytes_bound = bytes_bound
         self.shed_after = shed_after
+        self.connect_warning_after = connect_warning_after
+        # trio.current_time() of the last drain that received a live message (None: none yet).
+        self.last_live_at: float | None = None
+        self.connect_warnings = 0
+        self._handshake = trio.Event()  # set at the first successful handshake with the engine
+        self._live_waiter: trio.Event | None = None  # see wait_for_live
         self._held_bytes = held_bytes  # bytes held past the inbox (SourceSync, the processor's batch)
         self._shed_held = shed_held  # drops what SourceSync holds; returns the bytes freed
         self.messages = 0
@@ -259,6 +275,7 @@ class LiveReader:
         try:
             async with trio.open_nursery() as nursery:
                 self._start_monitor(nursery)
+                nursery.start_soon(self._warn_if_never_connected)
                 task_status.started()
                 await self._read(nursery)
         finally:
@@ -268,7 +285,13 @@ class LiveReader:
         while True:
             subscription = self._subscription
             assert subscription is not None
+            received = self.messages
             outcome = self._drain(subscription.sub)
+            if self.messages != received:
+                self.last_live_at = trio.current_time()  # once per drain, not per message
+                if self._live_waiter is not None:
+                    self._live_waiter.set()
+                    self._live_waiter = None
             if outcome is _Drained.SLICE_OVER:
                 await trio.lowlevel.checkpoint()  # let the processor and others run
             elif outcome is _Drained.FULL:
@@ -363,6 +386,38 @@ class LiveReader:
                 frames = await monitor.recv_multipart()
                 self._on_monitor_event(parse_monitor_message(frames)["event"])
 
+    @property
+    def engine_connected(self) -> bool:
+        """Whether the SUB has a working connection to the engine now (a handshake, and no drop since)."""
+        return bool(self._engine_connected)
+
+    async def wait_connected(self) -> None:
+        """Return once a handshake with the engine has succeeded (at once if one already has)."""
+        await self._handshake.wait()
+
+    async def wait_for_live(self) -> None:
+        """Return at the next drain that receives a live message (the slot's silence watch waits here)."""
+        if self._live_waiter is None:
+            self._live_waiter = trio.Event()
+        await self._live_waiter.wait()
+
+    async def _warn_if_never_connected(self) -> None:
+        """One WARNING when no engine handshake succeeds in time, and one INFO if it succeeds later."""
+        if self.endpoint.startswith("inproc://"):
+            return  # no TCP connection, no monitor events: nothing to tell
+        with trio.move_on_after(self.connect_warning_after):
+            await self._handshake.wait()
+            return
+        self.connect_warnings += 1
+        log.warning(
+            "vllm_endpoint_unreachable",
+            endpoint=self.endpoint,
+            waited_s=self.connect_warning_after,
+            hint=unreachable_endpoint_hint(self.endpoint),
+        )
+        await self._handshake.wait()
+        log.info("vllm_endpoint_connected", endpoint=self.endpoint)
+
     def _on_monitor_event(self, event: int) -> None:
         if event == zmq.EVENT_DISCONNECTED:
             if self._engine_connected:
@@ -377,3 +432,15 @@ class LiveReader:
                 self.inbox.put_link(True)
             # The first connection, or the listener's own re-open of a SUB while the engine stayed up.
             self._engine_connected = True
+            self._handshake.set()
+
+
+def unreachable_endpoint_hint(endpoint: str) -> str:
+    """Why a SUB that connects to ``endpoint`` may never meet the engine, and what to change."""
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        return (
+            f"nothing is bound at {endpoint}; vLLM binds its KV event endpoint only for tcp://*:PORT (or ::/ipc)"
+            f" and otherwise CONNECTS — start vLLM with endpoint tcp://*:{port}"
+        )
+    return f"nothing is bound at {endpoint} — is the engine running and publishing its KV events there?"
