@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import structlog
 import trio
 import zmq
@@ -42,7 +43,7 @@ from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
 from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
-__all__ = ["load_or_create_token", "run_serve", "token_path"]
+__all__ = ["ControlToken", "load_or_create_token", "run_serve", "token_path"]
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +51,23 @@ log = structlog.get_logger(__name__)
 def token_path(config: ServeConfig) -> Path:
     """Where the control token lives: ``--token-file``, else ``<state root>/token``."""
     return Path(config.token_file).expanduser() if config.token_file else default_state_dir() / "token"
+
+
+@attrs.frozen(slots=True)
+class ControlToken:
+    value: str = attrs.field(repr=False)  # never printed nor logged
+    path: Path
+    created: bool
+
+    def announce(self, console: Console) -> None:
+        """Only the path: the token itself never goes to stderr, where logs are collected (issue #19)."""
+        console.line(
+            "control_token",
+            f"kvagent: control token {'created in' if self.created else 'read from'} {self.path} (send it as "
+            f"'Authorization: Bearer <token>', or pass --token-file {self.path} to kvagent query)",
+            path=str(self.path),
+            created=self.created,
+        )
 
 
 def load_or_create_token(path: Path) -> tuple[str, bool]:
@@ -313,7 +331,11 @@ async def _start_servers(
 
 
 async def _serve_slots(
-    console: Console, config: ServeConfig, token: str, context: zmq.Context[Any], signals: AsyncIterator[int]
+    console: Console,
+    config: ServeConfig,
+    token: ControlToken,
+    context: zmq.Context[Any],
+    signals: AsyncIterator[int],
 ) -> None:
     """Host the configured slots behind the recovery server until a signal arrives."""
     state_dir = _state_dir(config)
@@ -335,7 +357,13 @@ async def _serve_slots(
         async with _opened_discovery(config.discovery) as discovery, trio.open_nursery() as nursery:
             async with open_host(discovery=discovery, sink_factory=sink_factory, zmq_context=context) as host:
                 base_url = await _start_servers(
-                    nursery, console, config, host, token=token, discovery=discovery, event_plane=event_plane
+                    nursery,
+                    console,
+                    config,
+                    host,
+                    token=token.value,
+                    discovery=discovery,
+                    event_plane=event_plane,
                 )
                 for slot in config.slots:
                     agent_config = slot_agent_config(
@@ -344,6 +372,7 @@ async def _serve_slots(
                     agent = await _add_slot(host, agent_config, slot, config)
                     _print_republish(console, agent)
                     await _attach_configured_engine(nursery, agent, slot, context)
+                token.announce(console)  # with the serving line: a start that fails ends in its error alone
                 console.line(
                     "serving",
                     f"kvagent: serving {len(config.slots)} slot(s) on {base_url}/v1/slots "
@@ -378,15 +407,8 @@ async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
     console = Console(config.log_format)
     path = token_path(config)
-    token, created = load_or_create_token(path)
-    # Only the path: the token itself never goes to stderr, where logs are collected (issue #19).
-    console.line(
-        "control_token",
-        f"kvagent: control token {'created in' if created else 'read from'} {path} "
-        f"(send it as 'Authorization: Bearer <token>', or pass --token-file {path} to kvagent query)",
-        path=str(path),
-        created=created,
-    )
+    value, created = load_or_create_token(path)
+    token = ControlToken(value=value, path=path, created=created)
     context: zmq.Context[Any] = zmq.Context()
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
