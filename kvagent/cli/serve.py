@@ -88,7 +88,10 @@ def load_or_create_token(path: Path) -> tuple[str, bool]:
             return token, False
         token = secrets.token_urlsafe(32)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another serve sharing the state root created it meanwhile: use that one
+            return path.read_text().strip(), False
         with os.fdopen(fd, "w") as handle:
             handle.write(token + "\n")
         return token, True
