@@ -267,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     try:
         if args.command == "serve":
+            console = Console(args.log_format or "text")  # a config error follows --log-format json too
             config = serve_config_from_args(args)
             console = Console(config.log_format)  # from here on, even the error line follows --log-format
             from kvagent.cli.serve import run_serve

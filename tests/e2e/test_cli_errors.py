@@ -26,6 +26,7 @@ import pytest
 import trio
 
 import kvagent.model.errors
+from tests.support.etcd_server import EtcdEndpoint
 from tests.support.serve import LineLog
 
 TIMEOUT = 60
@@ -232,18 +233,33 @@ async def test_a_discovery_path_through_a_file_names_the_option(tmp_path: Path) 
     assert f"--discovery {url}" in line and "not a directory" in line
 
 
-@pytest.mark.skipif(
+needs_slot_ownership = pytest.mark.skipif(
     not hasattr(kvagent.model.errors, "SlotOwnershipError"),
     reason="slot ownership (SlotOwnershipError) is not in this tree yet",
 )
-async def test_a_second_serve_of_the_same_slot_is_one_line(tmp_path: Path) -> None:
-    first = serve_command(
-        tmp_path, "--slot", "gpu0", "--simulate", "--state-dir", "none", "--log-level", "info"
-    )
-    async with running(first) as log:
+
+
+async def second_serve_of_the_same_slot(tmp_path: Path, discovery: str) -> tuple[int, str]:
+    """The exit status and stderr of a second `serve --slot gpu0` while a first one serves it."""
+    common = ("--slot", "gpu0", "--simulate", "--state-dir", "none", "--discovery", discovery)
+    async with running(serve_command(tmp_path, *common, "--log-level", "info")) as log:
         await log.wait_for(lambda line: "serving" in line)
-        second = serve_command(tmp_path, "--slot", "gpu0", "--simulate", "--state-dir", "none")
-        status, stderr = await run_cli(second)
+        return await run_cli(serve_command(tmp_path, *common))
+
+
+@needs_slot_ownership
+async def test_a_second_serve_of_the_same_slot_under_file_discovery_is_one_line(tmp_path: Path) -> None:
+    status, stderr = await second_serve_of_the_same_slot(tmp_path, f"file:{tmp_path / 'discovery'}")
+    line = one_error_line(stderr)
+    assert status == 1
+    assert "gpu0" in line
+
+
+@needs_slot_ownership
+async def test_a_second_serve_of_the_same_slot_under_etcd_is_one_line(
+    tmp_path: Path, etcd_endpoint: EtcdEndpoint
+) -> None:
+    status, stderr = await second_serve_of_the_same_slot(tmp_path, etcd_endpoint.discovery_url)
     line = one_error_line(stderr)
     assert status == 1
     assert "gpu0" in line
@@ -316,6 +332,16 @@ async def test_with_json_logs_the_error_is_one_json_line(tmp_path: Path) -> None
     record = json.loads(line)
     assert record["event"] == "error" and record["level"] == "error"
     assert record["message"].startswith(f"--listen {address}")
+
+
+async def test_with_json_logs_a_config_error_is_one_json_line_too(tmp_path: Path) -> None:
+    status, stderr = await run_cli(
+        serve_command(tmp_path, "--slot", "s", "--log-format", "json", "--block-size", "0")
+    )
+    assert status == 2
+    [line] = stderr.splitlines()
+    record = json.loads(line)
+    assert record["event"] == "error" and "kv_block_size" in record["message"]
 
 
 @asynccontextmanager
