@@ -32,7 +32,7 @@ from kvagent.cli.config import (
 )
 from kvagent.cli.errors import EXIT_USAGE, CliError, blame, blaming, find_cause, system_error
 from kvagent.cli.logs import Console, configure_logging
-from kvagent.discovery import Discovery, open_discovery
+from kvagent.discovery import Discovery, file_discovery_directory, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.errors import DiscoveryError
 from kvagent.model.events import IngressProtocol
@@ -46,6 +46,8 @@ from kvagent.vllm.listener import ListenerOptions
 __all__ = ["ControlToken", "load_or_create_token", "run_serve", "token_path"]
 
 log = structlog.get_logger(__name__)
+
+SLOT_OWNED = "slot_owned"  # the code of SlotOwnershipError: a second process for a served slot
 
 
 def token_path(config: ServeConfig) -> Path:
@@ -165,11 +167,16 @@ def _blame_slot_failure(cause: BaseException, slot: SlotConfig, serve: ServeConf
             f", bound at PORT + its dp_rank {slot.dp_rank}" if slot.dp_rank else ""
         )
         return blame(option, value, cause, what=where)
-    if any(isinstance(error, DiscoveryError) for error in chain):
+    if any(getattr(error, "code", None) == SLOT_OWNED for error in chain):
+        return None  # another process serves the slot: its message names the slot, the holder, what to do
+    texts = " ".join([str(error) for error in chain] + [str(getattr(system_error(cause), "filename", ""))])
+    directory = file_discovery_directory(serve.discovery)
+    if any(isinstance(error, DiscoveryError) for error in chain) or (
+        directory is not None and str(directory) in texts
+    ):
         return blame("--discovery", serve.discovery, cause, what=f"advertising slot {slot.name}")
     state_dir = _state_dir(serve)
-    filename = getattr(system_error(cause), "filename", None)
-    if state_dir is not None and filename is not None and str(state_dir) in str(filename):
+    if state_dir is not None and str(state_dir) in texts:
         return blame("--state-dir", state_dir, cause, what=f"slot {slot.name}'s state")
     return None
 
@@ -333,6 +340,16 @@ async def _start_servers(
     return f"ws://{listen_host}:{server.port}"
 
 
+def _create_state_dir(config: ServeConfig) -> None:
+    """Created here (the CLI owns the state root); a slot opens or creates its own file in it."""
+    state_dir = _state_dir(config)
+    if state_dir is not None:
+        with blaming(
+            "--state-dir", state_dir, what="where slots persist their state; 'none' keeps it in memory"
+        ):
+            (state_dir / "slots").mkdir(parents=True, exist_ok=True)
+
+
 async def _serve_slots(
     console: Console,
     config: ServeConfig,
@@ -341,13 +358,7 @@ async def _serve_slots(
     signals: AsyncIterator[int],
 ) -> None:
     """Host the configured slots behind the recovery server until a signal arrives."""
-    state_dir = _state_dir(config)
-    if state_dir is not None:
-        # Created here (the CLI owns the state root); a slot opens or creates its own file in it.
-        with blaming(
-            "--state-dir", state_dir, what="where slots persist their state; 'none' keeps it in memory"
-        ):
-            (state_dir / "slots").mkdir(parents=True, exist_ok=True)
+    _create_state_dir(config)
     event_plane = None
     if config.publish:
         with blaming("--publish", config.publish, what="the outbound event plane"):

@@ -325,7 +325,7 @@ async def test_the_global_debug_flag_works_for_usage_errors_from_the_config_too(
 async def test_with_json_logs_the_error_is_one_json_line(tmp_path: Path) -> None:
     with port_in_use() as address:
         status, stderr = await run_cli(
-            serve_command(tmp_path, "--slot", "s", "--log-format", "json", "--listen", address)
+            serve_command(tmp_path, "--slot", "s", "--simulate", "--log-format", "json", "--listen", address)
         )
     assert status == 1
     [line] = stderr.splitlines()
