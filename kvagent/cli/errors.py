@@ -47,6 +47,7 @@ _ADVICE = {
     errno.ENOTDIR: "a component of the path is a file, not a directory",
     errno.EEXIST: "it exists and is not a directory",
     errno.ECONNREFUSED: "is the service running there?",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n, LimitNOFILE=)",
 }
 _FILE_ACCESS = "make it writable for this user or choose another path"
 _PORT_ACCESS = "ports below 1024 need privileges"
@@ -140,13 +141,20 @@ def describe(exc: BaseException) -> str:
 
 
 @contextmanager
-def blaming(option: str, value: object, *, what: str = "", fix: str = "") -> Iterator[None]:
+def blaming(
+    option: str, value: object, *, what: str = "", fix: str = "", usage: tuple[type[Exception], ...] = ()
+) -> Iterator[None]:
     """A KvAgentError, OSError or ZMQError in the block becomes a CliError naming ``option`` and
-    ``value``; ``what`` says what the option is for, ``fix`` what to do. A CliError (already explained)
-    and other errors pass unchanged."""
+    ``value``; ``what`` says what the option is for, ``fix`` what to do. An error of a ``usage`` type
+    (a value the option's code refuses) becomes one too, with exit status 2. A CliError (already
+    explained) and other errors pass unchanged."""
     try:
         yield
     except Exception as exc:
+        refused = next((leaf for leaf in _leaves(exc) if isinstance(leaf, usage)), None) if usage else None
+        if refused is not None:
+            prefix = f"{option} {value}" + (f" ({what})" if what else "")
+            raise CliError(f"{prefix}: {refused}", exit_status=EXIT_USAGE) from exc
         cause = find_cause(exc)
         if cause is None or isinstance(cause, CliError):
             raise

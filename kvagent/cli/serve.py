@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -34,16 +35,17 @@ from kvagent.cli.errors import EXIT_USAGE, CliError, blame, blaming, find_cause,
 from kvagent.cli.logs import Console, configure_logging
 from kvagent.discovery import Discovery, file_discovery_directory, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
-from kvagent.model.errors import DiscoveryError
+from kvagent.model.errors import DiscoveryError, KvAgentError
 from kvagent.model.events import IngressProtocol
 from kvagent.model.ids import derive_worker_id
+from kvagent.publish.republisher import offset_endpoint
 from kvagent.publish.sinks import EventSink
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
 from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
-__all__ = ["ControlToken", "load_or_create_token", "run_serve", "token_path"]
+__all__ = ["ControlToken", "check_distinct_addresses", "load_or_create_token", "run_serve", "token_path"]
 
 log = structlog.get_logger(__name__)
 
@@ -102,6 +104,56 @@ def load_or_create_token(path: Path) -> tuple[str, bool]:
 def _split_host_port(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
+
+
+def _tcp_host_port(address: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` or ``tcp://HOST:PORT`` as (host, port); None for ipc/inproc or what does not parse."""
+    if "://" in address:
+        scheme, _, address = address.partition("://")
+        if scheme != "tcp":
+            return None
+    host, _, port = address.rpartition(":")
+    return (host.strip("[]"), int(port)) if port.isdigit() else None
+
+
+def _bound_addresses(config: ServeConfig) -> list[tuple[str, str, int]]:
+    """Every TCP address the process binds: (the option that names it, host, port)."""
+    named: list[tuple[str, str]] = [(f"--listen {config.listen}", config.listen)]
+    if config.http_listen:
+        named.append((f"--http {config.http_listen}", config.http_listen))
+    if config.publish:
+        named.append((f"--publish {config.publish}", config.publish))
+    for slot in config.slots:
+        if slot.republish is None:
+            continue
+        for option, endpoint in (
+            ("--republish", slot.republish.endpoint),
+            ("--republish-replay", slot.republish.replay_endpoint),
+        ):
+            if endpoint is not None:
+                with contextlib.suppress(KvAgentError):  # an endpoint that cannot be offset fails later
+                    bound = offset_endpoint(endpoint, slot.dp_rank)
+                    named.append((f"{option} {endpoint} (slot {slot.name} binds {bound})", bound))
+    parsed = [(option, _tcp_host_port(address)) for option, address in named]
+    return [(option, *host_port) for option, host_port in parsed if host_port is not None]
+
+
+def check_distinct_addresses(config: ServeConfig) -> None:
+    """Two options that bind one TCP address would fail as "already in use" by the process itself:
+    said beforehand, naming both (a usage mistake, exit status 2)."""
+    seen: list[tuple[str, str, int]] = []
+    for option, host, port in _bound_addresses(config):
+        for other, other_host, other_port in seen:
+            overlap = host == other_host or host in _WILDCARD_HOSTS or other_host in _WILDCARD_HOSTS
+            if port != 0 and port == other_port and overlap:
+                raise CliError(
+                    f"{option} and {other} bind the same address: give each its own port",
+                    exit_status=EXIT_USAGE,
+                )
+        seen.append((option, host, port))
 
 
 def _state_dir(serve: ServeConfig) -> Path | None:
@@ -412,13 +464,15 @@ async def _opened_discovery(url: str) -> AsyncIterator[Discovery]:
     --discovery. Failures later, inside the block, pass unchanged."""
     async with AsyncExitStack() as stack:
         fix = "check that etcd runs there and the URL is right" if url.startswith("etcd") else ""
-        with blaming("--discovery", url, what="where slots are advertised", fix=fix):
+        # A ValueError is an option the backend refuses (TLS files without etcds://, a ttl below 1 s).
+        with blaming("--discovery", url, what="where slots are advertised", fix=fix, usage=(ValueError,)):
             discovery = await stack.enter_async_context(open_discovery(url))
         yield discovery
 
 
 async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
+    check_distinct_addresses(config)
     console = Console(config.log_format)
     path = token_path(config)
     value, created = load_or_create_token(path)

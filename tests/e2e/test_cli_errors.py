@@ -122,6 +122,15 @@ async def test_an_address_not_of_this_machine_says_so(tmp_path: Path) -> None:
     assert "--listen 192.0.2.1:8765" in line and "not an address of this machine" in line
 
 
+async def test_two_options_on_one_address_are_a_usage_error_naming_both(tmp_path: Path) -> None:
+    port = closed_port()
+    status, line = await serve_fails(
+        tmp_path, "--slot", "s", "--simulate", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{port}"
+    )
+    assert status == 2
+    assert f"--http 127.0.0.1:{port} and --listen 127.0.0.1:{port} bind the same address" in line
+
+
 # -- the configuration ---------------------------------------------------------------------------------
 
 

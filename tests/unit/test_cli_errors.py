@@ -13,6 +13,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvagent.cli.config import ServeConfig, structure_serve_config
 from kvagent.cli.errors import (
     EXIT_RUNTIME,
     EXIT_USAGE,
@@ -25,7 +26,7 @@ from kvagent.cli.errors import (
     one_line,
 )
 from kvagent.cli.logs import Console
-from kvagent.cli.serve import load_or_create_token
+from kvagent.cli.serve import check_distinct_addresses, load_or_create_token
 from kvagent.model.errors import ConfigError, DiscoveryError, KvAgentError
 
 
@@ -152,3 +153,58 @@ def test_a_token_file_is_created_0600_then_read_and_a_readable_one_is_warned_abo
         assert load_or_create_token(path) == (token, False)
     assert [entry["event"] for entry in logs] == ["token_file_readable_by_others"]
     assert token not in repr(logs)
+
+
+def serve_config(**data: object) -> ServeConfig:
+    return structure_serve_config({"slots": [{"name": "a"}], **data})
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"listen": "127.0.0.1:8765", "http": "127.0.0.2:8765"},  # another host, same port
+        {"listen": "127.0.0.1:0", "http": "127.0.0.1:0", "publish": "tcp://127.0.0.1:0"},  # ephemeral ports
+        {"listen": "127.0.0.1:8765", "publish": "ipc:///tmp/kvagent-plane"},
+    ],
+)
+def test_distinct_addresses_pass(data: dict[str, object]) -> None:
+    check_distinct_addresses(serve_config(**data))
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"listen": "127.0.0.1:8765", "http": "127.0.0.1:8765"}, ("--http 127.0.0.1:8765", "--listen")),
+        (
+            {"listen": "0.0.0.0:8765", "publish": "tcp://127.0.0.1:8765"},
+            ("--publish", "--listen 0.0.0.0:8765"),
+        ),
+        (
+            {
+                "http": "127.0.0.1:5601",
+                "slots": [{"name": "a", "dp_rank": 1, "republish": {"endpoint": "tcp://127.0.0.1:5600"}}],
+            },
+            ("--republish tcp://127.0.0.1:5600 (slot a binds tcp://127.0.0.1:5601)", "--http 127.0.0.1:5601"),
+        ),
+    ],
+)
+def test_two_options_binding_one_address_are_a_usage_error_naming_both(
+    data: dict[str, object], named: tuple[str, str]
+) -> None:
+    with pytest.raises(CliError) as raised:
+        check_distinct_addresses(serve_config(**data))
+    assert raised.value.exit_status == EXIT_USAGE
+    assert all(option in raised.value.message for option in named)
+    assert "give each its own port" in raised.value.message
+
+
+def test_blaming_turns_a_refused_value_into_a_usage_error() -> None:
+    with (
+        pytest.raises(CliError) as raised,
+        blaming("--discovery", "etcd://h:2379", usage=(ValueError,)),
+    ):
+        raise ExceptionGroup("open", [ValueError("ca_file/cert_file/key_file need an etcds:// URL")])
+    assert raised.value.exit_status == EXIT_USAGE
+    assert (
+        raised.value.message == "--discovery etcd://h:2379: ca_file/cert_file/key_file need an etcds:// URL"
+    )
