@@ -83,7 +83,7 @@ def _apply_republish(data: dict[str, Any], republish: dict[str, object] | None) 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="kvagent", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvagent {_version()}")
-    parser.add_argument("--debug", action="store_true", help="on a failure, show the traceback")
+    parser.add_argument("--debug", action="store_true", help="a failure shows its traceback, not one line")
     sub = parser.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="run slot agents (one per --slot)")
