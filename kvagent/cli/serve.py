@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import secrets
 import signal
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -13,7 +10,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import attrs
 import structlog
 import trio
 import zmq
@@ -24,136 +20,37 @@ from kvagent.agent.host import Host, open_host
 from kvagent.agent.http import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
+from kvagent.cli.bind_check import check_distinct_addresses
 from kvagent.cli.config import (
     STATE_DIR_NONE,
     ServeConfig,
     SlotConfig,
-    default_state_dir,
     resolve_cache_owner_id,
 )
-from kvagent.cli.errors import EXIT_USAGE, CliError, blame, blaming, find_cause, system_error
+from kvagent.cli.control_token import ControlToken, load_or_create_token, token_path
+from kvagent.cli.errors import CliError, blame, blaming, find_cause, system_error
 from kvagent.cli.logs import Console, configure_logging
 from kvagent.discovery import Discovery, file_discovery_directory, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
-from kvagent.model.errors import DiscoveryError, KvAgentError
+from kvagent.model.errors import DiscoveryError
 from kvagent.model.events import IngressProtocol
 from kvagent.model.ids import derive_worker_id
-from kvagent.publish.republisher import offset_endpoint
 from kvagent.publish.sinks import EventSink
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
 from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
-__all__ = ["ControlToken", "check_distinct_addresses", "load_or_create_token", "run_serve", "token_path"]
+__all__ = ["run_serve"]
 
 log = structlog.get_logger(__name__)
 
 SLOT_OWNED = "slot_owned"  # the code of SlotOwnershipError: a second process for a served slot
 
 
-def token_path(config: ServeConfig) -> Path:
-    """Where the control token lives: ``--token-file``, else ``<state root>/token``."""
-    return Path(config.token_file).expanduser() if config.token_file else default_state_dir() / "token"
-
-
-@attrs.frozen(slots=True)
-class ControlToken:
-    value: str = attrs.field(repr=False)  # never printed nor logged
-    path: Path
-    created: bool
-
-    def announce(self, console: Console) -> None:
-        """Only the path: the token itself never goes to stderr, where logs are collected (issue #19)."""
-        console.line(
-            "control_token",
-            f"kvagent: control token {'created in' if self.created else 'read from'} {self.path} (send it as "
-            f"'Authorization: Bearer <token>', or pass --token-file {self.path} to kvagent query)",
-            path=str(self.path),
-            created=self.created,
-        )
-
-
-def load_or_create_token(path: Path) -> tuple[str, bool]:
-    """The control token in ``path``, and whether it was just created there (mode 0600, a fresh token).
-
-    The token is never printed: the console names only the file (issue #19).
-    """
-    with blaming("--token-file", path, what="the control token file"):
-        if path.exists():
-            token = path.read_text().strip()
-            if not token:
-                raise CliError(
-                    f"--token-file {path} is empty: write a token into it, or delete it to have one created",
-                    exit_status=EXIT_USAGE,
-                )
-            if path.stat().st_mode & 0o077:
-                log.warning("token_file_readable_by_others", path=str(path), fix=f"chmod 600 {path}")
-            return token, False
-        token = secrets.token_urlsafe(32)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another serve sharing the state root created it meanwhile: use that one
-            return path.read_text().strip(), False
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token + "\n")
-        return token, True
-
-
 def _split_host_port(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host.strip("[]") or "127.0.0.1", int(port)
-
-
-_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
-
-
-def _tcp_host_port(address: str) -> tuple[str, int] | None:
-    """``HOST:PORT`` or ``tcp://HOST:PORT`` as (host, port); None for ipc/inproc or what does not parse."""
-    if "://" in address:
-        scheme, _, address = address.partition("://")
-        if scheme != "tcp":
-            return None
-    host, _, port = address.rpartition(":")
-    return (host.strip("[]"), int(port)) if port.isdigit() else None
-
-
-def _bound_addresses(config: ServeConfig) -> list[tuple[str, str, int]]:
-    """Every TCP address the process binds: (the option that names it, host, port)."""
-    named: list[tuple[str, str]] = [(f"--listen {config.listen}", config.listen)]
-    if config.http_listen:
-        named.append((f"--http {config.http_listen}", config.http_listen))
-    if config.publish:
-        named.append((f"--publish {config.publish}", config.publish))
-    for slot in config.slots:
-        if slot.republish is None:
-            continue
-        for option, endpoint in (
-            ("--republish", slot.republish.endpoint),
-            ("--republish-replay", slot.republish.replay_endpoint),
-        ):
-            if endpoint is not None:
-                with contextlib.suppress(KvAgentError):  # an endpoint that cannot be offset fails later
-                    bound = offset_endpoint(endpoint, slot.dp_rank)
-                    named.append((f"{option} {endpoint} (slot {slot.name} binds {bound})", bound))
-    parsed = [(option, _tcp_host_port(address)) for option, address in named]
-    return [(option, *host_port) for option, host_port in parsed if host_port is not None]
-
-
-def check_distinct_addresses(config: ServeConfig) -> None:
-    """Two options that bind one TCP address would fail as "already in use" by the process itself:
-    said beforehand, naming both (a usage mistake, exit status 2)."""
-    seen: list[tuple[str, str, int]] = []
-    for option, host, port in _bound_addresses(config):
-        for other, other_host, other_port in seen:
-            overlap = host == other_host or host in _WILDCARD_HOSTS or other_host in _WILDCARD_HOSTS
-            if port != 0 and port == other_port and overlap:
-                raise CliError(
-                    f"{option} and {other} bind the same address: give each its own port",
-                    exit_status=EXIT_USAGE,
-                )
-        seen.append((option, host, port))
 
 
 def _state_dir(serve: ServeConfig) -> Path | None:

@@ -13,7 +13,9 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvagent.cli.bind_check import check_distinct_addresses
 from kvagent.cli.config import ServeConfig, structure_serve_config
+from kvagent.cli.control_token import load_or_create_token
 from kvagent.cli.errors import (
     EXIT_RUNTIME,
     EXIT_USAGE,
@@ -26,7 +28,6 @@ from kvagent.cli.errors import (
     one_line,
 )
 from kvagent.cli.logs import Console
-from kvagent.cli.serve import check_distinct_addresses, load_or_create_token
 from kvagent.model.errors import ConfigError, DiscoveryError, KvAgentError
 
 
