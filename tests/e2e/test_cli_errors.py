@@ -261,7 +261,7 @@ async def test_a_second_serve_of_the_same_slot_under_file_discovery_is_one_line(
     status, stderr = await second_serve_of_the_same_slot(tmp_path, f"file:{tmp_path / 'discovery'}")
     line = one_error_line(stderr)
     assert status == 1
-    assert "gpu0" in line
+    assert "gpu0" in line and "--slot" in line  # the slot, and what to do: stop the holder or choose another
 
 
 @needs_slot_ownership
@@ -271,7 +271,7 @@ async def test_a_second_serve_of_the_same_slot_under_etcd_is_one_line(
     status, stderr = await second_serve_of_the_same_slot(tmp_path, etcd_endpoint.discovery_url)
     line = one_error_line(stderr)
     assert status == 1
-    assert "gpu0" in line
+    assert "gpu0" in line and "--slot" in line
 
 
 # -- state and token -----------------------------------------------------------------------------------
