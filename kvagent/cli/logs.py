@@ -1,13 +1,49 @@
-"""Logging setup: stdlib logging rendered by structlog, as text or one JSON object per line."""
+"""Logging setup: stdlib logging rendered by structlog, as text or one JSON object per line.
+
+With ``--log-format json`` every stderr line is one JSON object: log records, and the operator's console
+lines (startup, status, the final error) written through :class:`Console` with the same keys.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from datetime import UTC, datetime
 
+import attrs
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["Console", "configure_logging"]
+
+
+@attrs.frozen(slots=True)
+class Console:
+    """Lines for the operator on stderr: ``text`` as is, or with the json format an object carrying
+    ``event``, ``level``, ``logger``, ``timestamp`` (as log records do) and the line's fields."""
+
+    log_format: str = "text"
+
+    def line(
+        self, event: str, text: str, *, level: str = "info", logged: bool = False, **fields: object
+    ) -> None:
+        """``logged``: a log record already says this, so the json format leaves the line out."""
+        if self.log_format == "json":
+            if logged:
+                return
+            record = {
+                "event": event,
+                **fields,
+                "level": level,
+                "logger": "kvagent.console",
+                "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            }
+            text = json.dumps(record, default=str)
+        print(text, file=sys.stderr, flush=True)
+
+    def error(self, message: str) -> None:
+        """The one line of a failure: ``kvagent: error: MESSAGE`` (json: ``{"event": "error", ...}``)."""
+        self.line("error", f"kvagent: error: {message}", level="error", message=message)
 
 
 def configure_logging(log_format: str = "text", level: int = logging.INFO) -> None:
@@ -42,3 +78,4 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    logging.captureWarnings(True)  # a library's warning is a log record too, not a raw stderr line

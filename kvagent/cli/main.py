@@ -11,9 +11,11 @@ from typing import Any
 import trio
 
 from kvagent.cli.config import ServeConfig, load_config_file, structure_serve_config
+from kvagent.cli.errors import OneLineArgumentParser, explain, one_line
+from kvagent.cli.logs import Console
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
 from kvagent.cli.top import add_top_parser
-from kvagent.model.errors import ConfigError, IdentityError
+from kvagent.model.errors import ConfigError
 from kvagent.model.ids import resolve_stable_dp_slot_id
 
 __all__ = ["build_parser", "main"]
@@ -102,11 +104,13 @@ def _add_etcd_arguments(serve: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvagent", description=__doc__)
+    parser = OneLineArgumentParser(prog="kvagent", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvagent {_version()}")
+    parser.add_argument("--debug", action="store_true", help="a failure shows its traceback, not one line")
     sub = parser.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="run slot agents (one per --slot)")
+    serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="as kvagent --debug")
     serve.add_argument("--config", help="a kvagent.toml file (command-line options override it)")
     serve.add_argument(
         "--slot",
@@ -419,37 +423,39 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a failure ends in one stderr line (``--debug``: the traceback instead)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # bare `kvagent`: the whole help, not just "a command is required"
         parser.print_help(sys.stderr)
         return 2
-    if args.command == "slot-id":
-        try:
-            print(resolve_stable_dp_slot_id(args.name))
-        except IdentityError as exc:
-            print(f"kvagent slot-id: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if args.command == "serve":
-        try:
-            config = serve_config_from_args(args)
-        except ConfigError as exc:
-            print(f"kvagent serve: {exc}", file=sys.stderr)
-            return 2
-        from kvagent.cli.serve import run_serve
-
-        return trio.run(run_serve, config)
-    if args.command == "top":
-        from kvagent.cli.top import run_top
-
-        return trio.run(run_top, args)
-    from kvagent.cli.query import run_query
-
+    console = Console()
     try:
+        if args.command == "serve":
+            console = Console(args.log_format or "text")  # a config error follows --log-format json too
+            config = serve_config_from_args(args)
+            console = Console(config.log_format)  # from here on, even the error line follows --log-format
+            from kvagent.cli.serve import run_serve
+
+            return trio.run(run_serve, config)
+        if args.command == "slot-id":
+            print(resolve_stable_dp_slot_id(args.name))
+            return 0
+        if args.command == "top":
+            from kvagent.cli.top import run_top
+
+            return trio.run(run_top, args)
+        from kvagent.cli.query import run_query
+
         return trio.run(run_query, args)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        message, status = explain(exc)
+        console.error(one_line(message))
+        return status
 
 
 if __name__ == "__main__":

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import signal
-import sys
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from kvagent.agent.host import Host, open_host
 from kvagent.agent.http import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
+from kvagent.cli.bind_check import check_distinct_addresses
 from kvagent.cli.config import (
     STATE_DIR_NONE,
     ServeConfig,
@@ -31,9 +30,12 @@ from kvagent.cli.config import (
     resolve_cache_owner_id,
     warn_if_models_unnamed,
 )
-from kvagent.cli.logs import configure_logging
-from kvagent.discovery import Discovery, open_discovery
+from kvagent.cli.control_token import ControlToken, load_or_create_token, token_path
+from kvagent.cli.errors import CliError, blame, blaming, find_cause, system_error
+from kvagent.cli.logs import Console, configure_logging
+from kvagent.discovery import Discovery, file_discovery_directory, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
+from kvagent.model.errors import DiscoveryError
 from kvagent.model.events import IngressProtocol
 from kvagent.model.ids import derive_worker_id
 from kvagent.publish.sinks import EventSink
@@ -42,27 +44,11 @@ from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
 from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
-__all__ = ["load_or_create_token", "run_serve"]
+__all__ = ["run_serve"]
 
 log = structlog.get_logger(__name__)
 
-
-def load_or_create_token(token_file: str | None) -> tuple[str, bool]:
-    """The control token, and whether it was freshly generated (so the caller prints it once)."""
-    if token_file is not None:
-        path = Path(token_file)
-        if path.exists():
-            token = path.read_text().strip()
-            if not token:
-                raise SystemExit(f"kvagent serve: token file {token_file} is empty")
-            return token, False
-        token = secrets.token_urlsafe(32)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token + "\n")
-        return token, True
-    return secrets.token_urlsafe(32), True
+SLOT_OWNED = "slot_owned"  # the code of SlotOwnershipError: a second process for a served slot
 
 
 def _split_host_port(text: str) -> tuple[str, int]:
@@ -95,17 +81,72 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
     )
 
 
-def _print_republish(agent: SlotAgent) -> None:
+def _print_republish(console: Console, agent: SlotAgent) -> None:
     """The bound republish endpoints (resolved: a port 0 shows the port it got), once at start."""
     republisher = agent.republisher
     if republisher is None:
         return
     replay = "" if republisher.replay_endpoint is None else f" replay {republisher.replay_endpoint}"
-    print(
+    console.line(
+        "republishing",
         f"kvagent: slot {agent.name} republishes vLLM KV events on {republisher.endpoint}{replay}",
-        file=sys.stderr,
-        flush=True,
+        slot=agent.name,
+        endpoint=republisher.endpoint,
+        replay_endpoint=republisher.replay_endpoint,
+        logged=True,
     )
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+def _blame_slot_failure(cause: BaseException, slot: SlotConfig, serve: ServeConfig) -> CliError | None:
+    """A failure while adding ``slot`` attributed to the option it comes from (None: to none of them)."""
+    chain = _chain(cause)
+    republish = slot.republish
+    if republish is not None and system_error(cause) is not None and "republish" in str(cause):
+        replay = "replay" in str(cause) and republish.replay_endpoint is not None
+        option, value = (
+            ("--republish-replay", republish.replay_endpoint)
+            if replay
+            else ("--republish", republish.endpoint)
+        )
+        where = f"slot {slot.name}" + (
+            f", bound at PORT + its dp_rank {slot.dp_rank}" if slot.dp_rank else ""
+        )
+        return blame(option, value, cause, what=where)
+    if any(getattr(error, "code", None) == SLOT_OWNED for error in chain):
+        return None  # another process serves the slot: its message names the slot, the holder, what to do
+    texts = " ".join([str(error) for error in chain] + [str(getattr(system_error(cause), "filename", ""))])
+    directory = file_discovery_directory(serve.discovery)
+    if any(isinstance(error, DiscoveryError) for error in chain) or (
+        directory is not None and str(directory) in texts
+    ):
+        return blame("--discovery", serve.discovery, cause, what=f"advertising slot {slot.name}")
+    state_dir = _state_dir(serve)
+    if state_dir is not None and str(state_dir) in texts:
+        return blame("--state-dir", state_dir, cause, what=f"slot {slot.name}'s state")
+    return None
+
+
+async def _add_slot(host: Host, config: SlotAgentConfig, slot: SlotConfig, serve: ServeConfig) -> SlotAgent:
+    """Add one slot; a failure that comes from an option (a republish endpoint in use, a discovery
+    directory not writable, a state directory unusable) is explained naming that option."""
+    try:
+        return await host.add_slot(config)
+    except Exception as exc:
+        cause = find_cause(exc)
+        explained = None if cause is None else _blame_slot_failure(cause, slot, serve)
+        if explained is None:
+            raise
+        raise explained from exc
 
 
 async def _attach_configured_engine(
@@ -116,7 +157,8 @@ async def _attach_configured_engine(
         worker_id = (
             engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
         )
-        status = await agent.attach(
+        # The agent logs slot_attached (slot, generation, endpoint) itself.
+        await agent.attach(
             AttachmentConfig(
                 worker_id=worker_id,
                 dp_rank=slot.dp_rank,
@@ -127,7 +169,6 @@ async def _attach_configured_engine(
                 video_token_id=engine.video_token_id,
             )
         )
-        log.info("slot_attached", slot=slot.name, endpoint=engine.endpoint, generation=status.generation)
     elif not slot.simulate and (persisted := agent.persisted_attachment()) is not None:
         # A restarted slot without a configured engine goes back to the engine its state follows.
         status = await agent.attach(persisted)
@@ -145,7 +186,7 @@ async def _attach_configured_engine(
             seed=derive_worker_id(slot.name, "simulate"), block_size=slot.kv_block_size
         )
         nursery.start_soon(partial(run_simulated_engine, fake, workload))
-        status = await agent.attach(
+        await agent.attach(
             AttachmentConfig(
                 worker_id=derive_worker_id(slot.name, fake.endpoint),
                 dp_rank=slot.dp_rank,
@@ -154,16 +195,10 @@ async def _attach_configured_engine(
                 replay_endpoint=fake.replay_endpoint,
             )
         )
-        log.info(
-            "slot_attached",
-            slot=slot.name,
-            endpoint=fake.endpoint,
-            generation=status.generation,
-            simulated=True,
-        )
+        log.info("simulated_engine", slot=slot.name, endpoint=fake.endpoint)
 
 
-async def _status_lines(host: Host, interval: float) -> None:
+async def _status_lines(console: Console, host: Host, interval: float) -> None:
     """One console line per slot every ``interval`` seconds (stderr, not the log)."""
     last: dict[str, tuple[float, int]] = {}
     while True:
@@ -182,19 +217,31 @@ async def _status_lines(host: Host, interval: float) -> None:
                 state = f"gen {attachment.generation} {shown}"
             coordinator = agent.statistics().coordinator
             faults = sum(coordinator.quarantines.values())
+            blocks = agent.index.resident_block_count
             republish = "" if status.republish is None else f" republish seq {status.republish.seq}"
-            print(
+            console.line(
+                "slot_status",
                 f"[{agent.name}] {state} cursor {status.outbound_cursor} ({rate:.0f} ev/s) "
-                f"blocks {agent.index.resident_block_count} dropped {coordinator.dropped_events} "
+                f"blocks {blocks} dropped {coordinator.dropped_events} "
                 f"quarantines {faults} cache_owner {'ready' if status.cache_owner_ready else 'UNREADY'}"
                 f"{republish}",
-                file=sys.stderr,
-                flush=True,
+                slot=agent.name,
+                generation=None if attachment is None else attachment.generation,
+                state="detached" if attachment is None else attachment.state,
+                ready=attachment is not None and attachment.ready,
+                cursor=status.outbound_cursor,
+                events_per_s=round(rate, 1),
+                blocks=blocks,
+                dropped=coordinator.dropped_events,
+                quarantines=faults,
+                cache_owner_ready=status.cache_owner_ready,
+                republish_seq=None if status.republish is None else status.republish.seq,
             )
 
 
 async def _start_servers(
     nursery: trio.Nursery,
+    console: Console,
     config: ServeConfig,
     host: Host,
     *,
@@ -214,17 +261,18 @@ async def _start_servers(
         outbound_queue_bytes=config.outbound_queue_bytes,
         shutdown_timeout=config.shutdown_timeout,
     )
-    server = await nursery.start(
-        partial(
-            serve_recovery,
-            host,
-            host=listen_host,
-            port=listen_port,
-            token=token,
-            options=options,
-            stats=server_stats,
+    with blaming("--listen", config.listen, what="the websocket API"):
+        server = await nursery.start(
+            partial(
+                serve_recovery,
+                host,
+                host=listen_host,
+                port=listen_port,
+                token=token,
+                options=options,
+                stats=server_stats,
+            )
         )
-    )
     if config.http_listen:
         sources = MetricSources(
             slots=lambda: host.agents,
@@ -234,49 +282,72 @@ async def _start_servers(
             slot_states=lambda: host.states,
         )
         http_host, http_port = _split_host_port(config.http_listen)
-        bound = await nursery.start(partial(serve_http, sources, host=http_host, port=http_port))
-        print(
-            f"kvagent: HTTP surface on {http_url(http_host, bound, config.advertise)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        with blaming("--http", config.http_listen, what="metrics, health and status"):
+            bound = await nursery.start(partial(serve_http, sources, host=http_host, port=http_port))
+        url = http_url(http_host, bound, config.advertise)
+        console.line("http_listening", f"kvagent: HTTP surface on {url}", url=url, logged=True)
     return recovery_base_url(listen_host, server.port, config.advertise)
 
 
-async def _serve_slots(
-    config: ServeConfig, token: str, context: zmq.Context[Any], signals: AsyncIterator[int]
-) -> None:
-    """Host the configured slots behind the recovery server until a signal arrives."""
+def _create_state_dir(config: ServeConfig) -> None:
+    """Created here (the CLI owns the state root); a slot opens or creates its own file in it."""
     state_dir = _state_dir(config)
     if state_dir is not None:
-        # Created here (the CLI owns the state root); a slot opens or creates its own file in it.
-        (state_dir / "slots").mkdir(parents=True, exist_ok=True)
-    event_plane = ZmqEventPlane(config.publish, context=context) if config.publish else None
+        with blaming(
+            "--state-dir", state_dir, what="where slots persist their state; 'none' keeps it in memory"
+        ):
+            (state_dir / "slots").mkdir(parents=True, exist_ok=True)
+
+
+async def _serve_slots(
+    console: Console,
+    config: ServeConfig,
+    token: ControlToken,
+    context: zmq.Context[Any],
+    signals: AsyncIterator[int],
+) -> None:
+    """Host the configured slots behind the recovery server until a signal arrives."""
+    _create_state_dir(config)
+    event_plane = None
+    if config.publish:
+        with blaming("--publish", config.publish, what="the outbound event plane"):
+            event_plane = ZmqEventPlane(config.publish, context=context)
 
     def sink_factory(slot_config: SlotAgentConfig, publisher_id: int) -> EventSink | None:
         return None if event_plane is None else event_plane.sink_for(publisher_id)
 
     try:
-        options = discovery_options(config)
-        async with open_discovery(config.discovery, **options) as discovery, trio.open_nursery() as nursery:
+        async with (
+            _opened_discovery(config.discovery, discovery_options(config)) as discovery,
+            trio.open_nursery() as nursery,
+        ):
             async with open_host(discovery=discovery, sink_factory=sink_factory, zmq_context=context) as host:
                 base_url = await _start_servers(
-                    nursery, config, host, token=token, discovery=discovery, event_plane=event_plane
+                    nursery,
+                    console,
+                    config,
+                    host,
+                    token=token.value,
+                    discovery=discovery,
+                    event_plane=event_plane,
                 )
                 for slot in config.slots:
                     agent_config = slot_agent_config(
                         slot, config, recovery_url=slot_recovery_url(base_url, slot.name)
                     )
-                    agent = await host.add_slot(agent_config)
-                    _print_republish(agent)
+                    agent = await _add_slot(host, agent_config, slot, config)
+                    _print_republish(console, agent)
                     await _attach_configured_engine(nursery, agent, slot, context)
-                print(
+                token.announce(console)  # with the serving line: a start that fails ends in its error alone
+                console.line(
+                    "serving",
                     f"kvagent: serving {len(config.slots)} slot(s) on {base_url}/v1/slots "
                     f"(discovery {config.discovery})",
-                    file=sys.stderr,
-                    flush=True,
+                    url=f"{base_url}/v1/slots",
+                    slots=[slot.name for slot in config.slots],
+                    discovery=config.discovery,
                 )
-                nursery.start_soon(_status_lines, host, config.status_interval)
+                nursery.start_soon(_status_lines, console, host, config.status_interval)
                 async for signum in signals:
                     log.info("shutdown_signal", signal=signal.Signals(signum).name)
                     break
@@ -287,25 +358,35 @@ async def _serve_slots(
             event_plane.close()
 
 
+@asynccontextmanager
+async def _opened_discovery(url: str, options: dict[str, Any]) -> AsyncIterator[Discovery]:
+    """The discovery backend; failing to open it (etcd unreachable, a directory not writable) names
+    --discovery. Failures later, inside the block, pass unchanged."""
+    async with AsyncExitStack() as stack:
+        fix = "check that etcd runs there and the URL is right" if url.startswith("etcd") else ""
+        # A ValueError is an option the backend refuses (TLS files without etcds://, a ttl below 1 s).
+        with blaming("--discovery", url, what="where slots are advertised", fix=fix, usage=(ValueError,)):
+            discovery = await stack.enter_async_context(open_discovery(url, **options))
+        yield discovery
+
+
 async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
     warn_if_models_unnamed(config)
-    token, generated = load_or_create_token(config.token_file)
-    if generated and config.token_file is None:
-        # Printed once on the console (not through logging, so it never reaches log sinks).
-        print(
-            f"kvagent: control token (pass with --token-file or Authorization: Bearer): {token}",
-            file=sys.stderr,
-        )
+    check_distinct_addresses(config)
+    console = Console(config.log_format)
+    path = token_path(config)
+    value, created = load_or_create_token(path)
+    token = ControlToken(value=value, path=path, created=created)
     context: zmq.Context[Any] = zmq.Context()
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            await _serve_slots(config, token, context, signals)
+            await _serve_slots(console, config, token, context, signals)
     except KeyboardInterrupt:
         # A second SIGINT during the clean stop (a double Ctrl-C, or `timeout` signalling the process and
         # its group) is redelivered by trio when the receiver closes: the stop is already done.
         pass
     finally:
         context.destroy(linger=0)
-    print("kvagent: stopped", file=sys.stderr, flush=True)
+    console.line("stopped", "kvagent: stopped")
     return 0

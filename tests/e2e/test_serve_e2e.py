@@ -131,7 +131,7 @@ async def test_bad_configuration_is_a_clear_error(tmp_path: Path, argv: list[str
         [sys.executable, "-m", "kvagent.cli.main", "serve", *argv], capture_stderr=True, check=False
     )
     assert result.returncode == 2
-    assert b"kvagent serve:" in result.stderr
+    assert result.stderr.startswith(b"kvagent: error: ") and len(result.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("moment", ["attach", "dump", "follow"])
