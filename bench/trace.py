@@ -76,8 +76,14 @@ def _remove(block_hash: int) -> dict[str, object]:
     return {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
 
 
-def build_trace(batches: int, *, seed: int = 8, dp_rank: int = 0) -> tuple[list[bytes], TraceStats]:
-    """``batches`` encoded payloads (frame 2 of each message) and what they contain."""
+def build_trace(
+    batches: int, *, seed: int = 8, dp_rank: int = 0, with_removes: bool = True
+) -> tuple[list[bytes], TraceStats]:
+    """``batches`` encoded payloads (frame 2 of each message) and what they contain.
+
+    ``with_removes=False`` makes a stores-only trace (every stored block stays resident: the memory phase of the
+    side-by-side figure, where both consumers must end with the same known number of resident blocks).
+    """
     rng = random.Random(seed)
     token_pool = [rng.randrange(VOCAB) for _ in range(1 << 16)]
     resident: list[int] = []
@@ -89,7 +95,7 @@ def build_trace(batches: int, *, seed: int = 8, dp_rank: int = 0) -> tuple[list[
         events: list[dict[str, object]] = []
         previous_last: int | None = None
         for position in range(EVENTS_PER_BATCH):
-            if position in pattern and resident:
+            if with_removes and position in pattern and resident:
                 victim = rng.randrange(len(resident))
                 resident[victim], resident[-1] = resident[-1], resident[victim]
                 events.append(_remove(resident.pop()))
