@@ -36,7 +36,9 @@ class DynamoPython:
 def _has_dynamo(python: Path | str) -> bool:
     try:
         probe = subprocess.run(
-            [str(python), "-c", "import dynamo.llm"], capture_output=True, timeout=120,
+            [str(python), "-c", "import dynamo.llm"],
+            capture_output=True,
+            timeout=120,
             env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
         )
     except (OSError, subprocess.TimeoutExpired):
@@ -57,7 +59,10 @@ def _create(location: Path) -> DynamoPython:
             venv.EnvBuilder(with_pip=True, clear=True).create(location)
         subprocess.run(
             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", package],
-            check=True, timeout=INSTALL_TIMEOUT, capture_output=True, text=True,
+            check=True,
+            timeout=INSTALL_TIMEOUT,
+            capture_output=True,
+            text=True,
         )
     except subprocess.CalledProcessError as exc:
         lines = (exc.stderr or exc.stdout or "").strip().splitlines()

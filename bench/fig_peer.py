@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.baselines import bare_loop
 from bench.dynamo_env import DynamoPython, find_dynamo
-from bench.harness import RESULTS_DIR, FigureResult, Row, median
+from bench.harness import RESULTS_DIR, FigureResult
 from bench.peer_procs import Consumer, DynamoConsumer, ServeConsumer, cpu_seconds, rss_bytes
 from bench.publisher import Publisher
 from bench.trace import BLOCKS_PER_STORE, EVENTS_PER_BATCH
@@ -47,10 +47,22 @@ peer_choice: str | None = None
 
 def _plan(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"batches": 10_000, "repetitions": 1, "fill_blocks": 200_000, "window": 4.0,
-                "rates": [2_000.0, 10_000.0], "paced_repetitions": 1}
-    return {"batches": 50_000, "repetitions": 3, "fill_blocks": 1_000_000, "window": 10.0,
-            "rates": [2_000.0, 10_000.0, 25_000.0, 50_000.0], "paced_repetitions": 3}
+        return {
+            "batches": 10_000,
+            "repetitions": 1,
+            "fill_blocks": 200_000,
+            "window": 4.0,
+            "rates": [2_000.0, 10_000.0],
+            "paced_repetitions": 1,
+        }
+    return {
+        "batches": 50_000,
+        "repetitions": 3,
+        "fill_blocks": 1_000_000,
+        "window": 10.0,
+        "rates": [2_000.0, 10_000.0, 25_000.0, 50_000.0],
+        "paced_repetitions": 3,
+    }
 
 
 def _dynamo() -> DynamoPython:
@@ -114,9 +126,13 @@ def _burst_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) ->
         publisher.wait_sent()
         seconds = finished - started
         return {
-            "events": events, "applied": applied - base, "seconds": seconds,
-            "events_per_s": (applied - base) / seconds, "cpu_us_per_event": 1e6 * (cpu1 - cpu0) / max(1, applied - base),
-            "cpu_percent": 100 * (cpu1 - cpu0) / seconds, **_loss(consumer, base + events, applied),
+            "events": events,
+            "applied": applied - base,
+            "seconds": seconds,
+            "events_per_s": (applied - base) / seconds,
+            "cpu_us_per_event": 1e6 * (cpu1 - cpu0) / max(1, applied - base),
+            "cpu_percent": 100 * (cpu1 - cpu0) / seconds,
+            **_loss(consumer, base + events, applied),
         }
     finally:
         consumer.stop()
@@ -137,15 +153,20 @@ def _fill_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) -> 
         rss_after = rss_bytes(pid)
         resident = consumer.resident_blocks()
         return {
-            "blocks": blocks, "resident_blocks": resident, "rss_before": rss_before, "rss_after": rss_after,
-            "bytes_per_block": (rss_after - rss_before) / max(1, resident), **_loss(consumer, base + events, applied),
+            "blocks": blocks,
+            "resident_blocks": resident,
+            "rss_before": rss_before,
+            "rss_after": rss_after,
+            "bytes_per_block": (rss_after - rss_before) / max(1, resident),
+            **_loss(consumer, base + events, applied),
         }
     finally:
         consumer.stop()
 
 
-def _paced_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path, rate: float,
-               window: float) -> dict[str, Any]:
+def _paced_run(
+    publisher: Publisher, factory: ConsumerFactory, workdir: Path, rate: float, window: float
+) -> dict[str, Any]:
     consumer, base = _started(publisher, factory, workdir)
     try:
         pid = consumer.process.pid
@@ -159,21 +180,29 @@ def _paced_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path, ra
         target = base + sent * EVENTS_PER_BATCH
         applied, _ = _wait_applied(consumer, target, started)
         return {
-            "rate": rate, "sent_events": sent * EVENTS_PER_BATCH, "cpu_percent": 100 * (cpu1 - cpu0) / (wall1 - wall0),
-            "events_per_s": (applied1 - applied0) / (wall1 - wall0), **_loss(consumer, target, applied),
+            "rate": rate,
+            "sent_events": sent * EVENTS_PER_BATCH,
+            "cpu_percent": 100 * (cpu1 - cpu0) / (wall1 - wall0),
+            "events_per_s": (applied1 - applied0) / (wall1 - wall0),
+            **_loss(consumer, target, applied),
         }
     finally:
         consumer.stop()
 
 
-def _burst_phase(result: FigureResult, factories: dict[str, ConsumerFactory], plan: dict[str, Any],
-                 workdir: Path) -> dict[str, list[dict[str, Any]]]:
+def _burst_phase(
+    result: FigureResult, factories: dict[str, ConsumerFactory], plan: dict[str, Any], workdir: Path
+) -> dict[str, list[dict[str, Any]]]:
     runs: dict[str, list[dict[str, Any]]] = {"bare": [], **{name: [] for name in factories}}
     with Publisher(plan["batches"]) as publisher:
         stats = publisher.stats
         result.params["trace"] = {
-            "batches": stats.batches, "events": stats.events, "stores": stats.stores, "removes": stats.removes,
-            "stored_blocks": stats.stored_blocks, "payload_bytes": stats.payload_bytes,
+            "batches": stats.batches,
+            "events": stats.events,
+            "stores": stats.stores,
+            "removes": stats.removes,
+            "stored_blocks": stats.stored_blocks,
+            "payload_bytes": stats.payload_bytes,
         }
         for repetition in range(plan["repetitions"]):
             runs["bare"].append(bare_loop(publisher))
@@ -193,8 +222,9 @@ def _fill_phase(factories: dict[str, ConsumerFactory], plan: dict[str, Any], wor
     return fills
 
 
-def _paced_phase(factories: dict[str, ConsumerFactory], plan: dict[str, Any],
-                 workdir: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+def _paced_phase(
+    factories: dict[str, ConsumerFactory], plan: dict[str, Any], workdir: Path
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
     window = plan["window"]
     batches = int(max(plan["rates"]) / EVENTS_PER_BATCH * (WARMUP + window + 0.5)) + 16
     paced: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in factories}
@@ -211,8 +241,11 @@ def _paced_phase(factories: dict[str, ConsumerFactory], plan: dict[str, Any],
 
 
 def _progress(label: str, run: dict[str, Any]) -> None:
-    shown = {key: round(value, 2) if isinstance(value, float) else value for key, value in run.items()
-             if key in ("events_per_s", "cpu_us_per_event", "cpu_percent", "lost_events", "bytes_per_block")}
+    shown = {
+        key: round(value, 2) if isinstance(value, float) else value
+        for key, value in run.items()
+        if key in ("events_per_s", "cpu_us_per_event", "cpu_percent", "lost_events", "bytes_per_block")
+    }
     print(f"   {label}: {shown}", flush=True)
 
 

@@ -174,10 +174,27 @@ class ServeConsumer:
         script = os.environ.get("KVAGENT_BENCH_SERVER_SCRIPT")
         extra = os.environ.get("KVAGENT_BENCH_SERVE_ARGS", "").split()
         command = [
-            sys.executable, *([script] if script else ["-m", "bench.serve_entry"]), "serve",
-            "--slot", f"{SLOT}={endpoint}", "--worker-id", str(WORKER_ID), "--block-size", "16",
-            "--listen", "127.0.0.1:0", "--http", f"127.0.0.1:{self.port}", "--discovery", "memory",
-            "--state-dir", "none", "--token-file", str(workdir / "token"), "--status-interval", "3600",
+            sys.executable,
+            *([script] if script else ["-m", "bench.serve_entry"]),
+            "serve",
+            "--slot",
+            f"{SLOT}={endpoint}",
+            "--worker-id",
+            str(WORKER_ID),
+            "--block-size",
+            "16",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            f"127.0.0.1:{self.port}",
+            "--discovery",
+            "memory",
+            "--state-dir",
+            "none",
+            "--token-file",
+            str(workdir / "token"),
+            "--status-interval",
+            "3600",
             *extra,
         ]
         with self.log.open("wb") as log:
@@ -206,8 +223,11 @@ class ServeConsumer:
         """The loss-related and size counters of the slot (from /metrics) and its state."""
         values = self.metrics()
         wanted = ("shed", "lost", "dropped", "loss", "quarantine", "resident_blocks", "gap")
-        picked = {key: value for key, value in values.items()
-                  if key.startswith("kvagent_") and any(word in key for word in wanted)}
+        picked = {
+            key: value
+            for key, value in values.items()
+            if key.startswith("kvagent_") and any(word in key for word in wanted)
+        }
         return {"state": self.status().get("attachment"), "metrics": picked}
 
     def resident_blocks(self) -> int:
@@ -227,13 +247,24 @@ class DynamoConsumer:
         self.port = free_port()
         self.log = workdir / "dynamo.log"
         command = [
-            python, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", str(threads),
-            "--block-size", "16", "--workers", f"{WORKER_ID}={endpoint}",
+            python,
+            "-m",
+            "dynamo.indexer",
+            "--port",
+            str(self.port),
+            "--threads",
+            str(threads),
+            "--block-size",
+            "16",
+            "--workers",
+            f"{WORKER_ID}={endpoint}",
         ]
         env = {**os.environ, "NO_COLOR": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
         env.pop("PYTHONPATH", None)  # its own venv only: kvagent's worktree must not shadow anything there
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir
+            )
         self.http = HttpProbe(self.port)
         _wait_until(lambda: self.http.get("/health")[0] == 200, self.process, "dynamo.indexer", self.log)
 
