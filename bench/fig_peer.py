@@ -20,6 +20,7 @@ alone. kvagent runs with ``--state-dir none`` (Dynamo keeps no state on disk eit
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 from bench.baselines import bare_loop
 from bench.dynamo_env import DynamoPython, find_dynamo
 from bench.harness import RESULTS_DIR, FigureResult
-from bench.peer_procs import Consumer, DynamoConsumer, ServeConsumer, cpu_seconds, rss_bytes
+from bench.peer_procs import Consumer, DynamoConsumer, ForeignLoad, ServeConsumer, cpu_seconds, rss_bytes
 from bench.publisher import Publisher
 from bench.trace import BLOCKS_PER_STORE, EVENTS_PER_BATCH
 
@@ -119,10 +120,11 @@ def _burst_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) ->
     try:
         pid = consumer.process.pid
         events = publisher.stats.events
+        load = ForeignLoad(pid, publisher.pid, os.getpid())
         cpu0, started = cpu_seconds(pid), time.perf_counter()
         publisher.burst()
         applied, finished = _wait_applied(consumer, base + events, started)
-        cpu1 = cpu_seconds(pid)
+        cpu1, foreign = cpu_seconds(pid), load.cores()
         publisher.wait_sent()
         seconds = finished - started
         return {
@@ -132,6 +134,7 @@ def _burst_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) ->
             "events_per_s": (applied - base) / seconds,
             "cpu_us_per_event": 1e6 * (cpu1 - cpu0) / max(1, applied - base),
             "cpu_percent": 100 * (cpu1 - cpu0) / seconds,
+            "foreign_cores": foreign,
             **_loss(consumer, base + events, applied),
         }
     finally:
@@ -173,9 +176,11 @@ def _paced_run(
         started = time.perf_counter()
         publisher.paced(rate, WARMUP + window + 0.5)
         time.sleep(WARMUP)  # a measuring window, not synchronization
+        load = ForeignLoad(pid, publisher.pid, os.getpid())
         cpu0, wall0, applied0 = cpu_seconds(pid), time.perf_counter(), consumer.applied()
         time.sleep(window)
         cpu1, wall1, applied1 = cpu_seconds(pid), time.perf_counter(), consumer.applied()
+        foreign = load.cores()
         sent, _, _ = publisher.wait_sent()
         target = base + sent * EVENTS_PER_BATCH
         applied, _ = _wait_applied(consumer, target, started)
@@ -184,6 +189,7 @@ def _paced_run(
             "sent_events": sent * EVENTS_PER_BATCH,
             "cpu_percent": 100 * (cpu1 - cpu0) / (wall1 - wall0),
             "events_per_s": (applied1 - applied0) / (wall1 - wall0),
+            "foreign_cores": foreign,
             **_loss(consumer, target, applied),
         }
     finally:
@@ -244,7 +250,15 @@ def _progress(label: str, run: dict[str, Any]) -> None:
     shown = {
         key: round(value, 2) if isinstance(value, float) else value
         for key, value in run.items()
-        if key in ("events_per_s", "cpu_us_per_event", "cpu_percent", "lost_events", "bytes_per_block")
+        if key
+        in (
+            "events_per_s",
+            "cpu_us_per_event",
+            "cpu_percent",
+            "lost_events",
+            "bytes_per_block",
+            "foreign_cores",
+        )
     }
     print(f"   {label}: {shown}", flush=True)
 

@@ -68,6 +68,40 @@ def rss_bytes(pid: int) -> int:
         return int(statm.read().split()[1]) * PAGE_SIZE
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has spent so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLOCK_TICKS
+
+
+class ForeignLoad:
+    """How many cores OTHER processes took while a run measured (the machine is shared: say so per run).
+
+    Started and read around the measured span; ``ours`` are the pids of the run (consumer, publisher, this
+    bench process), whose CPU is subtracted from the machine's.
+    """
+
+    def __init__(self, *ours: int | None) -> None:
+        self.ours = [pid for pid in ours if pid]
+        self._busy, self._ours, self._wall = machine_busy_seconds(), self._our_cpu(), time.perf_counter()
+
+    def _our_cpu(self) -> float:
+        total = 0.0
+        for pid in self.ours:
+            try:
+                total += cpu_seconds(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return total
+
+    def cores(self) -> float:
+        wall = time.perf_counter() - self._wall
+        other = machine_busy_seconds() - self._busy - (self._our_cpu() - self._ours)
+        return max(0.0, other / max(wall, 1e-9))
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text → ``{"name{labels}": value}`` (comments skipped)."""
     values: dict[str, float] = {}

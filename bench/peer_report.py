@@ -46,8 +46,23 @@ def _every_kvagent_run(
     return runs
 
 
+def foreign_note(*runs: Runs) -> str:
+    """What other processes took meanwhile (median per consumer): a figure taken under load says so."""
+    parts = [
+        f"{name} {median([run['foreign_cores'] for run in group]):.2f}"
+        for name, group in zip(("kvagent", "Dynamo"), runs, strict=False)
+        if group
+    ]
+    return "other processes took cores: " + ", ".join(parts)
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
+
+
 def _burst_rows(burst: dict[str, Runs], note: str) -> list[Row]:
     kvagent, bare, dynamo = burst["kvagent"], burst["bare"], burst.get("dynamo", [])
+    note = _joined(note, foreign_note(kvagent, dynamo))
     rate = [run["events_per_s"] for run in kvagent]
     bare_rate = [run["events_per_s"] for run in bare]
     dynamo_rate = [run["events_per_s"] for run in dynamo]
@@ -118,8 +133,11 @@ def _paced_rows(paced: dict[str, dict[str, Runs]], note: str) -> list[Row]:
                 higher_is_better=False,
                 samples=[run["cpu_percent"] for run in runs],
                 baseline_samples=[run["cpu_percent"] for run in dynamo],
-                note=f"applied {_median(runs, 'events_per_s') or 0:.0f} events/s"
-                + (f"; {note}" if note else ""),
+                note=_joined(
+                    f"applied {_median(runs, 'events_per_s') or 0:.0f} events/s",
+                    note,
+                    foreign_note(runs, dynamo),
+                ),
             )
         )
     return rows
