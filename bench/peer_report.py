@@ -225,9 +225,12 @@ def plot_curves(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     trace = result.params.get("trace", {})
+    foreign = [run["foreign_cores"] for runs in paced.values() for group in runs.values() for run in group]
+    foreign += [run["foreign_cores"] for name in paced for run in burst[name]]
     fig.suptitle(
         f"{result.title}\n{trace.get('events', '?')} events a burst; median of "
-        f"{result.params.get('repetitions', '?')}; shared 2-core machine",
+        f"{result.params.get('repetitions', '?')}; shared 2-core machine, other processes took "
+        f"{median(foreign) if foreign else 0:.2f} cores (median over runs)",
         fontsize=9,
     )
     fig.tight_layout()
