@@ -76,13 +76,30 @@ def _remove(block_hash: int) -> dict[str, object]:
     return {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
 
 
+def _make_tokens_unique(event: dict[str, object], store_number: int) -> None:
+    """Give every block of the store token content no other block has (its first two tokens number it).
+
+    Random windows of the token pool repeat: two roots (or two children of one parent) with the same tokens
+    are the same prefix to a content-keyed consumer such as Dynamo's radix tree, which keeps one of them and
+    refuses stores under the other's hashes. Unique content keeps the resident count of every consumer
+    equal to the blocks stored.
+    """
+    tokens = event["token_ids"]
+    assert isinstance(tokens, list)
+    for block in range(BLOCKS_PER_STORE):
+        high, low = divmod(store_number * BLOCKS_PER_STORE + block, VOCAB)
+        tokens[block * BLOCK_SIZE] = high
+        tokens[block * BLOCK_SIZE + 1] = low
+
+
 def build_trace(
     batches: int, *, seed: int = 8, dp_rank: int = 0, with_removes: bool = True
 ) -> tuple[list[bytes], TraceStats]:
     """``batches`` encoded payloads (frame 2 of each message) and what they contain.
 
-    ``with_removes=False`` makes a stores-only trace (every stored block stays resident: the memory phase of the
-    side-by-side figure, where both consumers must end with the same known number of resident blocks).
+    ``with_removes=False`` makes a stores-only trace whose blocks all have distinct token content (every stored
+    block stays resident: the memory phase of the side-by-side figure, where both consumers must end with the
+    same known number of resident blocks).
     """
     rng = random.Random(seed)
     token_pool = [rng.randrange(VOCAB) for _ in range(1 << 16)]
@@ -110,6 +127,8 @@ def build_trace(
                 if parent == previous_last:
                     parent = None
             event, hashes = _store(rng, parent, token_pool)
+            if not with_removes:
+                _make_tokens_unique(event, stores)
             events.append(event)
             resident.extend(hashes)
             previous_last = hashes[-1]

@@ -39,7 +39,9 @@ def test_dynamo_consumer_counts_every_event_of_a_burst(dynamo: str, tmp_path: Pa
 
 
 def test_dynamo_resident_blocks_on_a_stores_only_burst(dynamo: str, tmp_path: Path) -> None:
-    with Publisher(100, removes=False) as publisher:
+    # 2,000 batches: enough roots that random token windows would repeat (a repeated prefix is one node to
+    # Dynamo's content-keyed tree, and the stores under the other copy's hashes would be refused).
+    with Publisher(2_000, removes=False) as publisher:
         publisher.request_subscriber_wait()
         consumer = DynamoConsumer(dynamo, publisher.endpoint, tmp_path)
         try:

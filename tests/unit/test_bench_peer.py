@@ -13,7 +13,7 @@ from bench import dynamo_env
 from bench.__main__ import selected
 from bench.peer_procs import DYNAMO_APPLIED, metric_sum, parse_metrics
 from bench.peer_report import kvagent_loss
-from bench.trace import BLOCKS_PER_STORE, build_trace
+from bench.trace import BLOCK_SIZE, BLOCKS_PER_STORE, VOCAB, build_trace
 
 # Lines as Dynamo 1.6.1's indexer answers /metrics (captured from the real binary).
 DYNAMO_METRICS = """\
@@ -74,17 +74,24 @@ def test_all_figures_with_peer_run_the_side_by_side_figure_once_and_not_the_in_p
 
 
 def test_stores_only_trace_leaves_every_stored_block_resident() -> None:
-    payloads, stats = build_trace(200, with_removes=False)
+    payloads, stats = build_trace(2_000, with_removes=False)
     assert stats.removes == 0
     assert stats.stored_blocks == stats.events * BLOCKS_PER_STORE
     hashes: set[int] = set()
+    contents: set[tuple[int, ...]] = set()
     for payload in payloads:
         for event in msgpack.unpackb(payload)[1]:
             assert event["type"] == "BlockStored"
             parent = event["parent_block_hash"]
             assert parent is None or parent in hashes  # every parent is resident: a prefix-closed tree
             hashes.update(event["block_hashes"])
+            tokens = event["token_ids"]
+            assert len(tokens) == BLOCKS_PER_STORE * BLOCK_SIZE
+            assert all(0 <= token < VOCAB for token in tokens)
+            contents.update(tuple(tokens[i : i + BLOCK_SIZE]) for i in range(0, len(tokens), BLOCK_SIZE))
     assert len(hashes) == stats.stored_blocks  # fresh hashes only: resident count == stored blocks
+    # Distinct content per block: a content-keyed consumer (Dynamo's radix tree) keeps every one of them.
+    assert len(contents) == stats.stored_blocks
 
 
 def test_default_trace_still_removes() -> None:
