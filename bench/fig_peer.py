@@ -8,6 +8,9 @@ interleaved (bare loop, Dynamo, kvagent) so drifting machine load hits every sid
   the consumer's progress counter reached the trace's event count (polled over HTTP, at intervals of ~1% of
   the elapsed time); CPU µs/event from the consumer's CPU time over the same span (all threads). The bare
   loop is ``recv_multipart`` + ``msgpack.unpackb`` in the bench process. Median of the repetitions.
+* **burst, prefix-closed trace**: the same on a variant whose removes take leaves only and whose blocks all
+  have distinct tokens, so Dynamo's prefix-closed, content-keyed tree applies every event (on the issue #8
+  trace it refuses the stores under removed parents, and so does less work than kvagent).
 * **memory**: a stores-only trace of N blocks (every block stays resident in both consumers); RSS after it
   minus RSS before it, per resident block.
 * **paced**: 2k and 10k events/s (and, in the full run, higher rates for the curve): CPU % of one core over
@@ -197,12 +200,19 @@ def _paced_run(
 
 
 def _burst_phase(
-    result: FigureResult, factories: dict[str, ConsumerFactory], plan: dict[str, Any], workdir: Path
+    result: FigureResult,
+    factories: dict[str, ConsumerFactory],
+    plan: dict[str, Any],
+    workdir: Path,
+    *,
+    prefix_closed: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
+    """Burst runs on the issue #8 trace, or (``prefix_closed``) on its variant every Dynamo event applies to."""
     runs: dict[str, list[dict[str, Any]]] = {"bare": [], **{name: [] for name in factories}}
-    with Publisher(plan["batches"]) as publisher:
+    label = "burst, prefix-closed trace" if prefix_closed else "burst"
+    with Publisher(plan["batches"], prefix_closed=prefix_closed) as publisher:
         stats = publisher.stats
-        result.params["trace"] = {
+        result.params["prefix_closed_trace" if prefix_closed else "trace"] = {
             "batches": stats.batches,
             "events": stats.events,
             "stores": stats.stores,
@@ -214,7 +224,7 @@ def _burst_phase(
             runs["bare"].append(bare_loop(publisher))
             for name, factory in factories.items():
                 runs[name].append(_burst_run(publisher, factory, workdir))
-                _progress(f"burst {repetition + 1}/{plan['repetitions']} {name}", runs[name][-1])
+                _progress(f"{label} {repetition + 1}/{plan['repetitions']} {name}", runs[name][-1])
     return runs
 
 
@@ -272,10 +282,11 @@ def run(result: FigureResult, *, quick: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="kvagent-peer-") as tmp:
         workdir = Path(tmp)
         burst = _burst_phase(result, factories, plan, workdir)
+        closed = _burst_phase(result, factories, plan, workdir, prefix_closed=True)
         fills = _fill_phase(factories, plan, workdir)
         paced = _paced_phase(factories, plan, workdir)
-    result.extra.update(burst=burst, memory=fills, paced=paced)
+    result.extra.update(burst=burst, burst_prefix_closed=closed, memory=fills, paced=paced)
     from bench.peer_report import add_rows, plot_curves
 
-    add_rows(result, burst, fills, paced, dynamo)
+    add_rows(result, burst, closed, fills, paced, dynamo)
     plot_curves(result, burst, paced, RESULTS_DIR / f"{NAME}-curves.png")

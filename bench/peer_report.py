@@ -143,17 +143,50 @@ def _paced_rows(paced: dict[str, dict[str, Runs]], note: str) -> list[Row]:
     return rows
 
 
+def _prefix_closed_rows(closed: dict[str, Runs], note: str) -> list[Row]:
+    kvagent, dynamo = closed["kvagent"], closed.get("dynamo", [])
+    note = _joined(
+        "trace variant: removes take leaves, distinct tokens (Dynamo applies every event)",
+        note,
+        foreign_note(kvagent, dynamo),
+    )
+    return [
+        Row(
+            "burst events/s, prefix-closed trace",
+            _median(kvagent, "events_per_s"),
+            "events/s",
+            "Dynamo indexer --threads 1",
+            _median(dynamo, "events_per_s"),
+            samples=[run["events_per_s"] for run in kvagent],
+            baseline_samples=[run["events_per_s"] for run in dynamo],
+            note=note,
+        ),
+        Row(
+            "burst CPU per event, prefix-closed trace",
+            _median(kvagent, "cpu_us_per_event"),
+            "µs/event",
+            "Dynamo indexer",
+            _median(dynamo, "cpu_us_per_event"),
+            higher_is_better=False,
+            samples=[run["cpu_us_per_event"] for run in kvagent],
+            baseline_samples=[run["cpu_us_per_event"] for run in dynamo],
+        ),
+    ]
+
+
 def add_rows(
     result: FigureResult,
     burst: dict[str, Runs],
+    closed: dict[str, Runs],
     fills: dict[str, Any],
     paced: dict[str, dict[str, Runs]],
     dynamo: DynamoPython,
 ) -> None:
     note = "" if dynamo.python else f"no Dynamo: {dynamo.note}"
     kvagent_fill, dynamo_fill = fills["kvagent"], fills.get("dynamo")
-    missing, counters = kvagent_loss(_every_kvagent_run(burst, fills, paced))
+    missing, counters = kvagent_loss(_every_kvagent_run(burst, fills, paced) + closed["kvagent"])
     result.rows += _burst_rows(burst, note)
+    result.rows += _prefix_closed_rows(closed, note)
     result.rows.append(
         Row(
             "RSS / resident block",

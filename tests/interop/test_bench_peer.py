@@ -53,3 +53,21 @@ def test_dynamo_resident_blocks_on_a_stores_only_burst(dynamo: str, tmp_path: Pa
             assert consumer.resident_blocks() == publisher.stats.events * BLOCKS_PER_STORE
         finally:
             consumer.stop()
+
+
+def test_dynamo_applies_every_event_of_the_prefix_closed_trace(dynamo: str, tmp_path: Path) -> None:
+    with Publisher(2_000, prefix_closed=True) as publisher:
+        publisher.request_subscriber_wait()
+        consumer = DynamoConsumer(dynamo, publisher.endpoint, tmp_path)
+        try:
+            publisher.wait_subscribed(BOUND)
+            publisher.burst()
+            publisher.wait_sent()
+            assert _wait(consumer, publisher.stats.events) == publisher.stats.events
+            stats = publisher.stats
+            assert consumer.details() == {
+                '{event_type="stored",status="ok"}': stats.stores,
+                '{event_type="removed",status="ok"}': stats.removes,
+            }
+        finally:
+            consumer.stop()

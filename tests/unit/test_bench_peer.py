@@ -137,3 +137,28 @@ def test_an_uninstallable_package_gives_a_note_not_an_exception(
 def test_bench_pins_the_same_dynamo_as_the_interop_session() -> None:
     noxfile = (Path(__file__).resolve().parents[2] / "noxfile.py").read_text()
     assert f'DYNAMO_RUNTIME = "{dynamo_env.DYNAMO_RUNTIME}"' in noxfile
+
+
+def test_prefix_closed_trace_removes_only_leaves_and_keeps_every_parent_resident() -> None:
+    payloads, stats = build_trace(2_000, prefix_closed=True)
+    assert 0.2 < stats.removes / stats.events < 0.4
+    parent_of: dict[int, int | None] = {}
+    contents: set[tuple[int, ...]] = set()
+    for payload in payloads:
+        for event in msgpack.unpackb(payload)[1]:
+            hashes = event["block_hashes"]
+            if event["type"] == "BlockRemoved":
+                (gone,) = hashes
+                assert gone in parent_of
+                assert gone not in parent_of.values()  # a leaf: no resident block names it as parent
+                del parent_of[gone]
+                continue
+            parent = event["parent_block_hash"]
+            assert parent is None or parent in parent_of  # never a store under a removed block
+            tokens = event["token_ids"]
+            contents.update(tuple(tokens[i : i + BLOCK_SIZE]) for i in range(0, len(tokens), BLOCK_SIZE))
+            for block_hash in hashes:
+                assert block_hash not in parent_of
+                parent_of[block_hash] = parent
+                parent = block_hash
+    assert len(contents) == stats.stored_blocks
