@@ -33,8 +33,14 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
+    """Every figure, ``ingest`` side by side with Dynamo's standalone indexer (docs/performance.md).
+
+    Dynamo goes into a venv of its own (bench/dynamo_env.py: KVAGENT_DYNAMO_PYTHON, else the interop
+    session's venv, else ``.nox/dynamo-peer`` with DYNAMO_RUNTIME or KVAGENT_DYNAMO_PACKAGE installed).
+    ``nox -s bench -- ingest --quick`` runs just the side-by-side figure, quickly.
+    """
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "bench", *session.posargs)
+    session.run("python", "-m", "bench", "--peer", "dynamo", *session.posargs)
 
 
 @nox.session
@@ -53,7 +59,8 @@ def soak(session: nox.Session) -> None:
     session.run("pytest", "-m", "slow", "tests/io/test_soak.py", "-s")
 
 
-# Dynamo's standalone KV indexer, the real consumer `interop` runs against (docs/interop.md).
+# Dynamo's standalone KV indexer, the real consumer `interop` runs against (docs/interop.md) and the peer of
+# `bench` (bench/dynamo_env.py pins the same version).
 DYNAMO_RUNTIME = "ai-dynamo-runtime==1.6.1"
 
 

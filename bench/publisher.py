@@ -39,8 +39,10 @@ def _send(sock: zmq.Socket[Any], payloads: list[bytes], count: int, start: int =
         send([TOPIC, seq.to_bytes(8, "big"), payloads[seq % len(payloads)]], copy=False)
 
 
-def publisher_main(conn: multiprocessing.connection.Connection, batches: int) -> None:
-    payloads, stats = build_trace(batches)
+def publisher_main(
+    conn: multiprocessing.connection.Connection, batches: int, removes: bool = True, prefix_closed: bool = False
+) -> None:
+    payloads, stats = build_trace(batches, with_removes=removes, prefix_closed=prefix_closed)
     context = zmq.Context()
     sock = context.socket(zmq.XPUB)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -80,10 +82,10 @@ def publisher_main(conn: multiprocessing.connection.Connection, batches: int) ->
 class Publisher:
     """Parent-side handle on a publisher process."""
 
-    def __init__(self, batches: int) -> None:
+    def __init__(self, batches: int, *, removes: bool = True, prefix_closed: bool = False) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=publisher_main, args=(child, batches), daemon=True)
+        self._process = ctx.Process(target=publisher_main, args=(child, batches, removes, prefix_closed), daemon=True)
         self._process.start()
         child.close()
         reply = self._recv(timeout=600)

@@ -76,11 +76,71 @@ def _remove(block_hash: int) -> dict[str, object]:
     return {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
 
 
-def build_trace(batches: int, *, seed: int = 8, dp_rank: int = 0) -> tuple[list[bytes], TraceStats]:
-    """``batches`` encoded payloads (frame 2 of each message) and what they contain."""
+def _make_tokens_unique(event: dict[str, object], store_number: int) -> None:
+    """Give every block of the store token content no other block has (its first two tokens number it).
+
+    Random windows of the token pool repeat: two roots (or two children of one parent) with the same tokens
+    are the same prefix to a content-keyed consumer such as Dynamo's radix tree, which keeps one of them and
+    refuses stores under the other's hashes. Unique content keeps the resident count of every consumer
+    equal to the blocks stored.
+    """
+    tokens = event["token_ids"]
+    assert isinstance(tokens, list)
+    for block in range(BLOCKS_PER_STORE):
+        high, low = divmod(store_number * BLOCKS_PER_STORE + block, VOCAB)
+        tokens[block * BLOCK_SIZE] = high
+        tokens[block * BLOCK_SIZE + 1] = low
+
+
+class _Tree:
+    """Parent links and child counts of the resident blocks: the prefix-closed trace removes leaves only."""
+
+    def __init__(self) -> None:
+        self.parent_of: dict[int, int | None] = {}
+        self.children: dict[int, int] = {}
+
+    def stored(self, parent: int | None, hashes: list[int]) -> None:
+        for block_hash in hashes:
+            self.parent_of[block_hash] = parent
+            if parent is not None:
+                self.children[parent] = self.children.get(parent, 0) + 1
+            parent = block_hash
+
+    def removed(self, block_hash: int) -> None:
+        parent = self.parent_of.pop(block_hash)
+        if parent is not None:
+            self.children[parent] -= 1
+
+    def is_leaf(self, block_hash: int) -> bool:
+        return not self.children.get(block_hash)
+
+
+def _victim(rng: random.Random, resident: list[int], tree: _Tree | None) -> int | None:
+    """Index (in ``resident``) of the block to remove: any block, or with a tree a leaf (None: none found)."""
+    if tree is None:
+        return rng.randrange(len(resident))
+    for _ in range(64):  # about a quarter of the resident blocks are leaves (4-block chains)
+        index = rng.randrange(len(resident))
+        if tree.is_leaf(resident[index]):
+            return index
+    return None
+
+
+def build_trace(
+    batches: int, *, seed: int = 8, dp_rank: int = 0, with_removes: bool = True, prefix_closed: bool = False
+) -> tuple[list[bytes], TraceStats]:
+    """``batches`` encoded payloads (frame 2 of each message) and what they contain.
+
+    ``with_removes=False`` makes a stores-only trace whose blocks all have distinct token content (every stored
+    block stays resident: the memory phase of the side-by-side figure, where both consumers must end with the
+    same known number of resident blocks). ``prefix_closed=True`` keeps the removes but takes only leaves, and
+    gives every block distinct tokens: a consumer with a prefix-closed, content-keyed tree (Dynamo's) then
+    applies every event instead of refusing stores under removed parents. The default trace is unchanged.
+    """
     rng = random.Random(seed)
     token_pool = [rng.randrange(VOCAB) for _ in range(1 << 16)]
     resident: list[int] = []
+    tree = _Tree() if prefix_closed else None
     payloads: list[bytes] = []
     stores = removes = 0
     ts = 1_700_000_000.0
@@ -89,10 +149,15 @@ def build_trace(batches: int, *, seed: int = 8, dp_rank: int = 0) -> tuple[list[
         events: list[dict[str, object]] = []
         previous_last: int | None = None
         for position in range(EVENTS_PER_BATCH):
-            if position in pattern and resident:
-                victim = rng.randrange(len(resident))
+            victim = (
+                _victim(rng, resident, tree) if with_removes and position in pattern and resident else None
+            )
+            if victim is not None:
                 resident[victim], resident[-1] = resident[-1], resident[victim]
-                events.append(_remove(resident.pop()))
+                gone = resident.pop()
+                events.append(_remove(gone))
+                if tree is not None:
+                    tree.removed(gone)
                 removes += 1
                 previous_last = None
                 continue
@@ -104,6 +169,10 @@ def build_trace(batches: int, *, seed: int = 8, dp_rank: int = 0) -> tuple[list[
                 if parent == previous_last:
                     parent = None
             event, hashes = _store(rng, parent, token_pool)
+            if prefix_closed or not with_removes:
+                _make_tokens_unique(event, stores)
+            if tree is not None:
+                tree.stored(parent, hashes)
             events.append(event)
             resident.extend(hashes)
             previous_last = hashes[-1]
