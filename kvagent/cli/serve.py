@@ -16,6 +16,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent._util.malloc import keep_large_allocations_mapped
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import slot_state_path
 from kvagent.agent.host import Host, open_host
@@ -273,6 +274,7 @@ async def _serve_slots(
 
 async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
+    keep_large_allocations_mapped()  # resident state: about 45 B less RSS per block (docs/performance.md)
     token, generated = load_or_create_token(config.token_file)
     if generated and config.token_file is None:
         # Printed once on the console (not through logging, so it never reaches log sinks).
