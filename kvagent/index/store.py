@@ -141,7 +141,7 @@ class BlockStore:
         if count and slots.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == count:
             # The ingest hot path: a chain of new, distinct blocks is appended column by column (C speed).
             base = len(hashes)
-            slots.update(zip(block_hashes, _bases(base, count)))
+            slots.update(zip(block_hashes, _bases(base, count), strict=True))
             hashes.extend(block_hashes)
             tokens.extend(tokens_hashes)
             parents.append(0 if parent_hash is None else parent_hash)
@@ -233,7 +233,7 @@ class BlockStore:
                 parents[write : write + count] = parents[start:end]
                 tokens[write : write + count] = tokens[start:end]
                 flags[write : write + count] = flags[start:end]
-                slots.update(zip(hashes[write : write + count], _bases(write, count)))
+                slots.update(zip(hashes[write : write + count], _bases(write, count), strict=True))
                 if mm:
                     for row in range(start, end):
                         info = mm.pop(row, None)
@@ -373,4 +373,5 @@ def _bases(first: int, count: int) -> Iterator[int]:
     if count <= _BASE_SPAN:
         return itertools.repeat(first, count)
     span = _BASE_SPAN
-    return itertools.chain.from_iterable(map(itertools.repeat, range(first, first + count, span), itertools.repeat(span)))
+    groups = map(itertools.repeat, range(first, first + count, span), itertools.repeat(span))
+    return itertools.islice(itertools.chain.from_iterable(groups), count)
