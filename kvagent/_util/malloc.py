@@ -5,7 +5,7 @@ go back to the system on free. But each free of such a mapping raises the thresh
 to 32 MiB), so after the first large dict resize or array reallocation, the next big tables and column
 buffers come from the main heap instead; every later resize then leaves the old table behind as a hole the
 heap cannot return. Measured through ``kvagent serve`` at 1M resident blocks (docs/performance.md): 245 B
-of RSS per block with the moving threshold, 200 B with it fixed at its initial 128 KiB.
+of RSS per block with the moving threshold, 200–218 B with it fixed at its initial 128 KiB.
 """
 
 from __future__ import annotations
