@@ -134,7 +134,10 @@ class DedupFilter:
             state = states.get(key)
             if state is None:
                 state = states[key] = _Copies()
-            state.add((block_hash,))
+            if block_hash in state.ones or block_hash in state.extra:
+                state.add((block_hash,))
+            else:
+                state.ones.add(block_hash)  # the usual case: a restored index holds each hash once
 
     def reset_domain(self, dp_rank: int, domain: ResidencyDomain) -> None:
         """Forget every tier's counts of one rank and domain (what a Cleared does)."""
