@@ -290,9 +290,15 @@ class BlockStore:
 
     def _parents_before(self, rows_to_check: bytes | bytearray) -> bool:
         """True when each flagged row's parent is not resident or sits in an earlier row."""
-        compress = itertools.compress
-        parent_rows = map(self.row_of, compress(self._parents, rows_to_check))
-        return not any(map(operator.ge, parent_rows, compress(range(len(rows_to_check)), rows_to_check)))
+        compress, repeat = itertools.compress, itertools.repeat
+        child_rows = list(compress(range(len(rows_to_check)), rows_to_check))
+        parent_hashes = list(compress(self._parents, rows_to_check))
+        # A parent's row is below its base + _BASE_SPAN (not resident: -1), so most rows are settled by their
+        # parent's base at C speed; only a parent whose group reaches the child's row is looked up exactly.
+        bases = map(self._slots.get, parent_hashes, repeat(-_BASE_SPAN))
+        latest = map(operator.add, bases, repeat(_BASE_SPAN - 1))
+        unsettled = list(compress(range(len(child_rows)), map(operator.ge, latest, child_rows)))
+        return all(self.row_of(parent_hashes[i]) < child_rows[i] for i in unsettled)
 
     def columns(self) -> StoreColumns:
         """A parent-first copy of the store: the columns themselves when already ordered, else rebuilt."""

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvagent.index.store as index_store
-from kvagent.index.store import FLAG_DEAD, BlockStore
+from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore
 from kvagent.model.events import MmExtraInfo, MmObject
 
 INFO = MmExtraInfo((MmObject(5, ()),))
@@ -48,6 +48,9 @@ def check(store: BlockStore, model: dict[int, tuple[int | None, int, MmExtraInfo
             assert row not in store._mm
     if store._compact_read >= 0:
         assert all(flags[row] == FLAG_DEAD for row in range(store._compact_write, store._compact_read))
+    # The C-speed order check agrees with the definition: every resident parent in an earlier row.
+    parent_rows = {row: store.row_of(store._parents[row]) for row in rows if flags[row] == FLAG_PARENT}
+    assert store.rows_parent_first() == all(parent < row for row, parent in parent_rows.items())
 
 
 _hash = st.integers(0, 60)
@@ -116,3 +119,16 @@ def test_hash_zero_is_found_past_the_zeroed_dead_rows_before_it() -> None:
     store.remove((0,))
     assert store.get(0) is None and store.get(7) == (0, 70, None)
     check(store, {7: (0, 70, None)})
+
+
+def test_a_parent_in_a_later_row_of_the_same_base_group_is_out_of_order() -> None:
+    # Rows 0-2 share base row 0, so the parent's base alone cannot settle the order check.
+    store = BlockStore()
+    store.store(None, (1, 2, 3), (11, 12, 13), None)
+    assert store.rows_parent_first()
+    store.store(None, (3,), (13,), None)  # 3 becomes a root
+    store.store(3, (2,), (12,), None)  # 2's parent is now 3, which sits in the row after it
+    assert not store.rows_parent_first()
+    columns = store.columns()
+    order = list(columns.hashes)
+    assert order.index(3) < order.index(2)
