@@ -290,15 +290,21 @@ class BlockStore:
 
     def _parents_before(self, rows_to_check: bytes | bytearray) -> bool:
         """True when each flagged row's parent is not resident or sits in an earlier row."""
-        compress, repeat = itertools.compress, itertools.repeat
+        compress, repeat, add = itertools.compress, itertools.repeat, operator.add
         child_rows = list(compress(range(len(rows_to_check)), rows_to_check))
         parent_hashes = list(compress(self._parents, rows_to_check))
-        # A parent's row is below its base + _BASE_SPAN (not resident: -1), so most rows are settled by their
-        # parent's base at C speed; only a parent whose group reaches the child's row is looked up exactly.
-        bases = map(self._slots.get, parent_hashes, repeat(-_BASE_SPAN))
-        latest = map(operator.add, bases, repeat(_BASE_SPAN - 1))
-        unsettled = list(compress(range(len(child_rows)), map(operator.ge, latest, child_rows)))
-        return all(self.row_of(parent_hashes[i]) < child_rows[i] for i in unsettled)
+        # A parent's row is below its base + _BASE_SPAN (not resident: -1), so a parent whose base is far
+        # enough back is settled by the base alone; the others are found exactly, all at C speed.
+        bases = list(map(self._slots.get, parent_hashes, repeat(-_BASE_SPAN)))
+        close = bytes(map(operator.ge, map(add, bases, repeat(_BASE_SPAN - 1)), child_rows))
+        if not close.count(1):
+            return True
+        hashes, starts = list(compress(parent_hashes, close)), list(compress(bases, close))
+        if 0 in hashes:  # hash 0 must be told from dead rows by its flags
+            exact = map(self._row, hashes, starts)
+        else:
+            exact = map(self._hashes.index, hashes, starts, map(add, starts, repeat(_BASE_SPAN)))
+        return not any(map(operator.ge, exact, compress(child_rows, close)))
 
     def columns(self) -> StoreColumns:
         """A parent-first copy of the store: the columns themselves when already ordered, else rebuilt."""
