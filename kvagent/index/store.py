@@ -1,9 +1,15 @@
 """Compact resident-block storage for one (residency owner, storage tier) of the recovery index.
 
-A million resident blocks must fit in about 200 bytes each, so there is no Python object per block beyond
-the dict entry: ``slots`` maps a block hash to a row number, and the row's block hash, parent hash and tokens
-hash live in ``array('Q')`` columns (8 bytes each) with a one-byte flag column (root, has a parent, dead).
-Multimodal info is rare, so it is kept in a sparse dict keyed by row.
+A million resident blocks must fit in about 200 bytes each (with everything else ``kvagent serve`` holds), so
+there is no Python object per block beyond the dict entry: ``slots`` maps a block hash to a *base row*, and
+the row's block hash, parent hash and tokens hash live in ``array('Q')`` columns (8 bytes each) with a
+one-byte flag column (root, has a parent, dead).  Multimodal info is rare, so it is kept in a sparse dict
+keyed by row.
+
+A base row is shared by up to ``_BASE_SPAN`` consecutive rows (a chain stored in one go, a run moved by
+compaction): one int object for them all instead of one each (32 bytes a block).  A block's row is found
+from its base with ``array.index`` at C speed, at most ``_BASE_SPAN`` rows on (hashes are unique among live
+rows and dead rows hold 0, so only hash 0 needs the flags to tell its row from a dead one).
 
 Rows are append-only: a new block always gets a new row at the end and a removed block's row is zeroed and
 flagged dead (never reused); the columns are compacted (in order) when more than half of them are dead.  So
@@ -29,6 +35,8 @@ __all__ = ["FLAG_DEAD", "FLAG_PARENT", "FLAG_ROOT", "BlockStore", "StoreColumns"
 _COMPACT_MIN_FREE = 4096
 # Live rows moved per store or remove while a compaction runs: a few tens of microseconds of work each.
 _COMPACT_STEP_ROWS = 256
+# Rows sharing one base row in the dict (bounds the scan that finds a row from its base).
+_BASE_SPAN = 16
 
 FLAG_ROOT = 0  # a resident block without a parent
 FLAG_PARENT = 1  # a resident block whose parent hash is in the parents column
@@ -96,6 +104,22 @@ class BlockStore:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
 
+    def _row(self, block_hash: int, base: int | None) -> int:
+        """The row of a resident block whose base row is ``base`` (-1 when ``base`` is None: not resident)."""
+        if base is None:
+            return -1
+        hashes = self._hashes
+        row = hashes.index(block_hash, base, base + _BASE_SPAN)
+        if block_hash == 0:
+            flags = self._flags
+            while flags[row] == FLAG_DEAD:
+                row = hashes.index(0, row + 1, base + _BASE_SPAN)
+        return row
+
+    def row_of(self, block_hash: int) -> int:
+        """The row of ``block_hash``, or -1 when it is not resident."""
+        return self._row(block_hash, self._slots.get(block_hash))
+
     def hashes(self) -> Iterator[int]:
         return iter(self._slots)
 
@@ -117,7 +141,7 @@ class BlockStore:
         if count and slots.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == count:
             # The ingest hot path: a chain of new, distinct blocks is appended column by column (C speed).
             base = len(hashes)
-            slots.update(zip(block_hashes, range(base, base + count), strict=True))
+            slots.update(zip(block_hashes, _bases(base, count), strict=True))
             hashes.extend(block_hashes)
             tokens.extend(tokens_hashes)
             parents.append(0 if parent_hash is None else parent_hash)
@@ -131,8 +155,8 @@ class BlockStore:
             return
         parent = parent_hash
         for index, block_hash in enumerate(block_hashes):
-            slot = slots.get(block_hash)
-            if slot is None:
+            slot = self._row(block_hash, slots.get(block_hash))
+            if slot < 0:
                 slot = slots[block_hash] = len(hashes)
                 hashes.append(block_hash)
                 parents.append(0)
@@ -157,9 +181,11 @@ class BlockStore:
         """Delete the given hashes; unknown hashes are ignored."""
         slots, hashes, parents, tokens, flags, mm = self._parts()
         dead = self._dead
+        row_of = self._row
         for block_hash in block_hashes:
-            slot = slots.pop(block_hash, None)
-            if slot is not None:
+            base = slots.pop(block_hash, None)
+            if base is not None:
+                slot = row_of(block_hash, base)
                 # Zeroed so a dump never carries a removed block's data and the order check never
                 # follows a stale parent.
                 hashes[slot] = parents[slot] = tokens[slot] = 0
@@ -207,7 +233,7 @@ class BlockStore:
                 parents[write : write + count] = parents[start:end]
                 tokens[write : write + count] = tokens[start:end]
                 flags[write : write + count] = flags[start:end]
-                slots.update(zip(hashes[write : write + count], range(write, write + count), strict=True))
+                slots.update(zip(hashes[write : write + count], _bases(write, count), strict=True))
                 if mm:
                     for row in range(start, end):
                         info = mm.pop(row, None)
@@ -227,8 +253,8 @@ class BlockStore:
 
     def get(self, block_hash: int) -> tuple[int | None, int, MmExtraInfo | None] | None:
         """(parent hash, tokens hash, mm info) of a resident block, or None."""
-        slot = self._slots.get(block_hash)
-        if slot is None:
+        slot = self.row_of(block_hash)
+        if slot < 0:
             return None
         parent = self._parents[slot] if self._flags[slot] == FLAG_PARENT else None
         return parent, self._tokens[slot], self._mm.get(slot)
@@ -264,9 +290,21 @@ class BlockStore:
 
     def _parents_before(self, rows_to_check: bytes | bytearray) -> bool:
         """True when each flagged row's parent is not resident or sits in an earlier row."""
-        compress = itertools.compress
-        parent_rows = map(self._slots.get, compress(self._parents, rows_to_check), itertools.repeat(-1))
-        return not any(map(operator.ge, parent_rows, compress(range(len(rows_to_check)), rows_to_check)))
+        compress, repeat, add = itertools.compress, itertools.repeat, operator.add
+        child_rows = list(compress(range(len(rows_to_check)), rows_to_check))
+        parent_hashes = list(compress(self._parents, rows_to_check))
+        # A parent's row is below its base + _BASE_SPAN (not resident: -1), so a parent whose base is far
+        # enough back is settled by the base alone; the others are found exactly, all at C speed.
+        bases = list(map(self._slots.get, parent_hashes, repeat(-_BASE_SPAN)))
+        close = bytes(map(operator.ge, map(add, bases, repeat(_BASE_SPAN - 1)), child_rows))
+        if not close.count(1):
+            return True
+        hashes, starts = list(compress(parent_hashes, close)), list(compress(bases, close))
+        if 0 in hashes:  # hash 0 must be told from dead rows by its flags
+            exact = map(self._row, hashes, starts)
+        else:
+            exact = map(self._hashes.index, hashes, starts, map(add, starts, repeat(_BASE_SPAN)))
+        return not any(map(operator.ge, exact, compress(child_rows, close)))
 
     def columns(self) -> StoreColumns:
         """A parent-first copy of the store: the columns themselves when already ordered, else rebuilt."""
@@ -305,13 +343,15 @@ class BlockStore:
         slots, _hashes, parents, tokens, flags, mm = self._parts()
         # 0 = not yet emitted, 1 = emitted, 2 = on the ancestor chain being resolved.
         state = bytearray(len(parents))
-        for block_hash, slot in slots.items():
+        row_of = self._row
+        for block_hash, base in slots.items():
+            slot = row_of(block_hash, base)
             if state[slot]:
                 continue
             if flags[slot] == FLAG_PARENT:
                 parent_hash = parents[slot]
-                parent_slot = slots.get(parent_hash)
-                if parent_slot is not None and not state[parent_slot]:
+                parent_slot = self.row_of(parent_hash)
+                if parent_slot >= 0 and not state[parent_slot]:
                     yield from self._emit_with_ancestors(block_hash, slot, state)
                     continue
                 state[slot] = 1
@@ -328,8 +368,8 @@ class BlockStore:
         state[slot] = 2
         while flags[slot] == FLAG_PARENT:
             parent_hash = parents[slot]
-            parent_slot = slots.get(parent_hash)
-            if parent_slot is None or state[parent_slot]:
+            parent_slot = self.row_of(parent_hash)
+            if parent_slot < 0 or state[parent_slot]:
                 break  # not resident, already emitted, or a cycle closing on the chain
             chain.append((parent_hash, parent_slot))
             state[parent_slot] = 2
@@ -338,3 +378,12 @@ class BlockStore:
             state[chain_slot] = 1
             parent = parents[chain_slot] if flags[chain_slot] == FLAG_PARENT else None
             yield chain_hash, parent, tokens[chain_slot], mm.get(chain_slot) if mm else None
+
+
+def _bases(first: int, count: int) -> Iterator[int]:
+    """The base row of each of ``count`` consecutive rows from ``first``: one int per ``_BASE_SPAN`` rows."""
+    if count <= _BASE_SPAN:
+        return itertools.repeat(first, count)
+    span = _BASE_SPAN
+    groups = map(itertools.repeat, range(first, first + count, span), itertools.repeat(span))
+    return itertools.islice(itertools.chain.from_iterable(groups), count)

@@ -405,7 +405,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """White-box: the dedup's Worker copy counts are the model's (a restart rebuilds them from the index)."""
         counts = {
             (tier, block): count
-            for (_rank, tier, domain), per_block in self.core._dedup._counts.items()
+            for (_rank, tier, domain), per_block in self.core._dedup.reference_counts().items()
             if domain is W
             for block, count in per_block.items()
         }

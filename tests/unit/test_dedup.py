@@ -24,7 +24,7 @@ def removed(
 
 def tracked(dedup: DedupFilter, dp_rank: int, tier: StorageTier, domain: ResidencyDomain) -> dict[int, int]:
     """A copy of the filter's reference counts of one state."""
-    return dict(dedup._counts.get((dp_rank, tier, domain), {}))
+    return dedup.reference_counts().get((dp_rank, tier, domain), {})
 
 
 def cleared(domain: ResidencyDomain = W, rank: int = 3) -> PlacementEvent:
