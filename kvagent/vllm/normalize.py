@@ -558,9 +558,24 @@ def split_oversized_event(
 
 
 def build_ingress_chunks(
-    generation: int, source_cursor: int, normalized: NormalizedBatch
+    generation: int,
+    source_cursor: int,
+    normalized: NormalizedBatch,
+    *,
+    raw_bytes: int = 0,
+    source_digest: int = 0,
 ) -> list[IngressChunk]:
-    pieces = bounded_ingress_chunks(normalized.events)
+    """The batch as chunks in order: every chunk names the batch's ``source_digest``; the final one carries
+    its ``raw_bytes`` (the batch's bytes stay charged until its final chunk is handled)."""
+    events = normalized.events
+    if (
+        len(events) <= MAX_CHUNK_EVENTS
+        and sum([len(event.data.block_hashes) for event in events]) <= MAX_CHUNK_BLOCKS
+    ):
+        # The common case, one chunk: what bounded_ingress_chunks returns for it, without its loop.
+        pieces = [tuple(events)]
+    else:
+        pieces = bounded_ingress_chunks(events)
     if len(pieces) > 1 << 32:
         raise ChunkingError("vLLM batch has too many chunks")
     last = len(pieces) - 1
@@ -573,6 +588,8 @@ def build_ingress_chunks(
             events,
             normalized.source_fault if index == 0 else None,
             normalized.cache_owner_fault if index == 0 else None,
+            raw_bytes if index == last else 0,
+            source_digest,
         )
         for index, events in enumerate(pieces)
     ]

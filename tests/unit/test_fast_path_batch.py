@@ -1,0 +1,296 @@
+"""The batch-level fast path (issue #18) agrees with the general path, which defines behaviour.
+
+Two coordinators run in lockstep over the same chunks: one with ``fast_path`` on (plain chunks go through
+``coordinator/fastpath.py``), one with it off (every chunk through the general loop). Each step must raise
+the same error or none, and after it the published events (token bytes included), publication calls, index
+state and ring, counters, status and withdrawal requests must be equal. The chunks come from Hypothesis
+(stores continuing chains, duplicate copies, removes of known and unknown hashes, barriers, CacheOwner
+events, another rank, invalid hashes, failing applies, a lease end close by) and from the real vLLM vectors
+through the listener's decode, normalize and chunking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvagent.coordinator.coalesce import coalesce
+from kvagent.coordinator.fastpath import is_plain_chunk, may_coalesce
+from kvagent.coordinator.machine import SlotCoordinator
+from kvagent.coordinator.task import StatusCell
+from kvagent.index.recovery_index import EventsAnswer, RecoveryIndex
+from kvagent.model.errors import CoordinatorError, WireDecodeError
+from kvagent.model.events import (
+    CLEARED,
+    MAX_CHUNK_BLOCKS,
+    MAX_CHUNK_EVENTS,
+    U64_MAX,
+    IngressChunk,
+    PlacementEvent,
+    Removed,
+    RouterEvent,
+    StorageTier,
+    Stored,
+    WorkerWithDpRank,
+)
+from kvagent.model.status import AgentStatus
+from kvagent.testing import RecordingSink
+from kvagent.vllm.decode import decode_payload
+from kvagent.vllm.normalize import (
+    AttachmentNormalizer,
+    NormalizedBatch,
+    bounded_ingress_chunks,
+    build_ingress_chunks,
+)
+from tests.support.coordinator import FIRST, SLOT_RANK, FlakyIndex
+from tests.support.ids import DEVICE, DISK, HP, IDENTITY, C, W, attachment_for
+from tests.support.vectors import load_live, load_structs
+
+
+class Side:
+    """One coordinator with its index, sink and status; ``fast`` picks the path for plain chunks."""
+
+    def __init__(self, *, fast: bool, lease_end: int | None = None, block_size: int = 4) -> None:
+        self.index = RecoveryIndex(block_size, ring_capacity=64)
+        self.local = FlakyIndex(self.index)
+        self.sink = RecordingSink()
+        self.status = StatusCell(AgentStatus(IDENTITY))
+        self.withdrawals: list[int] = []
+        self.core = SlotCoordinator(
+            identity=IDENTITY,
+            slot_rank=SLOT_RANK,
+            index=self.local,
+            sink=self.sink,
+            on_status=self.status.set,
+            request_withdrawal=self.withdrawals.append,
+            lease_end=lease_end,
+        )
+        self.core.fast_path = fast
+
+    def observable(self) -> dict[str, Any]:
+        ring = self.index.events_in_range(self.index.oldest_buffered_id(), None)
+        return {
+            "published": [(event, _token_bytes(event)) for event in self.sink.events],
+            "calls": self.sink.calls,
+            "resident": self.index.resident_blocks(),
+            "dump": self.index.tree_dump().events,
+            "ring": ring.events if isinstance(ring, EventsAnswer) else ring,
+            "counters": self.core.counters.statistics(ingress_queue_depth=0, ingress_bytes=0),
+            "status": self.status.get(),
+            "withdrawals": list(self.withdrawals),
+            "cursor": self.core.outbound_cursor,
+        }
+
+
+def _token_bytes(event: RouterEvent) -> bytes | None:
+    return event.data.token_bytes if isinstance(event.data, Stored) else None  # not part of Stored equality
+
+
+class Lockstep:
+    def __init__(self, *, lease_end: int | None = None, block_size: int = 4) -> None:
+        self.fast = Side(fast=True, lease_end=lease_end, block_size=block_size)
+        self.general = Side(fast=False, lease_end=lease_end, block_size=block_size)
+        self.plain_chunks = 0
+        attached = [side.core.attach(attachment_for(FIRST)) for side in (self.fast, self.general)]
+        assert attached[0] == attached[1]
+        self.generation = attached[0].generation
+        self.cursor = 0
+
+    def feed(self, events: Sequence[PlacementEvent], *, fail_ordinary: bool = False) -> None:
+        self.cursor += 1
+        chunk = IngressChunk(self.generation, self.cursor, 0, True, tuple(events))
+        if is_plain_chunk(chunk.events, SLOT_RANK):
+            self.plain_chunks += 1
+        outcomes: list[tuple[str, str] | None] = []
+        for side in (self.fast, self.general):
+            side.local.fail_ordinary = fail_ordinary
+            try:
+                side.core.handle_ingress(chunk)
+                outcomes.append(None)
+            except CoordinatorError as error:
+                outcomes.append((error.code, str(error)))
+        assert outcomes[0] == outcomes[1]
+        assert self.fast.observable() == self.general.observable()
+
+
+# -- Hypothesis streams ---------------------------------------------------------------------------------
+
+HASHES = st.integers(min_value=1, max_value=40)
+
+
+@st.composite
+def _event(draw: st.DrawFn, previous_last: int | None) -> PlacementEvent:
+    kind = draw(st.sampled_from(["store", "store", "chain", "remove", "remove", "clear", "owner", "odd"]))
+    tier = draw(st.sampled_from([DEVICE, DEVICE, HP]))
+    session = draw(st.sampled_from([None, None, "s1"]))
+    if kind in ("store", "chain"):
+        hashes = tuple(draw(st.lists(HASHES, min_size=0, max_size=4, unique=True)))
+        parent = previous_last if kind == "chain" else draw(st.one_of(st.none(), HASHES))
+        width = draw(st.sampled_from([0, 4]))  # token bytes present or absent
+        tokens = None if width == 0 else bytes(range(len(hashes) * 16))
+        data = Stored(parent, hashes, tuple(h + 1000 for h in hashes), None, None, tokens)
+        return PlacementEvent(data, tier, W, SLOT_RANK, session)
+    if kind == "remove":
+        return PlacementEvent(Removed(tuple(draw(st.lists(HASHES, max_size=3)))), tier, W, SLOT_RANK, session)
+    if kind == "clear":
+        return PlacementEvent(CLEARED, tier, W, SLOT_RANK)
+    if kind == "owner":
+        choices: list[Stored | Removed] = [Stored(None, (7,), (8,)), Removed((7,))]
+        owned = draw(st.sampled_from(choices))
+        return PlacementEvent(owned, draw(st.sampled_from([HP, DISK])), C, SLOT_RANK)
+    # odd: an invalid hash (the index refuses it, the stream goes on), or another rank (fails the source)
+    if draw(st.booleans()):
+        return PlacementEvent(Stored(None, (U64_MAX + 1,), (1,)), tier, W, SLOT_RANK)
+    return PlacementEvent(Removed((1,)), tier, W, SLOT_RANK + 1)
+
+
+@st.composite
+def _chunk_events(draw: st.DrawFn, plain_bias: bool) -> list[PlacementEvent]:
+    events: list[PlacementEvent] = []
+    previous_last: int | None = None
+    for _ in range(draw(st.integers(min_value=0, max_value=8))):
+        event = draw(_event(previous_last))
+        if plain_bias and not is_plain_chunk([event], SLOT_RANK):
+            continue  # mostly plain chunks, so the fast path is exercised, not skipped
+        events.append(event)
+        hashes = event.data.block_hashes
+        previous_last = hashes[-1] if hashes else previous_last
+    return events
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(_chunk_events(plain_bias=True), st.booleans(), st.integers(0, 9)), max_size=14),
+    st.one_of(st.none(), st.integers(min_value=2, max_value=40)),
+)
+def test_generated_streams_agree(
+    chunks: list[tuple[list[PlacementEvent], bool, int]], lease_end: int | None
+) -> None:
+    lockstep = Lockstep(lease_end=lease_end)
+    for events, mixed, failing in chunks:
+        if mixed:
+            # An odd chunk now and then: a barrier, CacheOwner events or another rank among the plain ones.
+            events = [*events, PlacementEvent(CLEARED, DEVICE, W, SLOT_RANK)]
+        lockstep.feed(events, fail_ordinary=failing == 0)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_chunk_events(plain_bias=False), max_size=10))
+def test_unbiased_streams_agree(chunks: list[list[PlacementEvent]]) -> None:
+    lockstep = Lockstep()
+    for events in chunks:
+        lockstep.feed(events)
+
+
+def test_plain_chunks_take_the_fast_path_and_agree() -> None:
+    lockstep = Lockstep()
+    chain = [PlacementEvent(Stored(None, (1, 2), (11, 12)), DEVICE, W, SLOT_RANK)]
+    chain.append(PlacementEvent(Stored(2, (3,), (13,)), DEVICE, W, SLOT_RANK))  # continues: coalesced
+    chain.append(PlacementEvent(Stored(None, (1,), (11,)), DEVICE, W, SLOT_RANK))  # a second copy of 1
+    chain.append(PlacementEvent(Removed((1,)), DEVICE, W, SLOT_RANK))  # one copy left: swallowed
+    chain.append(PlacementEvent(Removed((3, 1)), DEVICE, W, SLOT_RANK))  # adjacent removes: coalesced
+    lockstep.feed(chain)
+    assert lockstep.plain_chunks == 1
+    published = lockstep.fast.sink.events
+    assert [type(event.data) for event in published[1:]] == [Stored, Stored, Removed]
+    counters = lockstep.fast.core.counters.statistics(ingress_queue_depth=0, ingress_bytes=0)
+    assert counters.filtered == {}  # the partial remove was trimmed, not swallowed
+    lockstep.feed([PlacementEvent(Removed((99,)), DEVICE, W, SLOT_RANK)])  # unknown hash: passed through
+
+
+def test_a_lease_end_inside_a_plain_chunk_fails_at_the_same_event() -> None:
+    lockstep = Lockstep(lease_end=4)  # the attach barrier took id 1: ids 2 and 3 are left
+    events = [PlacementEvent(Stored(None, (h,), (h,)), DEVICE, W, SLOT_RANK) for h in (1, 5, 9)]
+    lockstep.feed(events)
+    assert lockstep.fast.core.outbound_cursor == 3
+
+
+def test_may_coalesce_is_true_whenever_coalesce_merges() -> None:
+    stores = [
+        PlacementEvent(Stored(None, (1,), (1,)), DEVICE, W, 0),
+        PlacementEvent(Stored(1, (2,), (2,)), HP, W, 0),
+    ]
+    assert may_coalesce(stores)  # conservative: the tiers differ, so coalesce keeps both
+    assert coalesce(stores) == stores
+    removes = [PlacementEvent(Removed((1,)), DEVICE, W, 0), PlacementEvent(Removed((2,)), DEVICE, W, 0)]
+    assert may_coalesce(removes) and len(coalesce(removes)) == 1
+    apart = [stores[0], removes[0], PlacementEvent(Stored(None, (3,), (3,)), DEVICE, W, 0), removes[1]]
+    assert not may_coalesce(apart) and coalesce(apart) == apart
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["store", "remove"]), st.integers(0, 3), st.integers(0, 2)), max_size=10
+    )
+)
+def test_may_coalesce_never_misses_a_merge(shape: list[tuple[str, int, int]]) -> None:
+    events = []
+    for kind, parent, width in shape:
+        hashes = tuple(range(parent + 1, parent + 1 + width))
+        data = Stored(parent or None, hashes, hashes) if kind == "store" else Removed(hashes)
+        events.append(PlacementEvent(data, DEVICE, W, 0))
+    if not may_coalesce(events):
+        assert coalesce(events) == events
+
+
+# -- the real vLLM vectors, through decode, normalize and chunking ---------------------------------------
+
+
+def _vector_chunks(payloads: list[bytes], block_size: int) -> list[IngressChunk]:
+    normalizer = AttachmentNormalizer(
+        kv_block_size=block_size, worker=WorkerWithDpRank(FIRST.worker_id, SLOT_RANK)
+    )
+    chunks: list[IngressChunk] = []
+    for seq, payload in enumerate(payloads):
+        try:
+            batch = decode_payload(payload)
+        except WireDecodeError:
+            continue  # some struct vectors are refused on purpose: the listener ends there
+        normalized = normalizer.normalize(
+            batch
+        )  # the listener's rank check is not the coordinator's business
+        chunks += build_ingress_chunks(1, seq, normalized, raw_bytes=len(payload), source_digest=seq)
+    return chunks
+
+
+@pytest.mark.parametrize("source", ["live", "structs"])
+def test_vllm_vectors_agree(source: str) -> None:
+    if source == "live":
+        payloads, block_size = [frames[2] for frames in load_live()[0]], 32
+    else:
+        payloads, block_size = [frames[-1] for _note, frames in load_structs().values()], 16
+    lockstep = Lockstep(block_size=block_size)
+    for chunk in _vector_chunks(payloads, block_size):
+        lockstep.feed(chunk.events)
+    if source == "live":
+        assert lockstep.plain_chunks > 0
+        assert lockstep.fast.index.resident_block_count > 0
+
+
+# -- the listener's chunking shortcut against bounded_ingress_chunks --------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=3000), max_size=MAX_CHUNK_EVENTS + 20),
+    st.integers(min_value=0, max_value=1 << 20),
+    st.integers(min_value=0, max_value=U64_MAX),
+)
+def test_chunks_match_the_bounded_split(sizes: list[int], raw_bytes: int, digest: int) -> None:
+    events = [PlacementEvent(Removed(tuple(range(size))), StorageTier.DEVICE, W, 0) for size in sizes]
+    normalized = NormalizedBatch(events, source_fault="f" if raw_bytes % 2 else None)
+    chunks = build_ingress_chunks(5, 9, normalized, raw_bytes=raw_bytes, source_digest=digest)
+    pieces = bounded_ingress_chunks(events)
+    assert [chunk.events for chunk in chunks] == pieces
+    assert [chunk.chunk_index for chunk in chunks] == list(range(len(pieces)))
+    assert [chunk.final for chunk in chunks] == [False] * (len(pieces) - 1) + [True]
+    assert [chunk.raw_bytes for chunk in chunks] == [0] * (len(pieces) - 1) + [raw_bytes]
+    assert {chunk.source_digest for chunk in chunks} == {digest}
+    assert [chunk.source_fault for chunk in chunks] == [normalized.source_fault] + [None] * (len(pieces) - 1)
+    assert sum(len(chunk.events) for chunk in chunks) >= len(events)
+    assert all(sum(len(e.data.block_hashes) for e in c.events) <= MAX_CHUNK_BLOCKS for c in chunks)
