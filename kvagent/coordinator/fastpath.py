@@ -3,7 +3,8 @@
 Most chunks hold only Worker-domain stores and removes of the slot's own rank (no Cleared, no CacheOwner
 event). For those, :func:`apply_plain_chunk` does in one loop what the general loop in
 ``SlotCoordinator._apply_locally`` does event by event: coalescing (skipped when no adjacent pair could
-merge), dedup, outbound ids (the lease checked once for the whole chunk), RouterEvents, the index apply.
+merge), dedup, outbound ids (the lease checked once for the whole chunk), RouterEvents, and one index
+apply for the chunk (``RecoveryIndex.apply_run``).
 Anything else — a barrier, another rank or domain, ids too close to the lease or to U64_MAX — returns
 ``None`` before touching any state, and the general loop, which defines the behaviour, takes the chunk.
 ``tests/unit/test_fast_path_batch.py`` pins the two to the same outbound events, index state and counters.
@@ -70,12 +71,14 @@ def apply_plain_chunk(
     id_limit: int,
     dedup: Callable[[PlacementEvent], PlacementEvent | None],
     apply: Callable[[RouterEvent], None],
+    apply_run: Callable[[Sequence[RouterEvent]], list[tuple[int, Exception]] | None] | None,
     output: list[RouterEvent],
     ids_taken: Callable[[int], None],
 ) -> int | None:
     """Apply a plain chunk (see :func:`is_plain_chunk`); returns how many removes dedup swallowed.
 
-    ``ids_taken(next_id)`` is told the next free outbound id once the loop ends, however it ends. ``None``:
+    ``apply_run`` (the index's batch apply, if it has one) applies the stamped events at once; when it
+    declines, or is None, each goes through ``apply``. ``ids_taken(next_id)`` is told the next free outbound id once the loop ends, however it ends. ``None``:
     the chunk could need an id at or past ``id_limit`` (the lease end or U64_MAX), where the general loop
     raises at the exact event; nothing was touched.
     """
@@ -84,28 +87,44 @@ def apply_plain_chunk(
         return None
     event_id = first_id
     swallowed = 0
-    append = output.append
+    stamped: list[RouterEvent] = []
+    append = stamped.append
     try:
         for coalesced in merged:
             event = dedup(coalesced)
             if event is None:
                 swallowed += 1
                 continue
-            router_event = RouterEvent(
-                worker_id, event.tier, _WORKER, event_id, event.data, event.dp_rank, owner, event.session_id
+            append(
+                RouterEvent(
+                    worker_id,
+                    event.tier,
+                    _WORKER,
+                    event_id,
+                    event.data,
+                    event.dp_rank,
+                    owner,
+                    event.session_id,
+                )
             )
             event_id += 1
-            try:
-                apply(router_event)
-            except Exception as error:  # Stored/Removed are lossy: logged, published, the chunk goes on
-                log.warning(
-                    "local_apply_failed",
-                    worker_id=worker_id,
-                    dp_rank=event.dp_rank,
-                    domain=_WORKER.value,
-                    error=str(error),
-                )
-            append(router_event)
     finally:
         ids_taken(event_id)
+    failures = apply_run(stamped) if apply_run is not None and stamped else None
+    if failures is None:
+        failures = []
+        for position, router_event in enumerate(stamped):
+            try:
+                apply(router_event)
+            except Exception as refused:
+                failures.append((position, refused))
+    for position, error in failures:  # Stored/Removed are lossy: logged, published, the chunk goes on
+        log.warning(
+            "local_apply_failed",
+            worker_id=worker_id,
+            dp_rank=stamped[position].dp_rank,
+            domain=_WORKER.value,
+            error=str(error),
+        )
+    output.extend(stamped)
     return swallowed

@@ -481,6 +481,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
                 id_limit=self._id_limit,
                 dedup=dedup,
                 apply=apply,
+                apply_run=getattr(self.index, "apply_run", None),
                 output=output,
                 ids_taken=self._ids_taken,
             )

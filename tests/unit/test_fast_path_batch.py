@@ -11,6 +11,7 @@ through the listener's decode, normalize and chunking.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,22 +55,31 @@ from tests.support.vectors import load_live, load_structs
 class Side:
     """One coordinator with its index, sink and status; ``fast`` picks the path for plain chunks."""
 
-    def __init__(self, *, fast: bool, lease_end: int | None = None, block_size: int = 4) -> None:
+    def __init__(
+        self, *, fast: bool, lease_end: int | None = None, block_size: int = 4, flaky: bool = False
+    ) -> None:
         self.index = RecoveryIndex(block_size, ring_capacity=64)
+        # FlakyIndex injects failing applies; it has no apply_run, so the fast path applies event by event.
         self.local = FlakyIndex(self.index)
+        local: FlakyIndex | RecoveryIndex = self.local if flaky else self.index
         self.sink = RecordingSink()
         self.status = StatusCell(AgentStatus(IDENTITY))
         self.withdrawals: list[int] = []
         self.core = SlotCoordinator(
             identity=IDENTITY,
             slot_rank=SLOT_RANK,
-            index=self.local,
+            index=local,
             sink=self.sink,
             on_status=self.status.set,
             request_withdrawal=self.withdrawals.append,
             lease_end=lease_end,
         )
         self.core.fast_path = fast
+        # What a subscriber sees at each announcement: the event and the state right after it applied.
+        self.announced: list[tuple[int, int]] = []
+        self.index.subscribe(
+            lambda event: self.announced.append((event.event_id, self.index.resident_block_count))
+        )
 
     def observable(self) -> dict[str, Any]:
         ring = self.index.events_in_range(self.index.oldest_buffered_id(), None)
@@ -82,6 +92,7 @@ class Side:
             "counters": self.core.counters.statistics(ingress_queue_depth=0, ingress_bytes=0),
             "status": self.status.get(),
             "withdrawals": list(self.withdrawals),
+            "announced": list(self.announced),
             "cursor": self.core.outbound_cursor,
         }
 
@@ -91,9 +102,9 @@ def _token_bytes(event: RouterEvent) -> bytes | None:
 
 
 class Lockstep:
-    def __init__(self, *, lease_end: int | None = None, block_size: int = 4) -> None:
-        self.fast = Side(fast=True, lease_end=lease_end, block_size=block_size)
-        self.general = Side(fast=False, lease_end=lease_end, block_size=block_size)
+    def __init__(self, *, lease_end: int | None = None, block_size: int = 4, flaky: bool = False) -> None:
+        self.fast = Side(fast=True, lease_end=lease_end, block_size=block_size, flaky=flaky)
+        self.general = Side(fast=False, lease_end=lease_end, block_size=block_size, flaky=flaky)
         self.plain_chunks = 0
         attached = [side.core.attach(attachment_for(FIRST)) for side in (self.fast, self.general)]
         assert attached[0] == attached[1]
@@ -166,14 +177,15 @@ def _chunk_events(draw: st.DrawFn, plain_bias: bool) -> list[PlacementEvent]:
 @given(
     st.lists(st.tuples(_chunk_events(plain_bias=True), st.booleans(), st.integers(0, 9)), max_size=14),
     st.one_of(st.none(), st.integers(min_value=2, max_value=40)),
+    st.booleans(),
 )
 def test_generated_streams_agree(
-    chunks: list[tuple[list[PlacementEvent], bool, int]], lease_end: int | None
+    chunks: list[tuple[list[PlacementEvent], bool, int]], lease_end: int | None, flaky: bool
 ) -> None:
-    lockstep = Lockstep(lease_end=lease_end)
+    lockstep = Lockstep(lease_end=lease_end, flaky=flaky)
     for events, mixed, failing in chunks:
         if mixed:
-            # An odd chunk now and then: a barrier, CacheOwner events or another rank among the plain ones.
+            # A barrier now and then after the plain events: the chunk takes the general loop.
             events = [*events, PlacementEvent(CLEARED, DEVICE, W, SLOT_RANK)]
         lockstep.feed(events, fail_ordinary=failing == 0)
 
@@ -294,3 +306,111 @@ def test_chunks_match_the_bounded_split(sizes: list[int], raw_bytes: int, digest
     assert [chunk.source_fault for chunk in chunks] == [normalized.source_fault] + [None] * (len(pieces) - 1)
     assert sum(len(chunk.events) for chunk in chunks) >= len(events)
     assert all(sum(len(e.data.block_hashes) for e in c.events) <= MAX_CHUNK_BLOCKS for c in chunks)
+
+
+# -- RecoveryIndex.apply_run against apply, event by event ------------------------------------------------
+
+ROUTER_TIERS = [DEVICE, DEVICE, HP]
+
+
+@st.composite
+def _router_event(draw: st.DrawFn, event_id: int, plain: bool) -> RouterEvent:
+    kinds = (
+        ["store", "store", "remove"]
+        if plain
+        else ["store", "remove", "bad_hash", "owner", "clear", "bad_tier"]
+    )
+    kind = draw(st.sampled_from(kinds))
+    tier: Any = draw(st.sampled_from(ROUTER_TIERS))
+    domain, source = W, None
+    data: Any
+    if kind == "store":
+        hashes = tuple(draw(st.lists(HASHES, max_size=3, unique=True)))
+        data = Stored(draw(st.one_of(st.none(), HASHES)), hashes, tuple(h + 100 for h in hashes))
+    elif kind == "remove":
+        data = Removed(tuple(draw(st.lists(HASHES, max_size=3))))
+    elif kind == "bad_hash":
+        data = Stored(None, (draw(st.sampled_from([-1, U64_MAX + 1, 5])),), (draw(st.sampled_from([-1, 6])),))
+    elif kind == "owner":
+        data, domain, source, tier = Stored(None, (3,), (4,)), C, IDENTITY.cache_owner_id, HP
+    elif kind == "clear":
+        data = CLEARED
+    else:
+        data, tier = Removed((1,)), "gpu"
+    return RouterEvent(FIRST.worker_id, tier, domain, event_id, data, SLOT_RANK, source)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_apply_run_is_apply_event_by_event(data: st.DataObject) -> None:
+    one_by_one, at_once = RecoveryIndex(4, ring_capacity=16), RecoveryIndex(4, ring_capacity=16)
+    seen: list[list[tuple[int, int]]] = [[], []]
+    for index, record in zip((one_by_one, at_once), seen, strict=True):
+        index.subscribe(
+            lambda event, index=index, record=record: record.append(
+                (event.event_id, len(index.resident_blocks()))
+            )
+        )
+    next_id = data.draw(st.integers(min_value=-1, max_value=2))
+    for _ in range(data.draw(st.integers(min_value=1, max_value=8))):
+        step = data.draw(st.sampled_from([1, 1, 1, 0, 2]))  # mostly consecutive; a repeat or a skip
+        events = []
+        plain = data.draw(st.booleans())  # half the runs of the shape apply_run takes (if the ids allow)
+        for _ in range(data.draw(st.integers(min_value=0, max_value=5))):
+            events.append(data.draw(_router_event(next_id, plain)))
+            next_id += step
+        expected: list[tuple[int, str]] = []
+        for position, event in enumerate(events):
+            try:
+                one_by_one.apply(event)
+            except Exception as error:
+                expected.append((position, str(error)))
+        before = (at_once.resident_blocks(), at_once.current_event_id(), list(seen[1]))
+        failures = at_once.apply_run(events)
+        if failures is None:
+            # Declined (an event apply() refuses, or one not of the run's shape): nothing changed.
+            assert (at_once.resident_blocks(), at_once.current_event_id(), seen[1]) == before
+            for event in events:
+                with contextlib.suppress(Exception):  # the refusals compared above, on the other index
+                    at_once.apply(event)
+        else:
+            assert [(position, str(error)) for position, error in failures] == expected
+        assert at_once.resident_blocks() == one_by_one.resident_blocks()
+        assert at_once.tree_dump().events == one_by_one.tree_dump().events
+        assert at_once.events_in_range(at_once.oldest_buffered_id(), None) == one_by_one.events_in_range(
+            one_by_one.oldest_buffered_id(), None
+        )
+        assert seen[0] == seen[1]
+
+
+def test_apply_run_leaves_a_failing_store_out_of_the_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvagent.index.store import BlockStore
+
+    original = BlockStore.store
+
+    def failing(self: BlockStore, parent: Any, hashes: Any, *rest: Any) -> None:
+        if 13 in hashes:
+            raise ValueError("injected store failure")
+        original(self, parent, hashes, *rest)
+
+    monkeypatch.setattr(BlockStore, "store", failing)
+    events = [
+        RouterEvent(FIRST.worker_id, DEVICE, W, event_id, Stored(None, (block,), (block,)), SLOT_RANK)
+        for event_id, block in ((1, 11), (2, 13), (3, 15))
+    ]
+    one_by_one, at_once = RecoveryIndex(4), RecoveryIndex(4)
+    refused = []
+    for event in events:
+        try:
+            one_by_one.apply(event)
+        except ValueError as error:
+            refused.append((event.event_id, str(error)))
+    failures = at_once.apply_run(events)
+    assert failures is not None
+    assert (
+        [(events[position].event_id, str(error)) for position, error in failures]
+        == refused
+        == [(2, "injected store failure")]
+    )
+    assert at_once.resident_blocks() == one_by_one.resident_blocks()
+    assert at_once.ring_tail(0) == one_by_one.ring_tail(0) == (events[0], events[2])
