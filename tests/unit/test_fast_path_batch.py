@@ -12,7 +12,7 @@ through the listener's decode, normalize and chunking.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -340,17 +340,18 @@ def _router_event(draw: st.DrawFn, event_id: int, plain: bool) -> RouterEvent:
     return RouterEvent(FIRST.worker_id, tier, domain, event_id, data, SLOT_RANK, source)
 
 
+def _recorder(index: RecoveryIndex, record: list[tuple[int, int]]) -> Callable[[RouterEvent], None]:
+    """A subscriber noting each announced id with the resident block count at that moment."""
+    return lambda event: record.append((event.event_id, len(index.resident_blocks())))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_apply_run_is_apply_event_by_event(data: st.DataObject) -> None:
     one_by_one, at_once = RecoveryIndex(4, ring_capacity=16), RecoveryIndex(4, ring_capacity=16)
     seen: list[list[tuple[int, int]]] = [[], []]
     for index, record in zip((one_by_one, at_once), seen, strict=True):
-        index.subscribe(
-            lambda event, index=index, record=record: record.append(
-                (event.event_id, len(index.resident_blocks()))
-            )
-        )
+        index.subscribe(_recorder(index, record))
     next_id = data.draw(st.integers(min_value=-1, max_value=2))
     for _ in range(data.draw(st.integers(min_value=1, max_value=8))):
         step = data.draw(st.sampled_from([1, 1, 1, 0, 2]))  # mostly consecutive; a repeat or a skip
