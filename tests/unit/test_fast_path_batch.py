@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -415,3 +416,45 @@ def test_apply_run_leaves_a_failing_store_out_of_the_ring(monkeypatch: pytest.Mo
     )
     assert at_once.resident_blocks() == one_by_one.resident_blocks()
     assert at_once.ring_tail(0) == one_by_one.ring_tail(0) == (events[0], events[2])
+
+
+# -- the per-event value types: constructed without frozen's cost, still values ---------------------------
+
+
+@attrs.frozen(slots=True)
+class FrozenStored:
+    """What Stored was declared as before issue #18: the reference for equality and hashing."""
+
+    parent_hash: int | None
+    block_hashes: tuple[int, ...]
+    tokens_hashes: tuple[int, ...]
+    mm_extra_infos: Any = None
+    start_position: int | None = None
+    token_bytes: bytes | None = attrs.field(default=None, eq=False, repr=False)
+
+
+@pytest.mark.parametrize("hot", [Stored, Removed, PlacementEvent, RouterEvent, IngressChunk])
+def test_per_event_types_store_fields_directly_and_stay_values(hot: type) -> None:
+    # The plain slotted __setattr__ is what makes construction fast (see model/events.py).
+    assert "__setattr__" not in vars(hot)
+    assert attrs.has(hot) and "__dict__" not in dir(hot.__new__(hot))
+    assert hot.__hash__ is not None and hot.__hash__ is not object.__hash__
+
+
+@given(
+    st.one_of(st.none(), HASHES),
+    st.lists(HASHES, max_size=3).map(tuple),
+    st.lists(HASHES, max_size=3).map(tuple),
+    st.one_of(st.none(), st.binary(max_size=4)),
+)
+def test_stored_equality_and_hash_are_the_frozen_ones(
+    parent: int | None, hashes: tuple[int, ...], tokens: tuple[int, ...], token_bytes: bytes | None
+) -> None:
+    hot, frozen = (
+        Stored(parent, hashes, tokens, None, None, token_bytes),
+        FrozenStored(parent, hashes, tokens),
+    )
+    assert hash(hot) == hash(Stored(parent, hashes, tokens)) and hot == Stored(parent, hashes, tokens)
+    assert attrs.astuple(hot, recurse=False)[:5] == attrs.astuple(frozen, recurse=False)[:5]
+    assert {hot: 1}[Stored(parent, hashes, tokens)] == 1
+    assert attrs.evolve(hot, parent_hash=7) == Stored(7, hashes, tokens) and hot.parent_hash == parent
