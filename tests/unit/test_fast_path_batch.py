@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -41,7 +42,7 @@ from kvagent.model.events import (
 )
 from kvagent.model.status import AgentStatus
 from kvagent.testing import RecordingSink
-from kvagent.vllm.decode import decode_payload
+from kvagent.vllm.decode import RawBatch, decode_payload
 from kvagent.vllm.normalize import (
     AttachmentNormalizer,
     NormalizedBatch,
@@ -49,6 +50,7 @@ from kvagent.vllm.normalize import (
     build_ingress_chunks,
 )
 from tests.support.coordinator import FIRST, SLOT_RANK, FlakyIndex
+from tests.support.fuzz_decoder import normalize_each
 from tests.support.ids import DEVICE, DISK, HP, IDENTITY, C, W, attachment_for
 from tests.support.vectors import load_live, load_structs
 
@@ -458,3 +460,48 @@ def test_stored_equality_and_hash_are_the_frozen_ones(
     assert attrs.astuple(hot, recurse=False)[:5] == attrs.astuple(frozen, recurse=False)[:5]
     assert {hot: 1}[Stored(parent, hashes, tokens)] == 1
     assert attrs.evolve(hot, parent_hash=7) == Stored(7, hashes, tokens) and hot.parent_hash == parent
+
+
+# -- normalize's inline plain path once a cache namespace exists ------------------------------------------
+
+
+def test_plain_events_after_a_salted_chain_take_the_general_path() -> None:
+    """A salted store names a namespace; its unsalted child inherits it, so its local hashes differ from a
+    plain store's and the inline path must not take it (nor a remove, which updates the namespaces)."""
+
+    def raw(event: dict[str, Any]) -> RawBatch:
+        return decode_payload(msgpack.packb([1.0, [event], 0]))
+
+    tokens = list(range(8))
+    salted = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 4,
+        "cache_salt": "salt",
+    }
+    child = {
+        "type": "BlockStored",
+        "block_hashes": [3],
+        "parent_block_hash": 2,
+        "token_ids": tokens[:4],
+        "block_size": 4,
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [2]}
+    fast, general = (AttachmentNormalizer(kv_block_size=4, worker=WorkerWithDpRank(7, 0)) for _ in range(2))
+    for event in (salted, child, removed, child):
+        batch = raw(event)
+        assert fast.normalize(batch) == normalize_each(general, batch)
+        assert fast.framework._namespaces == general.framework._namespaces
+    salted_first = AttachmentNormalizer(kv_block_size=4, worker=WorkerWithDpRank(7, 0))
+    salted_first.normalize(raw(salted))
+    namespaced = salted_first.normalize(raw(child)).events[0].data
+    plain = (
+        AttachmentNormalizer(kv_block_size=4, worker=WorkerWithDpRank(7, 0))
+        .normalize(raw(child))
+        .events[0]
+        .data
+    )
+    assert isinstance(namespaced, Stored) and isinstance(plain, Stored)
+    assert namespaced.tokens_hashes != plain.tokens_hashes  # the namespace check matters
