@@ -23,6 +23,7 @@ from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.counters import CoordinatorCounters, CoordinatorStatistics
 from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCursorTracker
 from kvagent.coordinator.dedup import DedupFilter
+from kvagent.coordinator.fastpath import apply_plain_chunk, is_plain_chunk
 from kvagent.coordinator.lease import OutboundIdLease
 from kvagent.coordinator.signals import SourceProgress, SourceSignalHandling
 from kvagent.model.errors import CoordinatorError
@@ -119,6 +120,9 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         self._source_progress: SourceProgress | None = None
         self._batching_ingress = False
         self._status_dirty = False
+        # The batch-level path for plain chunks (coordinator/fastpath.py); False: every chunk takes the general
+        # loop, which defines the behaviour (the differential tests compare the two).
+        self.fast_path = True
         # The Trio shell installs the real backlog probe (the core never sees the channel itself).
         self._ingress_queue_depth: Callable[[], int] = lambda: 0
 
@@ -468,6 +472,23 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         slot_rank = self.slot_rank
         dedup = self._dedup.filter
         apply = self.index.apply
+        if self.fast_path and is_plain_chunk(placement_events, slot_rank):
+            plain_swallowed = apply_plain_chunk(
+                placement_events,
+                worker_id=worker_id,
+                owner=owner,
+                first_id=self._next_outbound_id,
+                id_limit=self._id_limit,
+                dedup=dedup,
+                apply=apply,
+                apply_run=getattr(self.index, "apply_run", None),
+                output=output,
+                ids_taken=self._ids_taken,
+            )
+            if plain_swallowed is not None:
+                if plain_swallowed:
+                    self.counters.count_filtered("dedup_swallowed_remove", plain_swallowed)
+                return None
         swallowed = 0
         failed_barrier: CoordinatorError | None = None
         for coalesced in coalesce(placement_events):
@@ -514,6 +535,9 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         if swallowed:
             self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         return failed_barrier
+
+    def _ids_taken(self, next_id: int) -> None:
+        self._next_outbound_id = next_id
 
     def _take_outbound_id(self, generation: int) -> int:
         """The next outbound cursor: strictly increasing, never reused, never U64_MAX."""

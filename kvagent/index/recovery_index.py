@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, TypeAlias
 
 import attrs
@@ -56,6 +56,7 @@ DEFAULT_RING_CAPACITY = 1024  # Dynamo's WORKER_KV_INDEXER_BUFFER_SIZE
 StoreKey = tuple[ResidencyOwner, StorageTier]
 _MAX_ROUTES = 4096  # distinct routes seen by one index are a handful; the bound only guards odd inputs
 _CACHE_OWNER = ResidencyDomain.CACHE_OWNER
+_WORKER = ResidencyDomain.WORKER
 _DEVICE = StorageTier.DEVICE
 
 
@@ -214,11 +215,7 @@ class RecoveryIndex:
         if type(data) is Stored:
             self._store(key, data)
         elif cls is Removed:
-            store = self._stores.get(key)
-            if store is not None:
-                store.remove(data.block_hashes)
-                if not store:
-                    del self._stores[key]
+            self._remove(key, data)  # type: ignore[arg-type]
         else:
             self._clear(key[0])
 
@@ -228,6 +225,78 @@ class RecoveryIndex:
         self._applied += 1
         self._dump_cache = None
         self._announce(event)
+
+    def apply_run(self, events: Sequence[RouterEvent]) -> list[tuple[int, Exception]] | None:
+        """Apply Worker-domain Stored/Removed events with consecutive ids, as :meth:`apply` one by one would.
+
+        The event, id and route checks run once for the run instead of once an event. Returns the events
+        whose store or remove raised, as (position, error): each is left out of the ring, as when apply()
+        raises. None when an event is not of that shape or its id would be refused: nothing changed, and
+        the caller applies them one by one (which refuses each where it happens).
+        """
+        keys = self._run_keys(events)
+        if keys is None:
+            return None
+        ring = self._ring
+        newest = ring[-1].event_id if ring else 0
+        if newest < self._gap_end:
+            newest = self._gap_end
+        failures: list[tuple[int, Exception]] = []
+        subscribers = self._subscriber_snapshot
+        for position, (event, key) in enumerate(zip(events, keys, strict=True)):
+            if event.event_id != newest + 1 and (ring or self._gap_end):
+                log.warning("non_consecutive_event_id", expected_event_id=newest + 1, event_id=event.event_id)
+            data = event.data
+            try:
+                if type(data) is Stored:
+                    self._store(key, data)
+                else:
+                    self._remove(key, data)  # type: ignore[arg-type]
+            except Exception as error:  # as apply() raising: not buffered, not announced
+                failures.append((position, error))
+                continue
+            ring.append(event)
+            newest = event.event_id
+            self._applied += 1
+            if subscribers:
+                self._announce(event)
+        self._dump_cache = None
+        return failures
+
+    def _run_keys(self, events: Sequence[RouterEvent]) -> list[StoreKey] | None:
+        """The store key of every event of an :meth:`apply_run`, or None (see there)."""
+        if not events or events[0].event_id < 0 or events[-1].event_id > U64_MAX:
+            return None
+        ring = self._ring
+        if ring or self._gap_end:
+            newest = ring[-1].event_id if ring else 0
+            if events[0].event_id <= max(newest, self._gap_end):
+                return None
+        keys: list[StoreKey] = []
+        expected = events[0].event_id
+        routes = self._routes
+        for event in events:
+            cls = type(event.data)
+            if type(event) is not RouterEvent or event.residency_domain is not _WORKER:
+                return None
+            if event.event_id != expected or (cls is not Stored and cls is not Removed):
+                return None
+            expected += 1
+            try:
+                key = routes.get((_WORKER, event.worker_id, event.dp_rank, None, event.storage_tier))
+                if key is None:
+                    key = self._store_key(event)
+            except (IndexApplyError, TypeError):  # an unhashable or unknown field: apply() refuses it
+                return None
+            keys.append(key)
+        return keys
+
+    def _remove(self, key: StoreKey, data: Removed) -> None:
+        store = self._stores.get(key)
+        if store is not None:
+            store.remove(data.block_hashes)
+            if not store:
+                del self._stores[key]
 
     def _store_key(self, event: RouterEvent) -> StoreKey:
         domain = event.residency_domain

@@ -7,7 +7,7 @@ block: the ingest hot path creates one object per event, not one per block.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import attrs
 
@@ -47,6 +47,23 @@ MAX_CHUNK_EVENTS = 128
 MAX_CHUNK_BLOCKS = 8192
 MAX_COALESCED_BLOCKS = 128
 MAX_RAW_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+if TYPE_CHECKING:
+    # What mypy checks: immutable value types, exactly as @attrs.frozen(slots=True).
+    from attrs import frozen as _per_event_value
+else:
+
+    def _per_event_value(cls: type[Any]) -> type[Any]:
+        """@attrs.frozen(slots=True) for the types built once or more per event, without its cost at run time.
+
+        A frozen attrs class sets each field in __init__ through ``object.__setattr__`` (the class's own
+        __setattr__ refuses); a plain slotted class stores them directly, about 4x faster to construct
+        (issue #18: Stored, PlacementEvent and RouterEvent are built for every event). Equality and the
+        hash are the frozen class's; immutability is the type checker's (mypy sees @attrs.frozen): nothing
+        assigns a field after construction, and attrs.evolve makes the changed copies.
+        """
+        return attrs.define(cls, slots=True, frozen=False, unsafe_hash=True, on_setattr=attrs.setters.NO_OP)
+
 
 KV_STATE_EVENTS_TOPIC = "kv-state-events-v2"
 KV_STATE_SOURCES_TOPIC = "kv-state-sources-v2"
@@ -123,7 +140,7 @@ class MmExtraInfo:
     mm_objects: tuple[MmObject, ...]
 
 
-@attrs.frozen(slots=True)
+@_per_event_value
 class Stored:
     """A chain of stored blocks; ``mm_extra_infos`` is ``None`` when no block carries MM info."""
 
@@ -138,7 +155,7 @@ class Stored:
     token_bytes: bytes | None = attrs.field(default=None, eq=False, repr=False)
 
 
-@attrs.frozen(slots=True)
+@_per_event_value
 class Removed:
     """Blocks no longer resident; unknown hashes are ignored."""
 
@@ -162,7 +179,7 @@ def block_count(data: EventData) -> int:
     return len(data.block_hashes)
 
 
-@attrs.frozen(slots=True)
+@_per_event_value
 class PlacementEvent:
     """A normalized engine event, before the coordinator gives it an outbound id.
 
@@ -177,7 +194,7 @@ class PlacementEvent:
     session_id: str | None = None
 
 
-@attrs.frozen(slots=True)
+@_per_event_value
 class RouterEvent:
     """One outbound event, field for field Dynamo's ``RouterEvent``."""
 
@@ -191,7 +208,7 @@ class RouterEvent:
     session_id: str | None = None
 
 
-@attrs.frozen(slots=True)
+@_per_event_value
 class IngressChunk:
     """A bounded slice of one raw batch, as the listener hands it to the coordinator."""
 

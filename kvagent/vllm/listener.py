@@ -410,14 +410,12 @@ class _Processor:
         for reason, count in normalized.filtered.items():
             counters.filtered[reason] = counters.filtered.get(reason, 0) + count
         try:
-            chunks = build_ingress_chunks(self.generation, seq, normalized)
+            # Every chunk names the batch's digest (the final one's is the coordinator's resume point).
+            chunks = build_ingress_chunks(
+                self.generation, seq, normalized, raw_bytes=len(payload), source_digest=digest
+            )
         except ChunkingError as exc:
             raise ListenerError(str(exc)) from exc
-        # The batch's bytes stay charged until its final chunk is handled; every chunk names the batch's
-        # digest (the final one's is the coordinator's resume point).
-        for index in range(len(chunks) - 1):
-            chunks[index] = attrs.evolve(chunks[index], source_digest=digest)
-        chunks[-1] = attrs.evolve(chunks[-1], raw_bytes=len(payload), source_digest=digest)
         admit = self.coordinator.admit_nowait
         try:
             for chunk in chunks:

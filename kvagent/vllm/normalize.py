@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 import structlog
+from xxhash import xxh3_64_intdigest as xxh3
 
 from kvagent.model.errors import ChunkingError
 from kvagent.model.events import (
@@ -38,6 +39,7 @@ from kvagent.model.hashing import (
     local_block_hashes,
     mm_block_hash,
     pack_tokens,
+    u32_packer,
 )
 from kvagent.vllm.decode import (
     RawAllBlocksCleared,
@@ -387,28 +389,43 @@ class AttachmentNormalizer:
         out = NormalizedBatch([])
         normalize_event = self.normalize_event
         framework = self.framework
+        namespaces = (
+            framework._namespaces
+        )  # the same dict for the normalizer's life (cleared, never replaced)
+        attention_rejection = framework.attention_rejection
         block_size = self.kv_block_size
+        block_bytes = 4 * block_size
         rank = self.worker.dp_rank
         filtered = out.filtered
         append = out.events.append
         for event in batch.events:
             if type(event) is RawBlockStored:
-                if not _is_plain_store(event, block_size) or framework.namespaced:
+                if namespaces or not _is_plain_store(event, block_size):
                     normalize_event(event, out)
-                elif (rejection := framework.attention_rejection(event, rank)) is not None:
-                    filtered[rejection] = filtered.get(rejection, 0) + 1
-                else:
-                    hashes = event.block_hashes
-                    token_bytes = pack_tokens(event.token_ids)
-                    tokens_hashes = local_block_hashes(token_bytes, block_size, len(hashes))
-                    # Whole blocks only; a slice of the full length is the same object (no copy).
-                    token_bytes = token_bytes[: len(hashes) * block_size * 4]
-                    stored = Stored(event.parent_block_hash, hashes, tokens_hashes, None, None, token_bytes)
-                    append(PlacementEvent(stored, _DEVICE, _WORKER, rank, event.session_id))
+                    continue
+                if event.group_idx is not None or event.kv_cache_spec_kind:
+                    # Only a group or a kind can reject (or teach a group); most batches carry neither.
+                    rejection = attention_rejection(event, rank)
+                    if rejection is not None:
+                        filtered[rejection] = filtered.get(rejection, 0) + 1
+                        continue
+                hashes = event.block_hashes
+                tokens = event.token_ids
+                token_bytes = u32_packer(len(tokens)).pack(*tokens)  # pack_tokens, inline
+                end = len(hashes) * block_bytes
+                # LocalBlockHash of each whole block, as local_block_hashes(token_bytes, block_size, count).
+                tokens_hashes = tuple(
+                    [xxh3(token_bytes[at : at + block_bytes], BASE_SEED) for at in range(0, end, block_bytes)]
+                )
+                # Whole blocks only; a slice of the full length is the same object (no copy).
+                stored = Stored(event.parent_block_hash, hashes, tokens_hashes, None, None, token_bytes[:end])
+                append(PlacementEvent(stored, _DEVICE, _WORKER, rank, event.session_id))
             elif type(event) is RawBlockRemoved:
-                if not _is_plain_device_event(event) or framework.namespaced:
+                if namespaces or not _is_plain_device_event(event):
                     normalize_event(event, out)
-                elif (rejection := framework.attention_rejection(event, rank)) is not None:
+                elif (event.group_idx is not None or event.kv_cache_spec_kind) and (
+                    rejection := attention_rejection(event, rank)
+                ) is not None:
                     filtered[rejection] = filtered.get(rejection, 0) + 1
                 else:
                     append(PlacementEvent(Removed(event.block_hashes), _DEVICE, _WORKER, rank, None))
@@ -558,9 +575,24 @@ def split_oversized_event(
 
 
 def build_ingress_chunks(
-    generation: int, source_cursor: int, normalized: NormalizedBatch
+    generation: int,
+    source_cursor: int,
+    normalized: NormalizedBatch,
+    *,
+    raw_bytes: int = 0,
+    source_digest: int = 0,
 ) -> list[IngressChunk]:
-    pieces = bounded_ingress_chunks(normalized.events)
+    """The batch as chunks in order: every chunk names the batch's ``source_digest``; the final one carries
+    its ``raw_bytes`` (the batch's bytes stay charged until its final chunk is handled)."""
+    events = normalized.events
+    if (
+        len(events) <= MAX_CHUNK_EVENTS
+        and sum([len(event.data.block_hashes) for event in events]) <= MAX_CHUNK_BLOCKS
+    ):
+        # The common case, one chunk: what bounded_ingress_chunks returns for it, without its loop.
+        pieces = [tuple(events)]
+    else:
+        pieces = bounded_ingress_chunks(events)
     if len(pieces) > 1 << 32:
         raise ChunkingError("vLLM batch has too many chunks")
     last = len(pieces) - 1
@@ -573,6 +605,8 @@ def build_ingress_chunks(
             events,
             normalized.source_fault if index == 0 else None,
             normalized.cache_owner_fault if index == 0 else None,
+            raw_bytes if index == last else 0,
+            source_digest,
         )
         for index, events in enumerate(pieces)
     ]
