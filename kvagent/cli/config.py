@@ -150,6 +150,8 @@ class ServeConfig:
     status_interval: float = 5.0
     shutdown_timeout: float = 10.0
     rcvhwm: int = 1000  # the listener fits it lower still once it sees large messages (its byte bound)
+    # Seconds the reader lets a steady stream accumulate before reading on (ListenerOptions.coalesce_window).
+    coalesce_window: float = 0.02
     # The websocket server's bounds (docs/protocol.md, "Limits and deadlines").
     handshake_timeout: float = 5.0
     max_pending_handshakes: int | None = None  # None: 128, at most a quarter of the fd limit
@@ -475,6 +477,8 @@ def validate_serve_config(config: ServeConfig) -> None:
     if config.max_pending_handshakes is not None:
         _check(errors, "max_pending_handshakes", _positive(config.max_pending_handshakes))
     _check(errors, "rcvhwm", _range(config.rcvhwm, 0, (1 << 31) - 1))
+    window = config.coalesce_window
+    _check(errors, "coalesce_window", None if 0 <= window <= 1 else f"must be 0..1 seconds, got {window}")
     if errors:
         _raise(tuple(errors))
 

@@ -219,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="warn once when an attached engine has published nothing for this long (default 60)",
     )
+    serve.add_argument(
+        "--coalesce-window",
+        type=float,
+        metavar="SECONDS",
+        help="under a steady event stream, read the engine's batches together once per this window "
+        "(default 0.02; 0: wake for every batch; a batch after a quiet spell is read at once)",
+    )
     _add_etcd_arguments(serve)
     serve.add_argument(
         "--simulate",
@@ -370,6 +377,7 @@ def _apply_top_level(data: dict[str, Any], args: argparse.Namespace) -> None:
         "state_dir",
         "model",
         "silence_warning",
+        "coalesce_window",
         "max_connections",
         "handshake_timeout",
         "max_pending_handshakes",

@@ -97,6 +97,11 @@ class ListenerOptions:
     shed_after: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     # No engine handshake on the SUB within this many seconds: one WARNING naming the endpoint (reader.py).
     connect_warning_after: float = attrs.field(default=3.0, validator=_positive_seconds)
+    # After a drain that emptied the SUB, wait this long before reading again (0: wait for readability at
+    # once). Under a steady stream the reader, processor and coordinator then wake once per window with
+    # several batches instead of once per batch (docs/performance.md: paced CPU); a batch after a quiet
+    # spell is still read at once.
+    coalesce_window: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
 
     def __attrs_post_init__(self) -> None:
         if self.ingress_bytes < 4 * self.max_payload_bytes:
@@ -482,6 +487,7 @@ def _build(
         shed_held=shed_held,
         shed_after=options.shed_after,
         connect_warning_after=options.connect_warning_after,
+        coalesce_window=options.coalesce_window,
     )
     counters.sync, counters.reader, counters.replay = sync, reader, replay
     return reader, replay, processor

@@ -231,6 +231,7 @@ class LiveReader:
         shed_held: Callable[[], int],
         shed_after: float = 0.0,
         connect_warning_after: float = 3.0,
+        coalesce_window: float = 0.0,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
@@ -240,6 +241,8 @@ class LiveReader:
         self.bytes_bound = bytes_bound
         self.shed_after = shed_after
         self.connect_warning_after = connect_warning_after
+        self.coalesce_window = coalesce_window
+        self.coalesced_waits = 0  # drains that waited out the window before reading on
         # trio.current_time() of the last drain that received a live message (None: none yet).
         self.last_live_at: float | None = None
         self.connect_warnings = 0
@@ -294,6 +297,13 @@ class LiveReader:
                     self._live_waiter = None
             if outcome is _Drained.SLICE_OVER:
                 await trio.lowlevel.checkpoint()  # let the processor and others run
+            elif outcome is _Drained.AGAIN and self.messages != received and self.coalesce_window > 0:
+                # Something arrived and the queue is empty: the next batches of a steady stream are read
+                # together after the window, so the whole pipeline wakes once per window, not once per
+                # batch. A lone batch was already read at once; only a batch that follows another within
+                # the window waits, at most the window.
+                self.coalesced_waits += 1
+                await trio.sleep(self.coalesce_window)
             elif outcome is _Drained.FULL:
                 await self._wait_for_room_or_shed()
                 if self._subscription is not subscription:

@@ -70,7 +70,11 @@ class Held:
 
 @asynccontextmanager
 async def reading(
-    engine: FakeVllmEngine, bound: int = 1 << 20, held: Held | None = None, shed_after: float = 0.0
+    engine: FakeVllmEngine,
+    bound: int = 1 << 20,
+    held: Held | None = None,
+    shed_after: float = 0.0,
+    coalesce_window: float = 0.0,
 ) -> AsyncIterator[tuple[LiveReader, WatchedInbox]]:
     inbox = WatchedInbox()
     held = held if held is not None else Held()
@@ -84,6 +88,7 @@ async def reading(
         held_bytes=lambda: held.bytes,
         shed_held=held.shed,
         shed_after=shed_after,
+        coalesce_window=coalesce_window,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(reader.run)
@@ -214,4 +219,61 @@ async def test_over_the_bound_the_reader_pauses_and_resumes_without_loss_when_ro
                         seqs.append(int.from_bytes(item.frames[1], "big"))
                 assert seqs == list(range(20)), "nothing was lost: a burst waits, it is not shed"
                 assert reader.sheds == 0
+            nursery.cancel_scope.cancel()
+
+
+async def _live_count(inbox: WatchedInbox, count: int, taken: list[InboxItem]) -> None:
+    while sum(isinstance(item, LiveItem) for item in taken) < count:
+        taken += inbox.take_all()
+        if sum(isinstance(item, LiveItem) for item in taken) < count:
+            await inbox.changed.wait()
+
+
+async def test_a_batch_after_quiet_is_read_at_once_and_followers_wait_out_the_window(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The coalesce window (virtual time here): the first batch is read at once, a batch that follows
+    within the window stays in the SUB until the window is over, then everything queued is read together."""
+    window = 5.0
+    async with trio.open_nursery() as nursery:
+        engine = FakeVllmEngine()
+        await nursery.start(engine.run)
+        async with reading(engine, coalesce_window=window) as (reader, inbox):
+            await engine.wait_for_subscriber()
+            taken: list[InboxItem] = []
+            await engine.publish_batch(store(0))
+            await _live_count(inbox, 1, taken)  # no clock movement needed: read at once
+            await trio.testing.wait_all_tasks_blocked()
+            assert reader.coalesced_waits == 1  # ...and the reader now waits out the window
+            for n in (1, 2, 3):
+                await engine.publish_batch(store(n))
+            subscription = reader._subscription
+            assert subscription is not None
+            # libzmq has the followers (a real observable, bounded by a real-time poll)...
+            assert subscription.sub.socket.poll(GUARD * 1000, zmq.POLLIN) == zmq.POLLIN
+            await trio.testing.wait_all_tasks_blocked()
+            taken += inbox.take_all()
+            assert sum(isinstance(item, LiveItem) for item in taken) == 1  # ...but they were not read yet
+            mock_clock.jump(window)
+            await _live_count(inbox, 4, taken)  # read together once the window is over
+            await trio.testing.wait_all_tasks_blocked()
+            assert reader.messages == 4
+            assert reader.coalesced_waits == 2
+            seqs = [int.from_bytes(item.frames[1], "big") for item in taken if isinstance(item, LiveItem)]
+            assert seqs == sorted(seqs)
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_a_window_the_reader_never_waits_between_batches() -> None:
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            async with reading(engine) as (reader, inbox):
+                await engine.wait_for_subscriber()
+                taken: list[InboxItem] = []
+                for n in range(5):
+                    await engine.publish_batch(store(n))
+                await _live_count(inbox, 5, taken)
+                assert reader.coalesced_waits == 0
             nursery.cancel_scope.cancel()

@@ -36,3 +36,16 @@ def test_log_level_from_the_command_line_and_its_default() -> None:
 def test_an_unknown_log_level_in_a_config_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="log_level: must be one of debug, info, warning, error"):
         structure_serve_config({"slots": [{"name": "s"}], "log_level": "verbose"})
+
+
+def test_coalesce_window_reaches_each_slots_listener_and_is_checked() -> None:
+    from kvagent.cli.serve import slot_agent_config
+
+    parser = build_parser()
+    default = serve_config_from_args(parser.parse_args(["serve", "--slot", "s"]))
+    assert default.coalesce_window == 0.02
+    chosen = serve_config_from_args(parser.parse_args(["serve", "--slot", "s", "--coalesce-window", "0"]))
+    agent = slot_agent_config(chosen.slots[0], chosen, recovery_url="ws://127.0.0.1:1/v1/slots/s")
+    assert agent.listener.coalesce_window == 0.0
+    with pytest.raises(ConfigError, match="coalesce_window"):
+        serve_config_from_args(parser.parse_args(["serve", "--slot", "s", "--coalesce-window", "-1"]))
