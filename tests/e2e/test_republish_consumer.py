@@ -58,18 +58,23 @@ async def settle(engine: FakeVllmEngine, c: Client, consumer: VllmStyleConsumer)
     another, which the consumer sees as a gap and repairs by replay. Returns the slot's tree dump then.
     """
     while True:
-        sentinel = next(_sentinels)
-        tokens = list(range(sentinel % 1000, sentinel % 1000 + BLOCK_SIZE))
-        await engine.publish_batch([block_stored([sentinel], None, tokens, BLOCK_SIZE)])
-        while True:
-            dump = await c.request("recover", start=None, end=None)
-            if ("device", sentinel) in worker_blocks(dump):
-                break
-            await trio.sleep(0.02)  # polling kvagent's dump (bounded by the test's fail_after)
+        dump = await applied_so_far(engine, c)
         seq = (await c.request("status"))["status"]["republish"]["seq"]
         with trio.move_on_after(1.0):
             await consumer.wait_for_seq(seq)
             return dump
+
+
+async def applied_so_far(engine: FakeVllmEngine, c: Client) -> dict[str, Any]:
+    """Publish a sentinel store and wait until kvagent has it: every batch before it is applied too."""
+    sentinel = next(_sentinels)
+    tokens = list(range(sentinel % 1000, sentinel % 1000 + BLOCK_SIZE))
+    await engine.publish_batch([block_stored([sentinel], None, tokens, BLOCK_SIZE)])
+    while True:
+        dump = await c.request("recover", start=None, end=None)
+        if ("device", sentinel) in worker_blocks(dump):
+            return dump
+        await trio.sleep(0.02)  # polling kvagent's dump (bounded by the test's fail_after)
 
 
 async def run_steps(engine: FakeVllmEngine, workload: SimulatedWorkload, steps: int) -> None:
@@ -117,6 +122,9 @@ async def test_a_vllm_style_consumer_matches_kvagent_after_late_join_own_restart
                 await engine.wait_for_subscriber()
                 workload = SimulatedWorkload(seed=7, block_size=BLOCK_SIZE)
                 await run_steps(engine, workload, 60)
+                # kvagent has applied (and republished past its ring) every step before the consumer joins: it
+                # reads a steady stream once per coalesce window, so the steps may still be on their way.
+                await applied_so_far(engine, c)
 
                 def consumer() -> VllmStyleConsumer:
                     return VllmStyleConsumer(zmq_context, endpoint, replay_endpoint, topic=b"kvagent")
@@ -133,6 +141,7 @@ async def test_a_vllm_style_consumer_matches_kvagent_after_late_join_own_restart
 
                 # 2. The consumer restarts (a new process: no state) while kvagent goes on.
                 await run_steps(engine, workload, 40)
+                await applied_so_far(engine, c)
                 second = consumer()
                 await nursery.start(_run_in, second, trio.CancelScope())
                 dump = await settle(engine, c, second)

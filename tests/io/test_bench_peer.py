@@ -55,6 +55,7 @@ def test_serve_consumer_applies_a_whole_burst_without_loss(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_the_figure_runs_kvagent_alone_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib", reason="the figure draws its plot with matplotlib (the bench extra)")
     tiny: dict[str, Any] = {
         "batches": 400, "repetitions": 1, "fill_blocks": 3_200, "window": 0.5, "rates": [2_000.0],
         "paced_repetitions": 1,
