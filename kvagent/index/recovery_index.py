@@ -12,20 +12,28 @@ import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import NamedTuple, TypeAlias
 
 import attrs
 import structlog
 
 from kvagent._util.gcutil import gc_paused
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
+from kvagent.index.answers import (
+    DumpGroup,
+    DumpSnapshot,
+    EventsAnswer,
+    InvalidRangeAnswer,
+    RangeAnswer,
+    TooNewAnswer,
+    TreeDumpAnswer,
+    TreeDumpFailedAnswer,
+)
+from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
     RESET_ALL,
     U64_MAX,
     Cleared,
     Removed,
-    ResetScope,
     ResidencyDomain,
     ResidencyOwner,
     RouterEvent,
@@ -58,80 +66,6 @@ _MAX_ROUTES = 4096  # distinct routes seen by one index are a handful; the bound
 _CACHE_OWNER = ResidencyDomain.CACHE_OWNER
 _WORKER = ResidencyDomain.WORKER
 _DEVICE = StorageTier.DEVICE
-
-
-# --- answers to a range query (4.4) -----------------------------------------------------------------
-
-
-@attrs.frozen(slots=True)
-class EventsAnswer:
-    """The buffered events from the requested start through the newest."""
-
-    events: tuple[RouterEvent, ...]
-    last_event_id: int
-
-
-@attrs.frozen(slots=True)
-class TreeDumpAnswer:
-    """Every resident block as a one-block Stored event (ids from 0), parents first."""
-
-    events: tuple[RouterEvent, ...]
-    last_event_id: int
-    reset_scope: ResetScope = RESET_ALL
-
-
-@attrs.frozen(slots=True)
-class TooNewAnswer:
-    """The requested start lies after the newest buffered event (the requester is ahead of this index)."""
-
-    requested_start: int | None
-    requested_end: int | None
-    newest_available: int
-
-
-@attrs.frozen(slots=True)
-class InvalidRangeAnswer:
-    """The requested end lies before the requested start."""
-
-    start_id: int
-    end_id: int
-
-
-@attrs.frozen(slots=True)
-class TreeDumpFailedAnswer:
-    """A dump that could not be built (4.5): reported as such, never as an empty dump."""
-
-    last_event_id: int
-    message: str
-
-
-RangeAnswer: TypeAlias = (
-    EventsAnswer | TreeDumpAnswer | TooNewAnswer | InvalidRangeAnswer | TreeDumpFailedAnswer
-)
-
-
-
-class DumpGroup(NamedTuple):
-    """One (owner, tier) of a dump: the fields every one of its events shares, and its block columns."""
-
-    worker_id: int
-    tier: StorageTier
-    domain: ResidencyDomain
-    dp_rank: int
-    source: CacheOwnerId | None
-    columns: StoreColumns
-
-
-class DumpSnapshot(NamedTuple):
-    """A consistent copy of the resident state: what a tree dump answer carries, before any encoding.
-
-    The n-th live row over ``groups`` (in order) is the dump's event n; ``last_event_id`` is the newest
-    applied id at the moment of the copy.
-    """
-
-    groups: tuple[DumpGroup, ...]
-    last_event_id: int
-    events: int
 
 
 def _check_u64(values: tuple[int, ...], what: str) -> None:
@@ -306,7 +240,9 @@ class RecoveryIndex:
         try:
             key = self._routes.get(route)
         except TypeError:  # an unhashable field: not one of the value types the route needs
-            raise IndexApplyError(f"unknown storage tier or residency domain in event {event.event_id}") from None
+            raise IndexApplyError(
+                f"unknown storage tier or residency domain in event {event.event_id}"
+            ) from None
         return self._route(event, route) if key is None else key
 
     def _store(self, key: StoreKey, data: Stored) -> None:
@@ -314,7 +250,10 @@ class RecoveryIndex:
         if (
             len(tokens) != len(hashes)
             or (data.mm_extra_infos is not None and len(data.mm_extra_infos) != len(hashes))
-            or (hashes and (min(hashes) < 0 or max(hashes) > U64_MAX or min(tokens) < 0 or max(tokens) > U64_MAX))
+            or (
+                hashes
+                and (min(hashes) < 0 or max(hashes) > U64_MAX or min(tokens) < 0 or max(tokens) > U64_MAX)
+            )
             or (parent is not None and not 0 <= parent <= U64_MAX)
         ):
             _validate_stored(data)  # raises, naming what is wrong
@@ -623,5 +562,3 @@ class RecoveryIndex:
 
 def _event_id(event: RouterEvent) -> int:
     return event.event_id
-
-
