@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from bench.peer_procs import DynamoConsumer
 from bench.publisher import Publisher
@@ -22,8 +25,12 @@ def _wait(consumer: DynamoConsumer, target: int) -> int:
     return applied
 
 
-def test_dynamo_consumer_counts_every_event_of_a_burst(dynamo: str, tmp_path: Path) -> None:
-    with Publisher(300) as publisher:
+@contextmanager
+def burst_applied(
+    dynamo: str, tmp_path: Path, batches: int, **trace: Any
+) -> Iterator[tuple[Publisher, DynamoConsumer]]:
+    """A fresh indexer that has applied one whole burst of the trace (checked), for the test to inspect."""
+    with Publisher(batches, **trace) as publisher:
         publisher.request_subscriber_wait()
         consumer = DynamoConsumer(dynamo, publisher.endpoint, tmp_path)
         try:
@@ -32,42 +39,29 @@ def test_dynamo_consumer_counts_every_event_of_a_burst(dynamo: str, tmp_path: Pa
             publisher.burst()
             publisher.wait_sent()
             assert _wait(consumer, publisher.stats.events) == publisher.stats.events
-            outcomes = consumer.details()
-            assert sum(outcomes.values()) == publisher.stats.events  # type: ignore[arg-type]
+            yield publisher, consumer
         finally:
             consumer.stop()
+
+
+def test_dynamo_consumer_counts_every_event_of_a_burst(dynamo: str, tmp_path: Path) -> None:
+    with burst_applied(dynamo, tmp_path, 300) as (publisher, consumer):
+        outcomes = consumer.details()
+        assert sum(outcomes.values()) == publisher.stats.events  # type: ignore[arg-type]
 
 
 def test_dynamo_resident_blocks_on_a_stores_only_burst(dynamo: str, tmp_path: Path) -> None:
     # 2,000 batches: enough roots that random token windows would repeat (a repeated prefix is one node to
     # Dynamo's content-keyed tree, and the stores under the other copy's hashes would be refused).
-    with Publisher(2_000, removes=False) as publisher:
-        publisher.request_subscriber_wait()
-        consumer = DynamoConsumer(dynamo, publisher.endpoint, tmp_path)
-        try:
-            publisher.wait_subscribed(BOUND)
-            publisher.burst()
-            publisher.wait_sent()
-            assert _wait(consumer, publisher.stats.events) == publisher.stats.events
-            # Every parent is resident in a stores-only trace, so every store is applied "ok".
-            assert consumer.resident_blocks() == publisher.stats.events * BLOCKS_PER_STORE
-        finally:
-            consumer.stop()
+    with burst_applied(dynamo, tmp_path, 2_000, removes=False) as (publisher, consumer):
+        # Every parent is resident in a stores-only trace, so every store is applied "ok".
+        assert consumer.resident_blocks() == publisher.stats.events * BLOCKS_PER_STORE
 
 
 def test_dynamo_applies_every_event_of_the_prefix_closed_trace(dynamo: str, tmp_path: Path) -> None:
-    with Publisher(2_000, prefix_closed=True) as publisher:
-        publisher.request_subscriber_wait()
-        consumer = DynamoConsumer(dynamo, publisher.endpoint, tmp_path)
-        try:
-            publisher.wait_subscribed(BOUND)
-            publisher.burst()
-            publisher.wait_sent()
-            assert _wait(consumer, publisher.stats.events) == publisher.stats.events
-            stats = publisher.stats
-            assert consumer.details() == {
-                '{event_type="stored",status="ok"}': stats.stores,
-                '{event_type="removed",status="ok"}': stats.removes,
-            }
-        finally:
-            consumer.stop()
+    with burst_applied(dynamo, tmp_path, 2_000, prefix_closed=True) as (publisher, consumer):
+        stats = publisher.stats
+        assert consumer.details() == {
+            '{event_type="stored",status="ok"}': stats.stores,
+            '{event_type="removed",status="ok"}': stats.removes,
+        }
