@@ -1,4 +1,5 @@
-"""Loaders for the real vLLM byte vectors in ../shared/vectors (CI has ../shared beside the checkout)."""
+"""Loaders for the real vLLM 0.32.0 byte vectors kept in the repository (tests/data/vectors; README.md there says
+where each capture came from)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import msgpack
 
-VECTORS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "vectors"
+VECTORS_DIR = Path(__file__).resolve().parents[1] / "data" / "vectors"
 
 
 def load_structs() -> dict[str, tuple[str, list[bytes]]]:

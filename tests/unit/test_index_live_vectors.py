@@ -1,4 +1,4 @@
-"""The recovery index fed from the live vLLM 0.32.0 capture (../shared/vectors/vllm-0.32.0-live.jsonl).
+"""The recovery index fed from the live vLLM 0.32.0 capture (tests/data/vectors/vllm-0.32.0-live.jsonl).
 
 The index side goes through kvagent's own wire decoder (and, in one test, the attachment normalizer); the
 expected block sets are computed independently, from the raw msgpack payloads with plain set arithmetic.

@@ -1,4 +1,4 @@
-"""kvagent.wire.vllm_events: vLLM 0.32.0's encoding, pinned against vLLM's own bytes in ../shared/vectors."""
+"""kvagent.wire.vllm_events: vLLM 0.32.0's encoding, pinned against vLLM's own bytes in tests/data/vectors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every vLLM 0.32.0 vector (../shared/vectors), decoded and normalized, with its outcome asserted per case.
+"""Every vLLM 0.32.0 vector (tests/data/vectors), decoded and normalized, with its outcome asserted per case.
 
 The byte-level examples of the wire reference are in test_decode.py; the pinned LocalBlockHash vector and the
 empty chunking case in test_normalize.py.
