@@ -71,7 +71,9 @@ _REASONS = {
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
+    501: b"Not Implemented",
     503: b"Service Unavailable",
+    505: b"HTTP Version Not Supported",
 }
 LINGER_SECONDS = 1.0  # how long a close waits for a client still sending (see _Connection.linger)
 LINGER_BYTES = 1 << 20
@@ -367,7 +369,11 @@ class _Connection:
             body = self.body_follows()
             self.unread_input = body
             dumps_allowed = self.stats.dumps_streaming < self.options.max_dumps
-            response = answer_request(self.sources, request, dumps_allowed=dumps_allowed)
+            if event.http_version not in (b"1.0", b"1.1"):  # h11 reads any HTTP/x.y line
+                body = True  # answered, then closed
+                response = _error(505, "bad_request", "only HTTP/1.0 and HTTP/1.1 are served")
+            else:
+                response = answer_request(self.sources, request, dumps_allowed=dumps_allowed)
             await self.respond(response, close=body, head_only=request.method == b"HEAD")
             if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
                 return  # MUST_CLOSE (HTTP/1.0, Connection: close) or an unread body

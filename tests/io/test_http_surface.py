@@ -372,6 +372,24 @@ async def test_a_malformed_request_is_a_json_400_and_the_connection_closes(reque
     assert stats.responses == {400: 1}
 
 
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", b"HTTP/1.1 505 HTTP Version Not Supported"),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 501 Not Implemented",
+        ),
+    ],
+)
+async def test_what_http_11_cannot_serve_is_refused_and_closed(request_bytes: bytes, status: bytes) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with http_surface(FakeSlot()) as (_, _, port):
+            [(line, headers, body)] = _answers(await _exchange(port, request_bytes))
+    assert (line, headers[b"connection"]) == (status, b"close")
+    assert json.loads(body)["error"]["code"] == "bad_request"
+
+
 async def test_http_10_needs_no_host_and_a_kept_alive_connection_answers_pipelined_requests() -> None:
     with trio.fail_after(TIMEOUT):
         async with http_surface(FakeSlot()) as (_, stats, port):
