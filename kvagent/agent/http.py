@@ -1,6 +1,6 @@
 """The HTTP surface (``kvagent serve --http HOST:PORT``): metrics, health, readiness, slot status and dumps.
 
-Routes (GET only; anything else is 405, an unknown path or slot 404, both with a JSON body)::
+Routes (GET and HEAD; any other method is 405, an unknown path or slot 404, both with a JSON body)::
 
     /metrics                    Prometheus text (kvagent.agent.metrics)
     /healthz                    200 while the process serves
@@ -9,17 +9,23 @@ Routes (GET only; anything else is 405, an unknown path or slot 404, both with a
     /v1/slots/{slot}/status     the websocket ``status`` op's status object
     /v1/slots/{slot}/dump       the tree dump as one JSON document (msgpack with Accept: application/msgpack)
 
-``{slot}`` is percent-decoded.  Each connection carries one request (``Connection: close``).  The dump is
-the websocket dump's content (the same events, ids from 0, the same header fields), taken at one point of
-the slot's outbound stream (``last_event_id``: the index's snapshot is a copy of its columns, about 25
-bytes a block) and encoded piece by piece as the client takes it: HTTP/1.1 clients get it chunked (a
-truncated answer lacks the final chunk), HTTP/1.0 ones until the close.
+``{slot}`` is percent-decoded.  h11 parses each request and frames each answer: a malformed request (a bad
+request line, a missing or repeated ``Host`` on HTTP/1.1, conflicting lengths) is answered 400, a head
+longer than ``max_request_bytes`` 431 (h11's ``max_incomplete_event_size``: the bytes buffered for one
+head stay within it plus one read), HEAD gets GET's headers without the body, and a connection is kept
+alive between requests unless the client asks to close, speaks HTTP/1.0 or sent a body (a body is never
+read: no route takes one; the connection closes after the answer). The dump is the websocket dump's
+content (the same events, ids from 0, the same header fields), taken at one point of the slot's outbound
+stream (``last_event_id``: the index's snapshot is a copy of its columns, about 25 bytes a block) and
+encoded piece by piece as the client takes it: HTTP/1.1 clients get it chunked (a truncated answer lacks
+the final chunk), HTTP/1.0 ones until the close.
 
-Bounds: the request head (``max_request_bytes``, else 431) must arrive within ``request_timeout``; a client
-that leaves a piece of an answer untaken for ``send_deadline`` loses its connection; at most
-``max_connections`` connections are served (more get 503) and at most ``max_dumps`` dumps stream at once
-(more get 503 with Retry-After).  Accepting is :func:`kvagent._util.listen.accept_loop`'s, which survives
-descriptor exhaustion, so a scrape still gets through while the websocket port is under attack.
+Bounds: each request head (the first, and each next one on a kept-alive connection) must arrive within
+``request_timeout`` (a client trickling bytes is closed then too); a client that leaves a piece of an
+answer untaken for ``send_deadline`` loses its connection; at most ``max_connections`` connections are
+served (more get 503) and at most ``max_dumps`` dumps stream at once (more get 503 with Retry-After).
+Accepting is :func:`kvagent._util.listen.accept_loop`'s, which survives descriptor exhaustion, so a scrape
+still gets through while the websocket port is under attack.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from functools import partial
 from urllib.parse import unquote, urlsplit
 
 import attrs
+import h11
 import structlog
 import trio
 
@@ -64,7 +71,9 @@ _REASONS = {
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
+    501: b"Not Implemented",
     503: b"Service Unavailable",
+    505: b"HTTP Version Not Supported",
 }
 LINGER_SECONDS = 1.0  # how long a close waits for a client still sending (see _Connection.linger)
 LINGER_BYTES = 1 << 20
@@ -151,18 +160,25 @@ class HttpRequest:
         return any(kind in accept for kind in _MSGPACK_TYPES)
 
 
+def _request_of(event: h11.Request) -> HttpRequest:
+    return HttpRequest(
+        event.method,
+        event.target,
+        b"HTTP/" + event.http_version,
+        {name: value for name, value in event.headers},
+    )
+
+
 def parse_request(head: bytes) -> HttpRequest | None:
-    """The request line and headers (names lower-cased); None when the line is malformed."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split()
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+    """The request line and headers (names lower-cased) of a head without its blank line, parsed by h11;
+    None when h11 refuses it."""
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(head + b"\r\n\r\n")
+    try:
+        event = connection.next_event()
+    except h11.RemoteProtocolError:
         return None
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return HttpRequest(parts[0], parts[1], parts[2], headers)
+    return _request_of(event) if isinstance(event, h11.Request) else None
 
 
 # --- routes -------------------------------------------------------------------------------------------
@@ -212,6 +228,10 @@ def _slot_route(
         return _error(404, "not_found", f"no slot named {name!r} is served here", route)
     if route == "status":
         return _json(200, agent.status().to_json(), route)
+    if request.method == b"HEAD":  # the headers a GET would get, without taking a snapshot
+        content_type = MSGPACK if request.wants_msgpack() else JSON
+        headers = _last_event_header(agent.index.current_event_id())
+        return Response(200, content_type, stream=(), headers=headers, route=route)
     if not dumps_allowed:  # refused before the snapshot is copied
         return _error(
             503, "overloaded", "too many dumps are streaming; retry shortly", route, retry_after=b"1"
@@ -224,8 +244,8 @@ def answer_request(sources: MetricSources, request: HttpRequest, *, dumps_allowe
 
     ``dumps_allowed`` False: a dump request is answered 503 (too many are streaming).
     """
-    if request.method != b"GET":
-        return _error(405, "method_not_allowed", "only GET is served", allow=b"GET")
+    if request.method not in (b"GET", b"HEAD"):
+        return _error(405, "method_not_allowed", "only GET and HEAD are served", allow=b"GET, HEAD")
     try:
         path = urlsplit(request.target.decode("ascii")).path
     except (UnicodeDecodeError, ValueError):
@@ -253,20 +273,21 @@ def answer_request(sources: MetricSources, request: HttpRequest, *, dumps_allowe
 
 # --- the connection -----------------------------------------------------------------------------------
 
+RECEIVE_BYTES = 4096  # one read; h11's buffer holds at most max_request_bytes plus this
+REFUSAL_SECONDS = 1.0  # how long a connection over the limit may take to take its refusal
 
-def _head(response: Response, *, chunked: bool) -> bytes:
-    lines = [
-        b"HTTP/1.1 %d %s" % (response.status, _REASONS.get(response.status, b"")),
-        b"Content-Type: " + response.content_type,
-        b"Connection: close",
-        b"Cache-Control: no-store",
-    ]
+
+def _head(response: Response, *, close: bool) -> h11.Response:
+    headers = [(b"Content-Type", response.content_type), (b"Cache-Control", b"no-store")]
     if response.stream is None:
-        lines.append(b"Content-Length: %d" % len(response.body))
-    elif chunked:
-        lines.append(b"Transfer-Encoding: chunked")
-    lines += [name + b": " + value for name, value in response.headers]
-    return b"\r\n".join(lines) + b"\r\n\r\n"
+        headers.append((b"Content-Length", b"%d" % len(response.body)))
+    if close:
+        headers.append((b"Connection", b"close"))
+    headers += response.headers
+    # h11 picks the framing of a streamed body: chunked for HTTP/1.1, until the close for HTTP/1.0.
+    return h11.Response(
+        status_code=response.status, headers=headers, reason=_REASONS.get(response.status, b"")
+    )
 
 
 class _SendTimeout(Exception):
@@ -274,7 +295,7 @@ class _SendTimeout(Exception):
 
 
 class _Connection:
-    """One accepted connection: read one request, answer it, close."""
+    """One accepted connection: requests parsed and answers framed by h11, one at a time, until it closes."""
 
     def __init__(
         self, stream: trio.SocketStream, sources: MetricSources, options: HttpOptions, stats: HttpStats
@@ -283,25 +304,28 @@ class _Connection:
         self.sources = sources
         self.options = options
         self.stats = stats
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=options.max_request_bytes)
         # The client may still be sending (a body, an oversized head): closing now would reset the
         # connection and lose the answer, so the close first drains what it sends (see linger()).
         self.unread_input = False
 
-    async def read_head(self) -> bytes | None:
-        """The request head (without the blank line), or None when the peer left; raises on overflow."""
-        request = b""
-        while b"\r\n\r\n" not in request:
-            if len(request) > self.options.max_request_bytes:
-                raise OverflowError
-            chunk = await self.stream.receive_some(4096)
-            if not chunk:
-                return None
-            request += chunk
-        head, rest = request.split(b"\r\n\r\n", 1)
-        if len(head) > self.options.max_request_bytes:
-            raise OverflowError
-        self.unread_input = bool(rest)
-        return head
+    async def next_request(self) -> h11.Request | None:
+        """The next request's head, or None when the peer closed; raises h11.RemoteProtocolError."""
+        while True:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA:
+                self.h11.receive_data(await self.stream.receive_some(RECEIVE_BYTES))
+                continue
+            if isinstance(event, h11.Request):
+                return event
+            return None  # ConnectionClosed (or PAUSED after a request that was not answered)
+
+    def body_follows(self) -> bool:
+        """Whether the request just received has a body (never read: no route takes one)."""
+        try:
+            return not isinstance(self.h11.next_event(), h11.EndOfMessage)
+        except h11.RemoteProtocolError:
+            return True
 
     async def linger(self) -> None:
         """Before closing with input pending: end our side, then drain the peer's (bounded) until it closes."""
@@ -313,7 +337,10 @@ class _Connection:
             while drained < LINGER_BYTES and (chunk := await self.stream.receive_some(65536)):
                 drained += len(chunk)
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, event: h11.Event) -> None:
+        data = self.h11.send(event)
+        if not data:
+            return
         with trio.move_on_after(self.options.send_deadline) as waiting:
             await self.stream.send_all(data)
         if waiting.cancelled_caught:
@@ -321,49 +348,76 @@ class _Connection:
             raise _SendTimeout
 
     async def serve(self) -> None:
-        with trio.move_on_after(self.options.request_timeout) as reading:
-            try:
-                head = await self.read_head()
-            except OverflowError:
-                self.unread_input = True
-                await self.respond(_error(431, "too_large", "request head too large"), chunked=False)
+        """Answer requests until the client closes, h11 says the connection must close, or a deadline."""
+        first = True
+        while True:
+            with trio.move_on_after(self.options.request_timeout) as reading:
+                try:
+                    event = await self.next_request()
+                except h11.RemoteProtocolError as exc:
+                    self.unread_input = True
+                    await self.refuse_malformed(exc)
+                    return
+            if reading.cancelled_caught:
+                # An idle kept-alive connection is simply closed; a started or first head is a timeout.
+                if first or self.h11.trailing_data[0]:
+                    self.stats.request_timeouts += 1
                 return
-        if reading.cancelled_caught:
-            self.stats.request_timeouts += 1
-            return
-        if head is None:
-            return
-        request = parse_request(head)
-        if request is None:
-            await self.respond(_error(400, "bad_request", "malformed request line"), chunked=False)
-            return
-        if b"content-length" in request.headers or b"transfer-encoding" in request.headers:
-            self.unread_input = True  # a body is never read: the answer does not depend on it
-        dumps_allowed = self.stats.dumps_streaming < self.options.max_dumps
-        response = answer_request(self.sources, request, dumps_allowed=dumps_allowed)
-        await self.respond(response, chunked=request.version != b"HTTP/1.0")
+            if event is None:
+                return
+            request = _request_of(event)
+            body = self.body_follows()
+            self.unread_input = body
+            dumps_allowed = self.stats.dumps_streaming < self.options.max_dumps
+            if event.http_version not in (b"1.0", b"1.1"):  # h11 reads any HTTP/x.y line
+                body = True  # answered, then closed
+                response = _error(505, "bad_request", "only HTTP/1.0 and HTTP/1.1 are served")
+            else:
+                response = answer_request(self.sources, request, dumps_allowed=dumps_allowed)
+            await self.respond(response, close=body, head_only=request.method == b"HEAD")
+            if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+                return  # MUST_CLOSE (HTTP/1.0, Connection: close) or an unread body
+            self.h11.start_next_cycle()
+            first = False
 
-    async def respond(self, response: Response, *, chunked: bool) -> None:
+    async def refuse_overload(self) -> None:
+        """503 at once to a connection over ``max_connections`` (h11 lets a server answer before the
+        request; its request is never read, so the close lingers)."""
+        self.unread_input = True
+        refusal = _error(503, "overloaded", "too many HTTP connections", retry_after=b"1")
+        with trio.move_on_after(REFUSAL_SECONDS):
+            await self.respond(refusal, close=True)
+
+    async def refuse_malformed(self, exc: h11.RemoteProtocolError) -> None:
+        if exc.error_status_hint == 431:
+            refusal = _error(431, "too_large", "request head too large")
+        else:
+            refusal = _error(exc.error_status_hint, "bad_request", f"malformed request: {exc}")
+        await self.respond(refusal, close=True)
+
+    async def respond(self, response: Response, *, close: bool = False, head_only: bool = False) -> None:
         self.stats.count(response.route, response.status)
-        if response.stream is None:
-            await self.send(_head(response, chunked=False) + response.body)
+        if response.stream is None or head_only:
+            await self.send(_head(response, close=close))
+            if not head_only:
+                await self.send(h11.Data(data=response.body))
+            await self.send(h11.EndOfMessage())
             return
         self.stats.dumps_streaming += 1
         try:
-            await self.send(_head(response, chunked=chunked))
-            await self.send_stream(response.stream, chunked=chunked)
+            await self.send(_head(response, close=close))
+            await self.send_stream(response.stream)
         finally:
             self.stats.dumps_streaming -= 1
 
-    async def send_stream(self, pieces: Iterable[bytes], *, chunked: bool) -> None:
+    async def send_stream(self, pieces: Iterable[bytes]) -> None:
         # Each piece is encoded in the step that sends it; send_all is a checkpoint, so the other
         # connections and ingest run between two pieces.
         iterator: Iterator[bytes] = iter(pieces)
         for piece in iterator:
             self.stats.dump_bytes += len(piece)
-            await self.send(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
-        if chunked:
-            await self.send(b"0\r\n\r\n")
+            await self.send(h11.Data(data=piece))
+        await self.send(h11.EndOfMessage())
 
 
 async def _handle(
@@ -375,10 +429,7 @@ async def _handle(
     try:
         if stats.connections_open > options.max_connections:
             stats.connections_refused += 1
-            refusal = _error(503, "overloaded", "too many HTTP connections", retry_after=b"1")
-            connection.unread_input = True  # its request is never read
-            with trio.move_on_after(1):
-                await connection.respond(refusal, chunked=False)
+            await connection.refuse_overload()
         else:
             await connection.serve()
         await connection.linger()

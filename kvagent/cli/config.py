@@ -6,12 +6,13 @@ Errors are :class:`ConfigError` and name the failing key path, for example
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NewType, NoReturn
 
 import attrs
 import cattrs
@@ -20,12 +21,22 @@ from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
 from kvagent.cli.etcd_settings import EtcdSettings, etcd_open_options, etcd_problems
+from kvagent.cli.options import (
+    Option,
+    Scope,
+    declared_options,
+    field_problems,
+    format_bytes,
+    option,
+    parse_byte_size,
+)
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material, with_model
 from kvagent.publish.republisher import RepublishConfig
+from kvagent.vllm.listener import ListenerOptions
 
 __all__ = [
     "ConfigError",
@@ -79,27 +90,224 @@ def _default_slot_state_dir() -> str:
 STATE_DIR_NONE = "none"  # ``state_dir = "none"``: every slot keeps its state in memory only
 
 
+# -- checks of one value (each option's ``check``: the problem, or None) ---------------------------------
+
+_HOST_PORT_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>[0-9]{1,5})")
+
+
+def _host_port_problem(text: str, *, wildcard: bool) -> str | None:
+    match = _HOST_PORT_RE.fullmatch(text)
+    if match is None:
+        if text.count(":") > 1 and not text.startswith("["):
+            return f"expected HOST:PORT with an IPv6 host in brackets (like [::1]:8765), got {text!r}"
+        return f"expected HOST:PORT, got {text!r}"
+    if int(match["port"]) > 65535:
+        return f"port must be 0..65535, got {match['port']}"
+    if match["host"] == "*" and not wildcard:
+        return f"host must not be '*' here, got {text!r}"
+    return None
+
+
+def _endpoint_problem(text: str, *, bind: bool) -> str | None:
+    """ZMQ endpoint syntax: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        return f"expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {text!r}"
+    if scheme != "tcp":
+        return None if rest else f"{scheme} endpoint needs a name, got {text!r}"
+    problem = _host_port_problem(rest, wildcard=bind)
+    return None if problem is None else f"{problem} (in {text!r})"
+
+
+def _listen_address(text: str) -> str | None:
+    return _host_port_problem(text, wildcard=False)
+
+
+def _engine_endpoint(text: str) -> str | None:
+    return _endpoint_problem(text, bind=False)
+
+
+def _bound_endpoint(text: str) -> str | None:
+    return _endpoint_problem(text, bind=True)
+
+
+_ADVERTISE_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9_.-]+")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
+
+
+def _advertise_problem(text: str) -> str | None:
+    """A host name or address (IPv6 with or without brackets), no port: URLs get the bound ports."""
+    if _ADVERTISE_RE.fullmatch(text) is None:
+        return f"expected a host name or IP address (no port, no scheme), got {text!r}"
+    if text in _WILDCARD_HOSTS:
+        return f"must name this machine as clients reach it, not the wildcard address {text!r}"
+    return None
+
+
+def _discovery_problem(url: str) -> str | None:
+    try:
+        check_discovery_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _range(value: int, low: int, high: int) -> str | None:
+    return None if low <= value <= high else f"must be {low}..{high}, got {value}"
+
+
+def _u32(value: int) -> str | None:
+    return _range(value, 0, U32_MAX)
+
+
+def _u64(value: int) -> str | None:
+    return _range(value, 0, U64_MAX)
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else f"must be > 0, got {value}"
+
+
+def _block_size(value: int) -> str | None:
+    return "must be > 0" if value <= 0 else _range(value, 1, U32_MAX)
+
+
+def _not_empty(value: str) -> str | None:
+    return None if value else "must not be empty"
+
+
+def _one_of(*choices: str) -> Callable[[str], str | None]:
+    listing = " or ".join(map(repr, choices)) if len(choices) == 2 else "one of " + ", ".join(choices)
+
+    def check(value: str) -> str | None:
+        return None if value in choices else f"must be {listing}, got {value!r}"
+
+    return check
+
+
+def _identity_map_problem(entries: Mapping[str, str] | None) -> str | None:
+    if not entries:
+        return None
+    try:
+        explicit_material(entries)
+    except IdentityError as exc:
+        return str(exc)
+    return None
+
+
+def _cache_owner_id_problem(text: str) -> str | None:
+    try:
+        CacheOwnerId.parse(text)
+    except IdentityError as exc:
+        return str(exc)
+    return None
+
+
+def _ingress_protocol_problem(text: str) -> str | None:
+    return None if text == IngressProtocol.VLLM_RESIDENCY_V1.value else EXTERNAL_INGRESS_ERROR
+
+
+def _state_dir_problem(text: str) -> str | None:
+    return None if text else f"must be a directory or {STATE_DIR_NONE!r}, got an empty string"
+
+
+def _coalesce_window_problem(window: float) -> str | None:
+    return None if 0 <= window <= 1 else f"must be 0..1 seconds, got {window}"
+
+
+# The listener's own defaults: the budget's default, and the largest payload it accepts (kvagent/vllm/listener.py).
+_LISTENER_DEFAULTS = ListenerOptions()
+DEFAULT_INGEST_BUDGET = _LISTENER_DEFAULTS.ingress_bytes
+MAX_PAYLOAD_BYTES = _LISTENER_DEFAULTS.max_payload_bytes
+
+
+def _ingest_budget_problem(budget: int) -> str | None:
+    # Each half of the budget (the listener's, the coordinator's queue) must hold two of the largest
+    # payloads, or every such batch would shed (ListenerOptions refuses less too).
+    least = 4 * MAX_PAYLOAD_BYTES
+    if budget >= least:
+        return None
+    return (
+        f"must be at least {format_bytes(least)} (4 x the largest vLLM payload a listener accepts, "
+        f"{format_bytes(MAX_PAYLOAD_BYTES)}), got {format_bytes(budget)}"
+    )
+
+
+def _parse_byte_size(text: str) -> int:
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ByteSize: an int in the config; TOML and the command line also take a text like "64MiB".
+ByteSize = NewType("ByteSize", int)
+
+
+# -- the configuration: each option declared once (kvagent/cli/options.py) ------------------------------
+
+
 @attrs.frozen(slots=True)
 class EngineConfig:
     """The engine a slot attaches to at start."""
 
-    endpoint: str
-    topic: str = ""
-    replay_endpoint: str | None = None
-    worker_id: int | None = None
-    image_token_id: int | None = None
-    video_token_id: int | None = None
+    endpoint: str = option(
+        help="the engine's KV event (PUB) endpoint (--slot NAME=ENDPOINT)", check=_engine_endpoint
+    )
+    topic: str = option(
+        "",
+        help="raw vLLM topic filter (default: everything)",
+        flags=("--topic",),
+        slot_key="topic",
+        default_text='"" (everything)',
+    )
+    replay_endpoint: str | None = option(
+        None,
+        help="vLLM replay (ROUTER) endpoint for gap repair",
+        flags=("--replay",),
+        metavar="ENDPOINT",
+        check=_engine_endpoint,
+        slot_key="replay",
+        exclusive=True,
+    )
+    worker_id: int | None = option(
+        None,
+        help="worker id of the engine attached at start (default: derived from slot and endpoint)",
+        flags=("--worker-id",),
+        parse=int,
+        check=_u64,
+        slot_key="worker",
+        exclusive=True,
+    )
+    image_token_id: int | None = option(None, help="the engine's image placeholder token id", check=_u32)
+    video_token_id: int | None = option(None, help="the engine's video placeholder token id", check=_u32)
 
 
 @attrs.frozen(slots=True)
 class RepublishSettings:
     """``[slots.republish]``: the slot's vLLM-compatible stream (endpoints of dp_rank 0, offset per rank)."""
 
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-    legacy_replay: bool = False
-    buffer_batches: int = 10_000
+    endpoint: str = option(
+        help="bind each slot's vLLM-format PUB here (PORT + the slot's dp_rank, as vLLM offsets DP ranks)",
+        flags=("--republish",),
+        metavar="tcp://HOST:PORT",
+        check=_bound_endpoint,
+    )
+    replay_endpoint: str | None = option(
+        None,
+        help="bind each slot's vLLM replay ROUTER here (PORT + dp_rank); old starts get a snapshot",
+        flags=("--republish-replay",),
+        metavar="tcp://HOST:PORT",
+        check=_bound_endpoint,
+    )
+    topic: str = option("", help="topic frame of the republished stream", flags=("--republish-topic",))
+    legacy_replay: bool = option(
+        False,
+        help="answer replay in the 3-frame form of vLLM < 0.26",
+        flags=("--legacy-replay",),
+        switch=True,
+    )
+    buffer_batches: int = option(10_000, help="batches the republisher keeps for replay", check=_positive)
 
     def to_config(self) -> RepublishConfig:
         return RepublishConfig(
@@ -113,55 +321,245 @@ class RepublishSettings:
 
 @attrs.frozen(slots=True)
 class SlotConfig:
-    name: str
-    kv_block_size: int = 16
-    dp_rank: int = 0
-    cache_owner_id: str | None = None
-    cache_semantics: dict[str, str] | None = None
-    routing_scope: dict[str, str] | None = None
-    dc_id: int = 0
-    ring_capacity: int = 1024
-    ingress_protocol: str = IngressProtocol.VLLM_RESIDENCY_V1.value
-    strict_cache_owner: bool = False
+    name: str = option(help="the slot's name, one URL path segment (--slot NAME)")
+    kv_block_size: int = option(
+        16, help="KV block size in tokens", flags=("--block-size",), parse=int, check=_block_size
+    )
+    dp_rank: int = option(
+        0,
+        help="the slot's global data-parallel rank",
+        flags=("--dp-rank",),
+        parse=int,
+        check=_u32,
+        slot_key="rank",
+        exclusive=True,
+    )
+    cache_owner_id: str | None = option(
+        None,
+        help="full CacheOwnerId text instead of deriving one",
+        flags=("--cache-owner-id",),
+        check=_cache_owner_id_problem,
+    )
+    cache_semantics: dict[str, str] | None = option(
+        None,
+        help="explicit cache-semantics material of the derived CacheOwnerId (docs/identity.md; repeatable)",
+        flags=("--cache-semantics",),
+        repeat=True,
+        check=_identity_map_problem,
+    )
+    routing_scope: dict[str, str] | None = option(
+        None,
+        help="explicit routing-scope material of the derived CacheOwnerId (docs/identity.md; repeatable)",
+        flags=("--routing-scope",),
+        repeat=True,
+        check=_identity_map_problem,
+    )
+    dc_id: int = option(
+        0, help="data-centre id (u64) of the derived CacheOwnerId", flags=("--dc-id",), parse=int, check=_u64
+    )
+    ring_capacity: int = option(
+        1024,
+        help="recovery ring buffer size in events",
+        flags=("--ring-capacity",),
+        parse=int,
+        check=_positive,
+    )
+    ingress_protocol: str = option(
+        IngressProtocol.VLLM_RESIDENCY_V1.value,
+        help="the engine's event protocol (only vllm_residency_v1)",
+        check=_ingress_protocol_problem,
+    )
+    strict_cache_owner: bool = option(
+        False,
+        help="refuse engine events whose cache owner differs from the slot's instead of counting them",
+        flags=("--strict-cache-owner",),
+        switch=True,
+    )
     engine: EngineConfig | None = None
-    simulate: bool = False
+    simulate: bool = option(
+        False,
+        help="attach every slot without an endpoint to an embedded simulated vLLM engine",
+        flags=("--simulate",),
+        switch=True,
+    )
     republish: RepublishSettings | None = None
     # The served model's name: part of the derived CacheOwnerId (docs/identity.md). Unset, a slot without
     # an explicit cache_owner_id gets the top-level ``model``, else (simulated) SIMULATED_MODEL, else none.
-    model: str | None = None
+    model: str | None = option(
+        None, help="this slot's model (--slot NAME,model=M; default: the top-level model)"
+    )
 
 
 @attrs.frozen(slots=True)
 class ServeConfig:
     # Empty by default so a config file may leave the slots to the command line (the CLI insists on one).
     slots: tuple[SlotConfig, ...] = ()
-    listen: str = "127.0.0.1:8765"
-    discovery: str = attrs.field(factory=_default_discovery)
+    listen: str = option(
+        "127.0.0.1:8765",
+        help="websocket HOST:PORT (IPv6 as [::1]:8765)",
+        flags=("--listen",),
+        metavar="HOST:PORT",
+        check=_listen_address,
+    )
+    discovery: str = option(
+        factory=_default_discovery,
+        help="memory | file:DIR | etcd://HOST:PORT[,HOST:PORT][/PREFIX]",
+        flags=("--discovery",),
+        check=_discovery_problem,
+        default_text='"file:<state root>/discovery"',
+    )
     # Where slots persist their state (docs/durability.md); "none" keeps it in memory only.
-    state_dir: str = attrs.field(factory=_default_slot_state_dir)
-    token_file: str | None = None
-    publish: str | None = None
-    http: str | None = None  # the HTTP surface (metrics, health, readiness, status, dumps)
-    metrics: str | None = None  # the older name of ``http``, still accepted
-    log_format: str = "text"
-    log_level: str = "info"
-    max_connections: int = 256
-    max_message_bytes: int = 1 << 20
-    status_interval: float = 5.0
-    shutdown_timeout: float = 10.0
-    rcvhwm: int = 1000  # the listener fits it lower still once it sees large messages (its byte bound)
-    # Seconds the reader lets a steady stream accumulate before reading on (ListenerOptions.coalesce_window).
-    coalesce_window: float = 0.02
+    state_dir: str = option(
+        factory=_default_slot_state_dir,
+        help="persist each slot's state here and resume from it on restart ('none' keeps it in memory)",
+        flags=("--state-dir",),
+        metavar="DIR|none",
+        check=_state_dir_problem,
+        default_text='"<state root>/state"',
+    )
+    token_file: str | None = option(
+        None,
+        help="control token file (created with a fresh token if missing)",
+        flags=("--token-file",),
+        default_text="<state root>/token",
+    )
+    publish: str | None = option(
+        None,
+        help="bind the outbound ZMQ event plane here",
+        flags=("--publish",),
+        metavar="tcp://HOST:PORT",
+        check=_bound_endpoint,
+    )
+    http: str | None = option(
+        None,
+        help="serve the HTTP surface here: /metrics, /healthz, /readyz, /v1/slots[/SLOT/status|dump] "
+        "(--metrics is the older name)",
+        flags=("--http", "--metrics"),
+        metavar="HOST:PORT",
+        check=_listen_address,
+        clears=("metrics",),  # the file's older spelling of the same listener is overridden too
+    )
+    metrics: str | None = option(None, help="the older name of http, still accepted", check=_listen_address)
+    log_format: str = option(
+        "text",
+        help="log lines as text or one JSON object each",
+        flags=("--log-format",),
+        choices=("text", "json"),
+        check=_one_of("text", "json"),
+    )
+    log_level: str = option(
+        "info",
+        help="the log threshold",
+        flags=("--log-level",),
+        choices=LOG_LEVELS,
+        check=_one_of(*LOG_LEVELS),
+    )
+    max_connections: int = option(
+        256,
+        help="websocket connections served at once",
+        flags=("--max-connections",),
+        parse=int,
+        check=_positive,
+    )
+    max_message_bytes: int = option(
+        1 << 20, help="the largest websocket message a client may send", check=_positive
+    )
+    status_interval: float = option(
+        5.0,
+        help="seconds between console status lines",
+        flags=("--status-interval",),
+        parse=float,
+        check=_positive,
+    )
+    shutdown_timeout: float = option(
+        10.0,
+        help="seconds to close every client with 1001",
+        flags=("--shutdown-timeout",),
+        parse=float,
+        check=_positive,
+    )
+    rcvhwm: int = option(
+        1000,
+        help="the engine SUB's receive high-water mark in messages (the listener fits it lower for large "
+        "messages; 0: libzmq's no limit)",
+        check=lambda value: _range(value, 0, (1 << 31) - 1),
+    )
+    coalesce_window: float = option(
+        0.02,
+        help="under a steady event stream, read the engine's batches together once per this window "
+        "(0: wake for every batch; a batch after a quiet spell is read at once)",
+        flags=("--coalesce-window",),
+        metavar="SECONDS",
+        parse=float,
+        check=_coalesce_window_problem,
+    )
+    ingest_budget: ByteSize = option(
+        ByteSize(DEFAULT_INGEST_BUDGET),
+        help="bytes of raw engine payloads a slot holds between its SUB and its index (like 64MiB); past "
+        "it the listener sheds (docs/configuration.md, 'The ingest budget')",
+        flags=("--ingest-budget",),
+        metavar="BYTES",
+        parse=_parse_byte_size,
+        check=_ingest_budget_problem,
+        default_text=format_bytes(DEFAULT_INGEST_BUDGET),
+    )
     # The websocket server's bounds (docs/protocol.md, "Limits and deadlines").
-    handshake_timeout: float = 5.0
-    max_pending_handshakes: int | None = None  # None: 128, at most a quarter of the fd limit
-    send_deadline: float = 10.0
-    outbound_queue_bytes: int = 1 << 20
+    handshake_timeout: float = option(
+        5.0,
+        help="seconds a connection may take to finish its websocket handshake",
+        flags=("--handshake-timeout",),
+        parse=float,
+        check=_positive,
+    )
+    max_pending_handshakes: int | None = option(
+        None,
+        help="connections still in their handshake (oldest dropped first)",
+        flags=("--max-pending-handshakes",),
+        parse=int,
+        check=_positive,
+        default_text="128, at most fd limit / 4",
+    )
+    send_deadline: float = option(
+        10.0,
+        help="seconds a client may leave a frame unaccepted before it is closed with 1013 overrun",
+        flags=("--send-deadline",),
+        parse=float,
+        check=_positive,
+    )
+    outbound_queue_bytes: int = option(
+        1 << 20,
+        help="per-connection bound of queued answer bytes",
+        flags=("--outbound-queue-bytes",),
+        parse=int,
+        check=_positive,
+    )
     # The host put into advertised and printed URLs; None: the listen host, or this machine's name for a
     # wildcard listen address (kvagent/agent/advertising.py).
-    advertise: str | None = None
-    model: str | None = None  # the default of every slot's ``model``
-    silence_warning: float = 60.0  # seconds an attached engine may publish nothing before a WARNING
+    advertise: str | None = option(
+        None,
+        help="host put into advertised and printed URLs (default: the --listen host, or this machine's "
+        "name when it listens on 0.0.0.0 or ::)",
+        flags=("--advertise",),
+        metavar="HOST",
+        check=_advertise_problem,
+    )
+    model: str | None = option(
+        None,
+        help="the served model's name; part of each derived CacheOwnerId, so two models' slots never "
+        "collide (per slot: model=NAME)",
+        flags=("--model",),
+        metavar="NAME",
+        check=_not_empty,
+        slot_key="model",
+    )
+    silence_warning: float = option(
+        60.0,
+        help="warn once when an attached engine has published nothing for this long",
+        flags=("--silence-warning",),
+        metavar="SECONDS",
+        parse=float,
+        check=_positive,
+    )
     etcd: EtcdSettings = EtcdSettings()
 
     @property
@@ -180,6 +578,16 @@ class ServeConfig:
             if slot.model == _inherited_model(self, slot):
                 table["model"] = None
         return data
+
+
+# Every serve option, in the order of `kvagent serve --help` and of docs/configuration.md's table.
+SERVE_OPTIONS: list[tuple[Scope, attrs.Attribute[Any], Option]] = [
+    *declared_options(ServeConfig, Scope.TOP),
+    *declared_options(SlotConfig, Scope.SLOT),
+    *declared_options(EngineConfig, Scope.ENGINE),
+    *declared_options(RepublishSettings, Scope.REPUBLISH),
+    *declared_options(EtcdSettings, Scope.ETCD),
+]
 
 
 # -- structuring -----------------------------------------------------------------------------------
@@ -213,6 +621,17 @@ def _strict_bool(value: object, _: type) -> bool:
     return value
 
 
+def _byte_size(value: object, _: type) -> int:
+    if isinstance(value, str):
+        try:
+            return parse_byte_size(value)
+        except ValueError as exc:
+            raise _StrictTypeError(str(exc)) from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _StrictTypeError(f"expected a byte size like 64MiB or an integer, got {value!r}")
+    return value
+
+
 def _require_table(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def structure(value: object, type_: Any) -> Any:
         if not isinstance(value, Mapping):
@@ -238,6 +657,7 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(float, _strict_float)
     converter.register_structure_hook(str, _strict_str)
     converter.register_structure_hook(bool, _strict_bool)
+    converter.register_structure_hook(ByteSize, _byte_size)
     # Inner types first, so the outer generated hooks pick up the wrapped inner ones.
     for type_ in (EngineConfig, RepublishSettings, SlotConfig, EtcdSettings):
         converter.register_structure_hook(type_, _require_table(converter.get_structure_hook(type_)))
@@ -281,79 +701,10 @@ def _raise(errors: tuple[str, ...], context: str | None = None) -> NoReturn:
 
 # -- validation ------------------------------------------------------------------------------------
 
-_HOST_PORT_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>[0-9]{1,5})")
-
-
-def _host_port_problem(text: str, *, wildcard: bool) -> str | None:
-    match = _HOST_PORT_RE.fullmatch(text)
-    if match is None:
-        if text.count(":") > 1 and not text.startswith("["):
-            return f"expected HOST:PORT with an IPv6 host in brackets (like [::1]:8765), got {text!r}"
-        return f"expected HOST:PORT, got {text!r}"
-    if int(match["port"]) > 65535:
-        return f"port must be 0..65535, got {match['port']}"
-    if match["host"] == "*" and not wildcard:
-        return f"host must not be '*' here, got {text!r}"
-    return None
-
-
-def _endpoint_problem(text: str, *, bind: bool) -> str | None:
-    """ZMQ endpoint syntax: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``."""
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc"):
-        return f"expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {text!r}"
-    if scheme != "tcp":
-        return None if rest else f"{scheme} endpoint needs a name, got {text!r}"
-    problem = _host_port_problem(rest, wildcard=bind)
-    return None if problem is None else f"{problem} (in {text!r})"
-
-
-_ADVERTISE_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9_.-]+")
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
-
-
-def _advertise_problem(text: str) -> str | None:
-    """A host name or address (IPv6 with or without brackets), no port: URLs get the bound ports."""
-    if _ADVERTISE_RE.fullmatch(text) is None:
-        return f"expected a host name or IP address (no port, no scheme), got {text!r}"
-    if text in _WILDCARD_HOSTS:
-        return f"must name this machine as clients reach it, not the wildcard address {text!r}"
-    return None
-
 
 def _check(errors: list[str], path: str, problem: str | None) -> None:
     if problem is not None:
         errors.append(f"{path}: {problem}")
-
-
-def _range(value: int, low: int, high: int) -> str | None:
-    return None if low <= value <= high else f"must be {low}..{high}, got {value}"
-
-
-def _positive(value: float) -> str | None:
-    return None if value > 0 else f"must be > 0, got {value}"
-
-
-def _identity_map_problem(entries: Mapping[str, str] | None) -> str | None:
-    if not entries:
-        return None
-    try:
-        explicit_material(entries)
-    except IdentityError as exc:
-        return str(exc)
-    return None
-
-
-def _validate_engine(errors: list[str], path: str, engine: EngineConfig) -> None:
-    _check(errors, f"{path}.endpoint", _endpoint_problem(engine.endpoint, bind=False))
-    if engine.replay_endpoint is not None:
-        _check(errors, f"{path}.replay_endpoint", _endpoint_problem(engine.replay_endpoint, bind=False))
-    if engine.worker_id is not None:
-        _check(errors, f"{path}.worker_id", _range(engine.worker_id, 0, U64_MAX))
-    for key in ("image_token_id", "video_token_id"):
-        value = getattr(engine, key)
-        if value is not None:
-            _check(errors, f"{path}.{key}", _range(value, 0, U32_MAX))
 
 
 def _republish_endpoints(errors: list[str], path: str, slot: SlotConfig) -> list[tuple[str, str]]:
@@ -361,10 +712,7 @@ def _republish_endpoints(errors: list[str], path: str, slot: SlotConfig) -> list
     republish = slot.republish
     if republish is None:
         return []
-    _check(errors, f"{path}.endpoint", _endpoint_problem(republish.endpoint, bind=True))
-    if republish.replay_endpoint is not None:
-        _check(errors, f"{path}.replay_endpoint", _endpoint_problem(republish.replay_endpoint, bind=True))
-    _check(errors, f"{path}.buffer_batches", _positive(republish.buffer_batches))
+    errors.extend(field_problems(republish, path))
     if any(error.startswith(f"{path}.") for error in errors):
         return []
     try:
@@ -386,27 +734,13 @@ def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
         errors.append(f"{path}.name: must be printable and contain no '/' (it is a URL path segment)")
     elif len(slot.name.encode()) > 1024:
         errors.append(f"{path}.name: must be at most 1024 UTF-8 bytes")
-    if slot.kv_block_size <= 0:
-        errors.append(f"{path}.kv_block_size: must be > 0")
-    else:
-        _check(errors, f"{path}.kv_block_size", _range(slot.kv_block_size, 1, U32_MAX))
-    _check(errors, f"{path}.dp_rank", _range(slot.dp_rank, 0, U32_MAX))
-    _check(errors, f"{path}.dc_id", _range(slot.dc_id, 0, U64_MAX))
-    _check(errors, f"{path}.ring_capacity", _positive(slot.ring_capacity))
-    if slot.ingress_protocol != IngressProtocol.VLLM_RESIDENCY_V1.value:
-        errors.append(f"{path}.ingress_protocol: {EXTERNAL_INGRESS_ERROR}")
-    _check(errors, f"{path}.cache_semantics", _identity_map_problem(slot.cache_semantics))
+    errors.extend(field_problems(slot, path))
     if slot.model is not None and slot.cache_owner_id is None:
         try:
             explicit_material(with_model(slot.cache_semantics, slot.model) or {})
         except IdentityError as exc:
             errors.append(f"{path}.model: {exc}")
-    _check(errors, f"{path}.routing_scope", _identity_map_problem(slot.routing_scope))
     if slot.cache_owner_id is not None:
-        try:
-            CacheOwnerId.parse(slot.cache_owner_id)
-        except IdentityError as exc:
-            errors.append(f"{path}.cache_owner_id: {exc}")
         # An explicit owner id already encodes the pool; accepting pool material too would silently ignore it.
         errors.extend(
             f"{path}.{key}: cannot be combined with an explicit cache_owner_id"
@@ -416,7 +750,7 @@ def _validate_slot(errors: list[str], path: str, slot: SlotConfig) -> None:
         if slot.dc_id:
             errors.append(f"{path}.dc_id: cannot be combined with an explicit cache_owner_id")
     if slot.engine is not None:
-        _validate_engine(errors, f"{path}.engine", slot.engine)
+        errors.extend(field_problems(slot.engine, f"{path}.engine"))
         if slot.simulate:
             errors.append(f"{path}.simulate: cannot be combined with an engine")
 
@@ -439,46 +773,10 @@ def validate_serve_config(config: ServeConfig) -> None:
                 f"slots[{index}].name: duplicate slot name {slot.name!r} (also slots[{seen[slot.name]}])"
             )
         seen.setdefault(slot.name, index)
-    _check(errors, "listen", _host_port_problem(config.listen, wildcard=False))
-    for key in ("http", "metrics"):
-        value = getattr(config, key)
-        if value is not None:
-            _check(errors, key, _host_port_problem(value, wildcard=False))
+    errors.extend(field_problems(config, ""))  # each option's own check
     if config.http is not None and config.metrics is not None and config.http != config.metrics:
         errors.append("metrics: is the older name of http; set only http")
-    if config.publish is not None:
-        _check(errors, "publish", _endpoint_problem(config.publish, bind=True))
-    try:
-        check_discovery_url(config.discovery)
-    except ValueError as exc:
-        errors.append(f"discovery: {exc}")
-    if config.advertise is not None:
-        _check(errors, "advertise", _advertise_problem(config.advertise))
-    if config.model is not None and not config.model:
-        errors.append("model: must not be empty")
     errors.extend(etcd_problems(config.etcd, config.discovery))
-    if not config.state_dir:
-        errors.append(f"state_dir: must be a directory or {STATE_DIR_NONE!r}, got an empty string")
-    if config.log_format not in ("text", "json"):
-        errors.append(f"log_format: must be 'text' or 'json', got {config.log_format!r}")
-    if config.log_level not in LOG_LEVELS:
-        errors.append(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {config.log_level!r}")
-    for key in (
-        "max_connections",
-        "max_message_bytes",
-        "status_interval",
-        "shutdown_timeout",
-        "handshake_timeout",
-        "send_deadline",
-        "outbound_queue_bytes",
-        "silence_warning",
-    ):
-        _check(errors, key, _positive(getattr(config, key)))
-    if config.max_pending_handshakes is not None:
-        _check(errors, "max_pending_handshakes", _positive(config.max_pending_handshakes))
-    _check(errors, "rcvhwm", _range(config.rcvhwm, 0, (1 << 31) - 1))
-    window = config.coalesce_window
-    _check(errors, "coalesce_window", None if 0 <= window <= 1 else f"must be 0..1 seconds, got {window}")
     if errors:
         _raise(tuple(errors))
 

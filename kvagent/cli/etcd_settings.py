@@ -6,6 +6,7 @@ from pathlib import Path
 
 import attrs
 
+from kvagent.cli.options import Scope, declared_options, option
 from kvagent.model.errors import ConfigError
 
 __all__ = ["EtcdSettings", "etcd_open_options", "etcd_problems"]
@@ -15,21 +16,35 @@ __all__ = ["EtcdSettings", "etcd_open_options", "etcd_problems"]
 class EtcdSettings:
     """``[etcd]``: options of an ``etcd://``/``etcds://`` discovery (docs/discovery.md, "Options")."""
 
-    ttl: float | None = None  # None: open_etcd_discovery's default (10 s)
-    username: str | None = None
-    password_file: str | None = None  # read at start; the password itself never sits in the config
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
+    ttl: float | None = option(
+        None,
+        help="lease TTL in seconds (at least 1)",
+        flags=("--etcd-ttl",),
+        metavar="SECONDS",
+        parse=float,
+        default_text="10",  # None: open_etcd_discovery's default
+    )
+    username: str | None = option(
+        None, help="etcd user (with --etcd-password-file)", flags=("--etcd-user",), metavar="NAME"
+    )
+    # Read at start; the password itself never sits in the config.
+    password_file: str | None = option(
+        None, help="file holding the etcd user's password", flags=("--etcd-password-file",), metavar="FILE"
+    )
+    ca_file: str | None = option(
+        None, help="CA bundle verifying etcd (etcds:// only)", flags=("--etcd-ca",), metavar="FILE"
+    )
+    cert_file: str | None = option(
+        None, help="client certificate (etcds:// only)", flags=("--etcd-cert",), metavar="FILE"
+    )
+    key_file: str | None = option(
+        None, help="client certificate's key (etcds:// only)", flags=("--etcd-key",), metavar="FILE"
+    )
 
 
+# key -> its flag, for the messages
 _ETCD_FLAGS = {
-    "ttl": "--etcd-ttl",
-    "username": "--etcd-user",
-    "password_file": "--etcd-password-file",
-    "ca_file": "--etcd-ca",
-    "cert_file": "--etcd-cert",
-    "key_file": "--etcd-key",
+    field.name: declared.flags[0] for _, field, declared in declared_options(EtcdSettings, Scope.ETCD)
 }
 
 

@@ -75,7 +75,9 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         if serve.publish
         else recovery_url,
         recovery_url=recovery_url,
-        listener=ListenerOptions(rcvhwm=serve.rcvhwm, coalesce_window=serve.coalesce_window),
+        listener=ListenerOptions(
+            rcvhwm=serve.rcvhwm, coalesce_window=serve.coalesce_window, ingress_bytes=serve.ingest_budget
+        ),
         republish=None if slot.republish is None else slot.republish.to_config(),
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
         silence_warning=serve.silence_warning,

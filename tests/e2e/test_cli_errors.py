@@ -176,6 +176,8 @@ async def test_several_config_problems_are_still_one_line_naming_each_key(tmp_pa
         (["--slot", "s", "--listen", "nonsense"], "listen"),
         (["--slot", "s", "--discovery", "zookeeper://x"], "zookeeper://x"),
         (["--slot", "s", "--log-level", "loud"], "--log-level"),
+        (["--slot", "s", "--ingest-budget", "16MiB"], "ingest_budget: must be at least 32MiB"),
+        (["--slot", "s", "--ingest-budget", "lots"], "--ingest-budget"),
         (["--slot", "s", "--no-such-flag"], "--no-such-flag"),
         ([], "--slot"),
     ],

@@ -97,7 +97,8 @@ async def test_routes_answer_and_unknown_ones_are_json_404_or_405() -> None:
                     assert missing.status_code == 404, path
                     assert missing.json()["error"]["code"] == "not_found"
                 refused = await http.post("/v1/slots/a/dump", content=b"{}")
-                assert (refused.status_code, refused.headers["allow"]) == (405, "GET")
+                assert (refused.status_code, refused.headers["allow"]) == (405, "GET, HEAD")
+                assert refused.headers["connection"] == "close"  # its body is never read
                 assert stats.requests == {"healthz": 1, "slots": 1, "status": 3, "dump": 1, "other": 3}
             nursery.cancel_scope.cancel()
 
@@ -185,7 +186,7 @@ async def _open_stalled(port: int, path: bytes) -> trio.SocketStream:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
     await sock.connect(("127.0.0.1", port))
     stream = trio.SocketStream(sock)
-    await stream.send_all(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    await stream.send_all(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     return stream
 
 
@@ -298,18 +299,247 @@ async def test_oversized_malformed_and_silent_requests_are_bounded() -> None:
     options = HttpOptions(max_request_bytes=1024, request_timeout=0.3, max_connections=2)
     with trio.fail_after(TIMEOUT):
         async with http_surface(FakeSlot(), options=options) as (_, stats, port):
-            huge = b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * 4096 + b"\r\n\r\n"
+            huge = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 4096 + b"\r\n\r\n"
             assert (await _exchange(port, huge)).startswith(b"HTTP/1.1 431 ")
             assert (await _exchange(port, b"NONSENSE\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
             assert await _exchange(port, b"GET /healthz HTTP/1.1\r\n") == b""  # never finished: closed
             assert stats.request_timeouts == 1
             silent = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
             with trio.fail_after(5):  # the third connection is over the limit: refused, not queued
-                answer = await _exchange(port, b"GET /healthz HTTP/1.1\r\n\r\n")
+                answer = await _exchange(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             assert answer.startswith(b"HTTP/1.1 503 ")
             assert stats.connections_refused == 1
             for stream in silent:
                 await stream.aclose()
+
+
+def _answers(received: bytes) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """The (status line, headers, body) of each Content-Length-framed answer in ``received``."""
+    answers = []
+    while received:
+        head, received = received.split(b"\r\n\r\n", 1)
+        status, *lines = head.split(b"\r\n")
+        headers = {name.lower(): value.strip() for name, _, value in (line.partition(b":") for line in lines)}
+        length = int(headers.get(b"content-length", b"0"))
+        answers.append((status, headers, received[:length]))
+        received = received[length:]
+    return answers
+
+
+async def test_head_gets_the_headers_of_get_without_a_body_and_takes_no_snapshot() -> None:
+    slot = mixed_slot()
+    with trio.fail_after(TIMEOUT):
+        async with http_surface(slot) as (http, stats, port):
+            get = await http.get("/v1/slots/a/status")
+            received = await _exchange(
+                port,
+                b"HEAD /v1/slots/a/status HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"HEAD /v1/slots/a/dump HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            )
+    status_head, dump_head = received.split(b"\r\n\r\n")[:2]
+    assert received.endswith(b"\r\n\r\n")  # two heads and not one byte of a body
+    assert status_head.startswith(b"HTTP/1.1 200 OK")
+    assert f"content-length: {len(get.content)}".encode() in status_head.lower()
+    assert dump_head.startswith(b"HTTP/1.1 200 OK")
+    assert f"x-kvagent-last-event-id: {slot.index.current_event_id()}".encode() in dump_head.lower()
+    assert stats.dump_bytes == 0 and stats.requests["dump"] == 1
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        pytest.param(b"GET /healthz HTTP/1.1\r\n\r\n", id="no-host-on-1.1"),
+        pytest.param(b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", id="two-hosts"),
+        pytest.param(b"GET /healthz\r\n\r\n", id="no-version"),
+        pytest.param(b"GET /healthz HTTP/1.1 extra\r\nHost: x\r\n\r\n", id="extra-word"),
+        pytest.param(b"GET /he lthz HTTP/1.1\r\nHost: x\r\n\r\n", id="space-in-target"),
+        pytest.param(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", id="tls-hello"),
+        pytest.param(b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n", id="bad-header-name"),
+        pytest.param(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            id="conflicting-lengths",
+        ),
+    ],
+)
+async def test_a_malformed_request_is_a_json_400_and_the_connection_closes(request_bytes: bytes) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with http_surface(FakeSlot()) as (_, stats, port):
+            received = await _exchange(port, request_bytes)
+    [(status, headers, body)] = _answers(received)
+    assert status.startswith(b"HTTP/1.1 400 ")
+    assert headers[b"connection"] == b"close"
+    assert json.loads(body)["error"]["code"] == "bad_request"
+    assert stats.responses == {400: 1}
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", b"HTTP/1.1 505 HTTP Version Not Supported"),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 501 Not Implemented",
+        ),
+    ],
+)
+async def test_what_http_11_cannot_serve_is_refused_and_closed(request_bytes: bytes, status: bytes) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with http_surface(FakeSlot()) as (_, _, port):
+            [(line, headers, body)] = _answers(await _exchange(port, request_bytes))
+    assert (line, headers[b"connection"]) == (status, b"close")
+    assert json.loads(body)["error"]["code"] == "bad_request"
+
+
+async def test_http_10_needs_no_host_and_a_kept_alive_connection_answers_pipelined_requests() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with http_surface(FakeSlot()) as (_, stats, port):
+            old = _answers(await _exchange(port, b"GET /healthz HTTP/1.0\r\n\r\n"))
+            pipelined = _answers(
+                await _exchange(
+                    port,
+                    b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                )
+            )
+    assert [(status, body) for status, _, body in old] == [(b"HTTP/1.1 200 OK", b"ok\n")]
+    assert [status for status, _, _ in pipelined] == [
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 404 Not Found",
+        b"HTTP/1.1 200 OK",
+    ]
+    assert [b"connection" in headers for _, headers, _ in pipelined] == [False, False, True]
+    assert stats.connections_total == 2
+
+
+async def test_a_client_reuses_its_connection() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with http_surface() as (http, stats, _):
+            for path in ("/healthz", "/readyz", "/v1/slots", "/metrics"):
+                await http.get(path)
+    assert stats.connections_total == 1
+    assert sum(stats.responses.values()) == 4
+
+
+async def _endless_head(port: int, sent: list[int]) -> bytes:
+    """A request whose header never ends (sent until the server closes); what came back meanwhile."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    received = b""
+
+    async def send_forever() -> None:
+        await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+        try:
+            while True:
+                await stream.send_all(b"a" * 16384)
+                sent[0] += 16384
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_forever)
+        try:
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        except trio.BrokenResourceError:
+            pass  # reset once the server stopped draining
+        nursery.cancel_scope.cancel()
+    await stream.aclose()
+    return received
+
+
+async def test_a_header_that_never_ends_is_answered_431_with_bounded_reading() -> None:
+    """An unbounded parser would wait for the end of the head forever; this one answers at the bound."""
+    options = HttpOptions(max_request_bytes=2048, request_timeout=10)
+    sent = [0]
+    with trio.fail_after(TIMEOUT):
+        async with http_surface(FakeSlot(), options=options) as (_, stats, _port):
+            received = await _endless_head(_port, sent)
+    assert received.startswith(b"HTTP/1.1 431 Request Header Fields Too Large")
+    assert json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_large"
+    assert stats.responses == {431: 1} and stats.request_timeouts == 0
+    # The server read the bound, answered, then drained at most LINGER_BYTES before closing.
+    assert sent[0] < 64 << 20
+
+
+async def _trickle(port: int, closed: trio.Event) -> bytes:
+    """A slow-loris client: a request head that keeps growing by one header line at a time."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    received = b""
+
+    async def trickle() -> None:
+        try:
+            for index in range(10_000):
+                await stream.send_all(b"X-%d: y\r\n" % index)
+                await trio.sleep(0.02)  # the attacker's pace, not synchronization
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        try:
+            while chunk := await stream.receive_some(4096):
+                received += chunk
+        except trio.BrokenResourceError:
+            pass
+        closed.set()
+        nursery.cancel_scope.cancel()
+    await stream.aclose()
+    return received
+
+
+async def test_a_slow_loris_is_closed_at_the_request_deadline_while_others_are_served() -> None:
+    options = HttpOptions(request_timeout=0.5, max_request_bytes=1 << 20)
+    slot = mixed_slot()
+    attached(slot, "ready")
+    closed = trio.Event()
+    with trio.fail_after(TIMEOUT):
+        async with (
+            http_surface(slot, options=options) as (http, stats, port),
+            trio.open_nursery() as nursery,
+        ):
+            result: list[bytes] = []
+
+            async def loris() -> None:
+                result.append(await _trickle(port, closed))
+
+            nursery.start_soon(loris)
+            served = 0
+            while not closed.is_set():  # the good client is answered all along
+                assert (await http.get("/v1/slots/a/status")).status_code == 200
+                served += 1
+    assert result == [b""]  # closed without an answer, although bytes kept coming
+    assert stats.request_timeouts == 1
+    assert served > 0
+
+
+async def test_bad_clients_do_not_affect_a_good_one() -> None:
+    """Malformed, oversized, endless, trickling, silent and stalled clients at once; a good client's
+    requests and a dump are all answered in full meanwhile."""
+    big, small = FakeSlot("big", ring_capacity=16), mixed_slot("small")
+    fill(big, 100_000)
+    options = HttpOptions(request_timeout=1.0, max_request_bytes=2048, send_deadline=2.0)
+    closed = trio.Event()
+    with trio.fail_after(TIMEOUT):
+        async with (
+            http_surface(big, small, options=options) as (http, stats, port),
+            trio.open_nursery() as nursery,
+        ):
+            stalled = await _open_stalled(port, b"/v1/slots/big/dump")
+            silent = await trio.open_tcp_stream("127.0.0.1", port)
+            nursery.start_soon(_trickle, port, closed)
+            nursery.start_soon(_endless_head, port, [0])
+            nursery.start_soon(_exchange, port, b"NONSENSE\r\n\r\n")
+            for _ in range(5):
+                assert (await http.get("/v1/slots/small/status")).status_code == 200
+                assert (await http.get("/healthz")).text == "ok\n"
+                dump = await http.get("/v1/slots/small/dump")
+                assert len(dump.json()["events"]) == 304
+            await closed.wait()
+            await silent.aclose()
+            await stalled.aclose()
+    assert stats.responses[200] >= 15 and stats.responses[400] == 1 and stats.responses[431] == 1
+    assert stats.connections_open == 0
 
 
 @pytest.mark.parametrize("option", ["--http", "--metrics"])
