@@ -56,31 +56,46 @@ _Invoke = Callable[[SlotCoordinator, Iterable[IngressItem]], T]
 
 
 class _Command(Generic[T]):
-    """One control command and its one-shot reply."""
+    """One control command and its one-shot reply.
 
-    __slots__ = ("_done", "_error", "_result", "dropped_message", "invoke", "stops")
+    A caller that stops waiting before the task has taken the command abandons it: the task skips it, so
+    a cancelled call has done nothing (never "ran after its waiter left", issue #28 item 4).  Once
+    executed, the reply is delivered; a caller cancelled at that very moment still gets it (Trio delivers
+    a wakeup or a cancellation, never both).
+    """
+
+    __slots__ = ("_done", "_error", "_result", "abandoned", "dropped_message", "invoke", "stops")
 
     def __init__(self, invoke: _Invoke[T], dropped_message: str, *, stops: bool = False) -> None:
         self.invoke = invoke
         self.dropped_message = dropped_message
         self.stops = stops
+        self.abandoned = False
         self._done = trio.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def execute(self, core: SlotCoordinator, queued: Iterable[IngressItem]) -> None:
+    def execute(self, core: SlotCoordinator, queued: Iterable[IngressItem]) -> bool:
+        """Run the command unless its caller abandoned it; True if it ran."""
+        if self.abandoned:
+            return False
         try:
             self._result = self.invoke(core, queued)
         except Exception as error:
             self._error = error
         self._done.set()
+        return True
 
     def drop(self) -> None:
         self._error = CoordinatorClosed(self.dropped_message)
         self._done.set()
 
     async def wait(self) -> T:
-        await self._done.wait()
+        try:
+            await self._done.wait()
+        except trio.Cancelled:
+            self.abandoned = True  # not executed yet (else the wakeup had been delivered): skip it
+            raise
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]  # set whenever no error was recorded
@@ -390,11 +405,10 @@ class _CoordinatorTask:
             except trio.EndOfChannel:
                 return
             if command is not None:
-                if not command.stops:
+                if not command.stops and not command.abandoned:
                     # A command may publish a barrier and drain what is queued (CompleteDetach).
                     await self._await_lease(self._meter.ids + 1)
-                command.execute(self._core, self._queued())
-                if command.stops:
+                if command.execute(self._core, self._queued()) and command.stops:
                     return
             else:
                 # No other task runs while this drain is handled, so no command can arrive meanwhile: taking
@@ -457,7 +471,12 @@ class _CoordinatorTask:
                 finally:
                     self._meter.sub(item.raw_bytes, len(item.events) + 1)
         except CoordinatorError as error:
-            log.error("ingress_failed", error=str(error), code=error.code)
+            if type(item) is IngressChunk and self._core.ingress_generation != item.generation:
+                # Admitted before its generation's ingress closed (a quarantine, a detach, the shutdown's
+                # quarantine): expected, not an error; that attachment no longer claims to be ready.
+                log.debug("late_ingress_discarded", generation=item.generation, error=str(error))
+            else:
+                log.error("ingress_failed", error=str(error), code=error.code)
         except Exception:
             log.exception("ingress_failed")
 
