@@ -383,6 +383,8 @@ class _CoordinatorTask:
         self._lease = lease
         self._progress = progress
         self._started = False
+        self._newest_opened = 0  # the newest generation whose ingress was ever open (see _ingest)
+        self._note_open_generation()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._started:
@@ -410,6 +412,7 @@ class _CoordinatorTask:
                     await self._await_lease(self._meter.ids + 1)
                 if command.execute(self._core, self._queued()) and command.stops:
                     return
+                self._note_open_generation()
             else:
                 # No other task runs while this drain is handled, so no command can arrive meanwhile: taking
                 # several chunks at once keeps the priority of control exact.
@@ -433,6 +436,11 @@ class _CoordinatorTask:
             return  # no lease, or room: the common case costs one call
         self._progress.unpark_all()  # whoever extends the lease hears about it now
         await self._lease.wait_for_room(self._core, needed)
+
+    def _note_open_generation(self) -> None:
+        open_generation = self._core.ingress_generation
+        if open_generation is not None and open_generation > self._newest_opened:
+            self._newest_opened = open_generation
 
     def _next_item(self) -> IngressItem | None:
         try:
@@ -459,6 +467,7 @@ class _CoordinatorTask:
             yield item
 
     def _ingest(self, item: IngressItem) -> None:
+        open_generation = self._core.ingress_generation  # before: handling a fault closes it
         try:
             if isinstance(item, SourceSignal):
                 try:
@@ -471,10 +480,11 @@ class _CoordinatorTask:
                 finally:
                     self._meter.sub(item.raw_bytes, len(item.events) + 1)
         except CoordinatorError as error:
-            if type(item) is IngressChunk and self._core.ingress_generation != item.generation:
+            generation = item.generation
+            if generation <= self._newest_opened and generation != open_generation:
                 # Admitted before its generation's ingress closed (a quarantine, a detach, the shutdown's
                 # quarantine): expected, not an error; that attachment no longer claims to be ready.
-                log.debug("late_ingress_discarded", generation=item.generation, error=str(error))
+                log.debug("late_ingress_discarded", generation=generation, error=str(error))
             else:
                 log.error("ingress_failed", error=str(error), code=error.code)
         except Exception:
