@@ -45,7 +45,7 @@ from kvagent.model.ids import KvStateAgentIdentity, attachment_record_id
 from kvagent.model.status import Attachment, AttachmentStatus
 from kvagent.vllm.listener import ListenerCounters, run_listener
 
-__all__ = ["COMMAND_CAPACITY", "LISTENER_JOIN_TIMEOUT", "SlotLifecycle"]
+__all__ = ["COMMAND_CAPACITY", "LISTENER_JOIN_TIMEOUT", "LifecycleStatistics", "SlotLifecycle"]
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +54,25 @@ T = TypeVar("T")
 COMMAND_CAPACITY = 16  # lifecycle calls waiting for the slot task; more callers wait for room
 LISTENER_JOIN_TIMEOUT = 2.0
 SHUTTING_DOWN = "state-agent is shutting down"
+
+
+@attrs.frozen(slots=True)
+class LifecycleStatistics:
+    """The slot task's counters at one instant (never reset).
+
+    Attributes:
+      commands: commands the slot task ran (lifecycle calls and ad registrations).
+      skipped: commands whose caller left before they began (nothing was done).
+      unheard: commands that ran on after their caller left.
+      rollbacks: attaches rolled back (a step failed, or the shutdown interrupted them).
+      queued: commands waiting now.
+    """
+
+    commands: int
+    skipped: int
+    unheard: int
+    rollbacks: int
+    queued: int
 
 
 class _Command(Generic[T]):
@@ -140,6 +159,10 @@ class SlotLifecycle:
         self._step_timeout = config.lifecycle_step_timeout
         self._commands_tx, self._commands_rx = trio.open_memory_channel[_Command[Any]](COMMAND_CAPACITY)
         self._closing = False
+        self._commands_run = 0
+        self._skipped = 0
+        self._unheard = 0
+        self._rollbacks = 0
         self._listeners: trio.Nursery | None = None
         self._attachment: Attachment | None = None
         self._listener: _ListenerTask | None = None
@@ -159,6 +182,15 @@ class SlotLifecycle:
     def current_attachment(self) -> Attachment | None:
         """The attachment the slot attached and has not detached (kept while quarantined)."""
         return self._attachment
+
+    def statistics(self) -> LifecycleStatistics:
+        return LifecycleStatistics(
+            commands=self._commands_run,
+            skipped=self._skipped,
+            unheard=self._unheard,
+            rollbacks=self._rollbacks,
+            queued=self._commands_rx.statistics().current_buffer_used,
+        )
 
     @property
     def listener_generation(self) -> int | None:
@@ -225,7 +257,9 @@ class SlotLifecycle:
             command.finish(error=KvAgentError(SHUTTING_DOWN, code="not_ready"))
             return
         if command.abandoned():
+            self._skipped += 1
             return  # its caller left before it began: nothing happened, nothing to do
+        self._commands_run += 1
         try:
             result = await command.step()
         except Exception as exc:
@@ -237,6 +271,8 @@ class SlotLifecycle:
             raise
         else:
             command.finish(result)
+        if command.abandoned():
+            self._unheard += 1
 
     def _refuse_queued(self) -> None:
         while True:
@@ -280,20 +316,19 @@ class SlotLifecycle:
             attempt.listener_started = True
             await self._advertise(attached, attempt)
         except _ListenerTerminated:
-            await self._roll_back(attempt)
+            await self._roll_back(attempt, "listener terminated")
             raise KvAgentError(
                 "raw KV listener terminated before attachment advertisement completed", code="not_ready"
             ) from None
         except Exception as exc:
-            log.warning("attach_failed", generation=attempt.generation, error=str(exc))
-            await self._roll_back(attempt)
+            await self._roll_back(attempt, str(exc))
             if attempt.listener_started:
                 raise KvAgentError(
                     "failed to advertise reattached engine attachment", code="internal"
                 ) from exc
             raise KvAgentError("failed to start the attached raw KV listener", code="internal") from exc
         except BaseException:  # the shutdown interrupted it: leave nothing half-done behind
-            await self._roll_back(attempt)
+            await self._roll_back(attempt, "interrupted by the shutdown")
             raise
         self._attachment = attached
         self.ad_keeper.wake()
@@ -323,8 +358,15 @@ class SlotLifecycle:
         if not self._status.get().is_open_generation(generation):
             raise _ListenerTerminated
 
-    async def _roll_back(self, attempt: _AttachAttempt) -> None:
+    async def _roll_back(self, attempt: _AttachAttempt, reason: str) -> None:
         """Undo a started attach (7.2 steps 5-7, 7.3): withdraw its ad, then abort or detach it."""
+        self._rollbacks += 1
+        log.warning(
+            "attach_rolled_back",
+            generation=attempt.generation,
+            listener_started=attempt.listener_started,
+            reason=reason,
+        )
         with trio.CancelScope(shield=True):  # every step below is bounded
             await self._roll_back_steps(attempt)
 

@@ -43,7 +43,7 @@ from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import DurableSlot, open_slot_state, run_persistence, withdraw_stale_records
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.ladder import Child, Rung, run_ladder
-from kvagent.agent.lifecycle import SlotLifecycle
+from kvagent.agent.lifecycle import LifecycleStatistics, SlotLifecycle
 from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
 from kvagent.agent.staleness import last_event_age
 from kvagent.coordinator.machine import CoordinatorStatistics
@@ -81,6 +81,7 @@ class SlotStatistics:
     apply_latency: LatencySnapshot | None = None
     # Whether the attached engine's PUB and the slot's SUB are connected (None: no attachment).
     engine_connected: bool | None = None
+    lifecycle: LifecycleStatistics | None = None  # the slot task's (None: not measured, e.g. a test double)
 
 
 class SlotAgent:
@@ -170,6 +171,7 @@ class SlotAgent:
             else self.durable.writer.statistics(),
             apply_latency=self._core.apply_latency.snapshot(),
             engine_connected=self._engine_connected(),
+            lifecycle=self._lifecycle.statistics(),
         )
 
     def _engine_connected(self) -> bool | None:

@@ -23,14 +23,16 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+import zmq
 from trio_websocket import open_websocket_url
 
-from kvagent import AttachmentConfig, SlotAgent
+from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent.agent.host import SlotRegistry
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.memory import MemoryDiscovery
-from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
+from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, Cleared
 from kvagent.recovery.server import RecoveryServerInfo, ServerStats, serve_recovery
+from kvagent.testing import RecordingSink
 from tests.support.agent import (
     XpubEngine,
     attach,
@@ -41,6 +43,7 @@ from tests.support.agent import (
     running_agent,
     wait_for_event,
 )
+from tests.support.ids import OWNER
 from tests.support.recovery import TOKEN
 
 LIFECYCLE_CALLS = ("attach", "detach", "quarantine")
@@ -188,6 +191,8 @@ async def test_an_attach_abandoned_once_the_coordinator_attached_still_ends_whol
                 caller.cancel()
             generation = await assert_whole(agent, discovery, engine, Probe(), subscribed=False)
             assert generation is not None  # the coordinator had attached: the slot finished the attach
+            lifecycle = agent.statistics().lifecycle
+            assert lifecycle is not None and lifecycle.unheard == 1 and lifecycle.rollbacks == 0
             await agent.detach(generation)
             replacement = XpubEngine(context)
             await attach(agent, replacement, worker_id=29)  # no "has not fully detached" conflict
@@ -251,3 +256,31 @@ async def test_a_websocket_client_leaving_during_attach_leaves_the_slot_whole() 
             replacement.close()
             engine.close()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_shutdown_interrupting_a_stuck_attach_rolls_it_back() -> None:
+    """Discovery never answers the attachment ad's registration; the slot shuts down meanwhile.  The slot
+    task's step is cancelled once the shutdown's wait is over and the attach is rolled back (final
+    barrier); nothing stays advertised."""
+    discovery = HeldDiscovery()
+    discovery.holding = True  # never released
+    sink = RecordingSink()
+    context: zmq.Context[Any] = zmq.Context()
+    config = SlotAgentConfig(name="s0", cache_owner_id=OWNER, kv_block_size=32, shutdown_step_timeout=0.2)
+    try:
+        with trio.fail_after(30):
+            async with open_slot_agent(config, discovery=discovery, sink=sink, zmq_context=context) as agent:
+                engine = XpubEngine(context)
+                attaching = AttachmentConfig(worker_id=17, dp_rank=0, endpoint=engine.endpoint)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(agent.attach, attaching)
+                    await discovery.entered.wait()  # barrier and listener done, the ad registration stuck
+                    nursery.cancel_scope.cancel()  # the caller leaves; the slot shuts down right after
+            statistics = agent.statistics().lifecycle
+            engine.close()
+    finally:
+        context.destroy(linger=0)
+    assert discovery.records == {}
+    assert statistics is not None and statistics.rollbacks == 1
+    cleared = [event for event in sink.events if isinstance(event.data, Cleared)]
+    assert len(cleared) == 2  # the attach barrier and the rollback's final barrier
