@@ -360,12 +360,16 @@ async def open_slot_state(config: SlotAgentConfig) -> tuple[SlotAgentConfig, Dur
 
     A restarted slot keeps its persisted id; a new state file (or a slot in memory only) takes
     :func:`decide_publisher_id`'s.  Returns the config with ``publisher_id`` set (everything downstream,
-    the sinks included, takes it from there) and the opened state (None: in memory only).
+    the sinks included, takes it from there; ``state_path`` None when the slot runs in memory only) and
+    the opened state (None: in memory only).  Calling it again with the returned config changes nothing.
     """
     candidate = decide_publisher_id(config)
     durable = await open_durable_slot(config, candidate)
-    publisher_id = candidate if durable is None else durable.publisher_id
-    return attrs.evolve(config, publisher_id=publisher_id), durable
+    if durable is None:
+        # In memory only, decided: opening the config again opens nothing (and cannot refuse a state file
+        # for a publisher id decided here).
+        return attrs.evolve(config, publisher_id=candidate, state_path=None), None
+    return attrs.evolve(config, publisher_id=durable.publisher_id), durable
 
 
 async def open_durable_slot(config: SlotAgentConfig, new_publisher: int) -> DurableSlot | None:
