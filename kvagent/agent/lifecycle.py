@@ -101,7 +101,7 @@ class _Command(Generic[T]):
         try:
             await self._done.wait()
         except trio.Cancelled:
-            self._abandoned = True
+            self._abandoned = not self._done.is_set()  # replied already: nothing is left unheard
             raise
         if self._error is not None:
             raise self._error
@@ -124,6 +124,10 @@ class _AttachAttempt:
     generation: int
     listener_started: bool = False
     record: DiscoveryRecord | None = None  # an ad whose registration was attempted
+
+
+class _StepTimedOut(KvAgentError):
+    """A step of a lifecycle call did not complete within ``lifecycle_step_timeout``."""
 
 
 class _ListenerTerminated(Exception):
@@ -287,7 +291,7 @@ class SlotLifecycle:
         """One step of a lifecycle call, bounded by ``lifecycle_step_timeout``."""
         with trio.move_on_after(self._step_timeout):
             return await call()
-        raise KvAgentError(f"{what} did not complete within {self._step_timeout} s", code="internal")
+        raise _StepTimedOut(f"{what} did not complete within {self._step_timeout} s", code="internal")
 
     # --- attach (agent-semantics 7.2) ----------------------------------------------------------
     def _check_attachable(self, config: AttachmentConfig) -> None:
@@ -307,9 +311,17 @@ class SlotLifecycle:
         self._check_attachable(config)
         resume = None if self._durable is None else self._durable.take_resume_point(config)
         to_attach = config.to_attachment()
-        attached = await self._bounded(
-            "attach barrier", partial(self._coordinator.attach, to_attach, resume=resume)
-        )
+        try:
+            attached = await self._bounded(
+                "attach barrier", partial(self._coordinator.attach, to_attach, resume=resume)
+            )
+        except _StepTimedOut:
+            # Skipped if it had not run; had it run just as the wait ended, abort it (as when a listener fails).
+            orphan = self._status.get().attachment
+            if orphan is not None:
+                with trio.move_on_after(self._config.shutdown_step_timeout, shield=True):
+                    await self._coordinator.abort_attach(orphan.generation)
+            raise
         attempt = _AttachAttempt(attached.generation)
         try:
             await self._bounded("listener start", partial(self._start_listener, attached, resume))

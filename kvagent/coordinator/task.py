@@ -58,10 +58,10 @@ _Invoke = Callable[[SlotCoordinator, Iterable[IngressItem]], T]
 class _Command(Generic[T]):
     """One control command and its one-shot reply.
 
-    A caller that stops waiting before the task has taken the command abandons it: the task skips it, so
-    a cancelled call has done nothing (never "ran after its waiter left", issue #28 item 4).  Once
-    executed, the reply is delivered; a caller cancelled at that very moment still gets it (Trio delivers
-    a wakeup or a cancellation, never both).
+    A caller that stops waiting before the task has run the command abandons it: the task skips it, so
+    a call cancelled before it ran has done nothing (never "ran after its waiter left", issue #28 item 4).
+    A command that ran stays done, even if its caller is cancelled before it reads the reply (the slot
+    task rolls back whatever a cancelled step had begun).
     """
 
     __slots__ = ("_done", "_error", "_result", "abandoned", "dropped_message", "invoke", "stops")
@@ -94,7 +94,7 @@ class _Command(Generic[T]):
         try:
             await self._done.wait()
         except trio.Cancelled:
-            self.abandoned = True  # not executed yet (else the wakeup had been delivered): skip it
+            self.abandoned = not self._done.is_set()  # not run yet: the task skips it
             raise
         if self._error is not None:
             raise self._error

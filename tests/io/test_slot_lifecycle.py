@@ -30,6 +30,7 @@ from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agen
 from kvagent.agent.host import SlotRegistry
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.memory import MemoryDiscovery
+from kvagent.model.errors import KvAgentError
 from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC, Cleared
 from kvagent.recovery.server import RecoveryServerInfo, ServerStats, serve_recovery
 from kvagent.testing import RecordingSink
@@ -284,3 +285,29 @@ async def test_a_shutdown_interrupting_a_stuck_attach_rolls_it_back() -> None:
     assert statistics is not None and statistics.rollbacks == 1
     cleared = [event for event in sink.events if isinstance(event.data, Cleared)]
     assert len(cleared) == 2  # the attach barrier and the rollback's final barrier
+
+
+async def test_a_step_that_outlives_its_bound_fails_the_call_and_rolls_it_back() -> None:
+    """Discovery never answers the ad registration: after ``lifecycle_step_timeout`` the attach fails, is
+    rolled back (final barrier), and the next attach succeeds once discovery answers again."""
+    discovery = HeldDiscovery()
+    discovery.holding = True
+    context: zmq.Context[Any] = zmq.Context()
+    config = SlotAgentConfig(name="s0", cache_owner_id=OWNER, kv_block_size=32, lifecycle_step_timeout=0.5)
+    try:
+        with trio.fail_after(30):
+            async with open_slot_agent(config, discovery=discovery, zmq_context=context) as agent:
+                engine = XpubEngine(context)
+                with pytest.raises(KvAgentError, match="failed to advertise") as failed:
+                    await agent.attach(AttachmentConfig(worker_id=17, dp_rank=0, endpoint=engine.endpoint))
+                assert "did not complete within 0.5 s" in str(failed.value.__cause__)
+                assert agent.status().attachment is None and agent.current_attachment is None
+                assert attachment_ads_of(discovery.records) == []
+                discovery.holding = False
+                replacement = XpubEngine(context)
+                generation = await attach(agent, replacement, worker_id=29)
+                assert generation == 2
+                replacement.close()
+                engine.close()
+    finally:
+        context.destroy(linger=0)
