@@ -3,9 +3,10 @@
 The coordinator asks the withdrawal supervisor to withdraw the ad when the attachment leaves ready, or when
 its ``ready_at_outbound_cursor`` moves while ready (so withdrawals never wait on discovery).  The
 :class:`AttachmentAdKeeper` registers it again, with the current cursor, once the open attachment is ready
-and its ad is missing.  It registers under the slot's lifecycle lock, so it never advertises a generation
-that a detach or quarantine has closed; lifecycle calls :meth:`~AttachmentAdKeeper.interrupt` a registration
-that discovery keeps waiting before they take the lock.
+and its ad is missing.  The registration is a step of the slot task (:mod:`kvagent.agent.lifecycle`), in
+order with attach, detach and quarantine, so it never advertises a generation that a detach or quarantine
+has closed; a lifecycle call interrupts (:meth:`~AttachmentAdKeeper.interrupt`) a registration that discovery
+keeps waiting rather than queue behind it.
 
 It also builds the URLs a slot advertises (:func:`recovery_base_url`, :func:`slot_recovery_url`,
 :func:`advertised_zmq_endpoint`): a reachable host instead of a wildcard bind address, IPv6 in brackets,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from urllib.parse import quote
 
 import attrs
@@ -27,6 +28,7 @@ from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.ads import attachment_advertisement
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import AttachmentRecordHolder
+from kvagent.model.errors import KvAgentError
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import Attachment
 
@@ -107,8 +109,10 @@ def advertised_zmq_endpoint(endpoint: str, advertise: str | None = None) -> str:
 class AttachmentAdKeeper:
     """Keeps the attachment ad registered exactly while the open attachment is ready (see module doc).
 
-    ``attached`` is the slot's current attachment (set by attach, cleared by detach); ``registered`` the
-    record this keeper, or attach, last registered successfully.
+    ``attached`` reads the slot's current attachment (the slot task sets it at attach, clears it at
+    detach); ``registered`` is the record this keeper, or attach, last registered successfully.  The
+    registration itself (:meth:`register_due`) is a step of the slot task; :meth:`run` only watches for an
+    ad falling due and hands the slot task that step.
     """
 
     def __init__(
@@ -120,8 +124,8 @@ class AttachmentAdKeeper:
         discovery: Discovery,
         holder: AttachmentRecordHolder,
         status: StatusCell,
-        lifecycle: trio.Lock,
         request_withdrawal: Callable[[int], None],
+        attached: Callable[[], Attachment | None],
     ) -> None:
         self._identity = identity
         self._kv_state_endpoint = kv_state_endpoint
@@ -129,12 +133,11 @@ class AttachmentAdKeeper:
         self._discovery = discovery
         self._holder = holder
         self._status = status
-        self._lifecycle = lifecycle
         self._request_withdrawal = request_withdrawal
-        self.attached: Attachment | None = None
+        self._attached = attached
         self.registered: DiscoveryRecord | None = None
         self._closing = False
-        self._wakeup = trio.Event()  # set by lifecycle calls: look again
+        self._wakeup = trio.Event()  # set by lifecycle steps: look again
         self._registration: trio.CancelScope | None = None
 
     def record(self, attached: Attachment, ready_at_outbound_cursor: int) -> DiscoveryRecord:
@@ -171,12 +174,14 @@ class AttachmentAdKeeper:
             self._registration.cancel()
 
     def close(self) -> None:
+        """Nothing is due any more (the slot is shutting down); a registration in progress is interrupted."""
         self._closing = True
         self.interrupt()
+        self.wake()
 
-    def due(self) -> DiscoveryRecord | None:
+    def due(self) -> tuple[DiscoveryRecord, Attachment] | None:
         """The ad to register now: the attachment is open and ready, and its ad is not registered."""
-        attached, status = self.attached, self._status.get().attachment
+        attached, status = self._attached(), self._status.get().attachment
         if self._closing or attached is None or status is None:
             return None
         if status.generation != attached.generation or not status.ready:
@@ -184,39 +189,43 @@ class AttachmentAdKeeper:
         record = self.record(attached, status.ready_at_outbound_cursor)
         held = self._holder.record
         if held is None:
-            return record
+            return record, attached
         if held != record:
             return None  # an older ad of this attachment is still being withdrawn (the coordinator asked)
-        return None if held is self.registered else record
+        return None if held is self.registered else (record, attached)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self,
+        register: Callable[[], Awaitable[bool | None]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Each time the ad falls due, ``register()`` (the slot task runs :meth:`register_due`); failures
+        back off.  Ends when the slot refuses (it is shutting down)."""
         task_status.started()
         delay = AD_RETRY_INITIAL
         while True:
             await self._wait_until_due()
-            outcome: bool | None = None
-            async with self._lifecycle:
-                record, attached = self.due(), self.attached  # again, now that lifecycle calls are excluded
-                if record is not None and attached is not None:
-                    outcome = await self._register(record, attached)
+            try:
+                outcome = await register()
+            except KvAgentError:
+                return  # the slot task is shutting down: nothing will be due any more
             if outcome is False:
                 await trio.sleep(delay)
                 delay = min(delay * 2, AD_RETRY_MAX)
             elif outcome:
                 delay = AD_RETRY_INITIAL
 
-    async def _wait_until_due(self) -> None:
-        while True:
-            if self._wakeup.is_set():
-                self._wakeup = trio.Event()
-            # Taken before looking, so a change in between sets one of them.
-            changes = (self._status.attachment_change(), self._holder.change(), self._wakeup)
-            if self.due() is not None:
-                return
-            await _wait_any(*changes)
+    async def register_due(self) -> bool | None:
+        """The slot task's step: register the ad if it is (still) due.
 
-    async def _register(self, record: DiscoveryRecord, attached: Attachment) -> bool | None:
-        """True once registered, False if discovery failed, None if a lifecycle call interrupted it."""
+        True once registered (or nothing is due any more), False if discovery failed, None if a lifecycle
+        call interrupted it.
+        """
+        due = self.due()
+        if due is None:
+            return True
+        record, attached = due
         generation = attached.generation
         with trio.CancelScope() as scope:
             self._registration = scope
@@ -234,6 +243,16 @@ class AttachmentAdKeeper:
         # the keeper registers it again while the attachment stays ready.
         self._holder.set(record)
         return None if scope.cancelled_caught else False
+
+    async def _wait_until_due(self) -> None:
+        while True:
+            if self._wakeup.is_set():
+                self._wakeup = trio.Event()
+            # Taken before looking, so a change in between sets one of them.
+            changes = (self._status.attachment_change(), self._holder.change(), self._wakeup)
+            if self.due() is not None:
+                return
+            await _wait_any(*changes)
 
 
 async def _wait_any(*events: trio.Event) -> None:

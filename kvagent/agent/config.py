@@ -68,6 +68,10 @@ class SlotAgentConfig:
     recovery_url: str | None = None
     listener: ListenerOptions = ListenerOptions()
     shutdown_step_timeout: float = 5.0
+    # Seconds one step of a lifecycle call (the attach barrier, the listener start, the ad registration, a
+    # coordinator command) may take before the call fails and is rolled back (the detach's required ad
+    # withdrawal is not bounded: it retries until discovery answers, agent-semantics 7.4).
+    lifecycle_step_timeout: float = 30.0
     # The vLLM-compatible stream of this slot (endpoints of dp_rank 0: the slot offsets them by its dp_rank).
     republish: RepublishConfig | None = None
     # The slot's SQLite state file (docs/durability.md); None keeps every state in memory only.
@@ -78,6 +82,11 @@ class SlotAgentConfig:
     def __attrs_post_init__(self) -> None:
         if not self.name:
             raise KvAgentError("slot name must not be empty", code="bad_request")
+        if not self.lifecycle_step_timeout > 0:
+            raise KvAgentError(
+                f"lifecycle_step_timeout must be > 0 seconds, got {self.lifecycle_step_timeout}",
+                code="bad_request",
+            )
         if not self.silence_warning > 0:
             raise KvAgentError(
                 f"silence_warning must be > 0 seconds, got {self.silence_warning}", code="bad_request"

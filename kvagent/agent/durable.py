@@ -15,10 +15,8 @@ One SQLite file per slot (docs/durability.md). What this module decides:
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Protocol
 
 import attrs
 import structlog
@@ -30,7 +28,7 @@ from kvagent.coordinator.task import CoordinatorHandle
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
-from kvagent.model.ids import attachment_record_id
+from kvagent.model.ids import attachment_record_id, new_publisher_id
 from kvagent.model.status import Attachment
 from kvagent.persist.store import (
     LEASE_BLOCK,
@@ -54,8 +52,10 @@ from kvagent.publish.republisher import VllmRepublisher
 
 __all__ = [
     "DurableSlot",
+    "decide_publisher_id",
     "open_durable_slot",
-    "run_durably",
+    "open_slot_state",
+    "run_persistence",
     "slot_state_path",
     "withdraw_stale_records",
 ]
@@ -214,14 +214,14 @@ async def withdraw_stale_records(
 class _Progress:
     """The attachment progress the writer persists (None: keep the recorded one)."""
 
-    def __init__(self, coordinator: CoordinatorHandle) -> None:
+    def __init__(self, coordinator: CoordinatorHandle, attachment: Callable[[], Attachment | None]) -> None:
         self._coordinator = coordinator
-        self.attachment: Callable[[], Attachment | None] = lambda: None
+        self._attachment = attachment
 
     def __call__(self) -> AttachmentProgress | None:
         # Detached or not yet re-attached: the engine recorded stays the one to resume. The source progress
         # is None after a Worker reset and while degraded: then nothing may be resumed (seq None).
-        return attachment_progress(self.attachment(), self._coordinator.source_progress())
+        return attachment_progress(self._attachment(), self._coordinator.source_progress())
 
 
 class _RepublishMirror:
@@ -251,61 +251,45 @@ class _MirrorRows:
         self._rows.close()
 
 
-class HasAttachment(Protocol):
-    @property
-    def current_attachment(self) -> Attachment | None: ...
-
-
-@asynccontextmanager
-async def run_durably(
-    durable: DurableSlot | None,
+async def run_persistence(
+    durable: DurableSlot,
     *,
     index: RecoveryIndex,
     coordinator: CoordinatorHandle,
     republisher: VllmRepublisher | None,
-    nursery: trio.Nursery,
+    attachment: Callable[[], Attachment | None],
     step_timeout: float,
-) -> AsyncIterator[Callable[[HasAttachment], None]]:
-    """Run the slot's persistence task around the block; on exit (nothing applies any more) stop cleanly.
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The slot's persistence task: persist until cancelled, then stop cleanly and close the state file.
 
-    Yields the function that tells the writer which agent's attachment to persist.
+    A child of the slot's ladder outside the coordinator's rung, so it is cancelled once nothing applies any
+    more (the clean stop records ``lease_end = last id + 1``).  ``attachment`` reads the slot's current
+    attachment (the engine to resume after a restart).
     """
-    if durable is None:
-        yield lambda _agent: None
-        return
-    progress = _Progress(coordinator)
-
-    async def wait_until(predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await coordinator.wait_progress()  # after each drain or command, and when blocked on the lease
-
-    writer = durable.start_writer(
-        index=index,
-        wait_until=wait_until,
-        progress=progress,
-        lease=coordinator,
-        republish=None if republisher is None else _RepublishMirror(republisher),
-    )
-    scope = trio.CancelScope()
-
-    async def run_writer(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with scope:
-            await writer.run(task_status=task_status)
-
-    await nursery.start(run_writer)
-
-    def bind(agent: HasAttachment) -> None:
-        progress.attachment = lambda: agent.current_attachment
-
     try:
-        yield bind
+
+        async def wait_until(predicate: Callable[[], bool]) -> None:
+            while not predicate():
+                await (
+                    coordinator.wait_progress()
+                )  # after each drain or command, and when blocked on the lease
+
+        writer = durable.start_writer(
+            index=index,
+            wait_until=wait_until,
+            progress=_Progress(coordinator, attachment),
+            lease=coordinator,
+            republish=None if republisher is None else _RepublishMirror(republisher),
+        )
+        await writer.run(task_status=task_status)
     finally:
-        scope.cancel()
         with trio.move_on_after(step_timeout, shield=True) as stopping:
-            try:
-                await writer.close_clean()
-            except IO_ERRORS as exc:
-                log.error("persistence_clean_stop_failed", path=str(durable.path), error=str(exc))
+            if durable.writer is not None:
+                try:
+                    await durable.writer.close_clean()
+                except IO_ERRORS as exc:
+                    log.error("persistence_clean_stop_failed", path=str(durable.path), error=str(exc))
             await durable.close()
         if stopping.cancelled_caught:
             log.warning("persistence_clean_stop_timed_out", timeout=step_timeout)
@@ -346,7 +330,7 @@ def _open_sync(path: Path, config: SlotAgentConfig, new_publisher: int) -> Durab
         log.error("state_file_refused", error=f"{path}: {reason}", moved_to=str(moved))
         store, loaded = SlotStore.open(path, exclusive=True), None
     if loaded is None:
-        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher
+        publisher_id = new_publisher
         identity = SlotIdentityRecord(config.name, publisher_id, str(config.cache_owner_id))
         store.initialize(identity, 1 + LEASE_BLOCK, LEASE_BLOCK)
         return DurableSlot(path, store, None, publisher_id, 1, 1 + LEASE_BLOCK, 0, LEASE_BLOCK)
@@ -366,8 +350,33 @@ def _open_sync(path: Path, config: SlotAgentConfig, new_publisher: int) -> Durab
     )
 
 
+def decide_publisher_id(config: SlotAgentConfig) -> int:
+    """A slot's publisher id before its state file is read: the configured one, else a new random one."""
+    return config.publisher_id if config.publisher_id is not None else new_publisher_id()
+
+
+async def open_slot_state(config: SlotAgentConfig) -> tuple[SlotAgentConfig, DurableSlot | None]:
+    """Open the slot's state file and fix its publisher id: the one place it is decided.
+
+    A restarted slot keeps its persisted id; a new state file (or a slot in memory only) takes
+    :func:`decide_publisher_id`'s.  Returns the config with ``publisher_id`` set (everything downstream,
+    the sinks included, takes it from there; ``state_path`` None when the slot runs in memory only) and
+    the opened state (None: in memory only).  Calling it again with the returned config changes nothing.
+    """
+    candidate = decide_publisher_id(config)
+    durable = await open_durable_slot(config, candidate)
+    if durable is None:
+        # In memory only, decided: opening the config again opens nothing (and cannot refuse a state file
+        # for a publisher id decided here).
+        return attrs.evolve(config, publisher_id=candidate, state_path=None), None
+    return attrs.evolve(config, publisher_id=durable.publisher_id), durable
+
+
 async def open_durable_slot(config: SlotAgentConfig, new_publisher: int) -> DurableSlot | None:
-    """The slot's store (None when the slot keeps its state in memory only), opened in a worker thread."""
+    """The slot's store (None when the slot keeps its state in memory only), opened in a worker thread.
+
+    ``new_publisher``: the publisher id a new state file records (see :func:`decide_publisher_id`).
+    """
     if config.state_path is None:
         return None
     try:

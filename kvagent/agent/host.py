@@ -16,13 +16,12 @@ import trio
 import zmq
 
 from kvagent.agent.config import SlotAgentConfig
-from kvagent.agent.durable import open_durable_slot
+from kvagent.agent.durable import open_slot_state
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot import SlotAgent, open_slot_agent
 from kvagent.discovery.base import Discovery
 from kvagent.discovery.ownership import SlotClaim, claim_slot
 from kvagent.model.errors import KvAgentError
-from kvagent.model.ids import new_publisher_id
 from kvagent.publish.sinks import EventSink
 from kvagent.recovery.protocol import SlotSurface
 
@@ -158,12 +157,9 @@ class Host:
                 url=config.recovery_url,
             )
             # The state file first: a restarted slot keeps its publisher id, which its sink must name.
-            durable = await open_durable_slot(config, new_publisher_id())
-            if durable is not None:
-                publisher_id = durable.publisher_id
-            else:
-                publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
-            config = attrs.evolve(config, publisher_id=publisher_id)
+            config, durable = await open_slot_state(config)
+            publisher_id = config.publisher_id
+            assert publisher_id is not None, "open_slot_state decides the publisher id"
             sink = self._sink_factory(config, publisher_id) if self._sink_factory is not None else None
             async with open_slot_agent(
                 config, discovery=self._discovery, sink=sink, zmq_context=self._zmq_context, durable=durable

@@ -1,27 +1,34 @@
-"""The slot agent: one nursery owning the withdrawal supervisor, the coordinator and the listener.
+"""The slot agent: one slot's nursery ladder and the public surface of its lifecycle.
 
-Nesting expresses dependency order (outermost lives longest)::
+The ladder (:func:`slot_rungs`, run by :func:`kvagent.agent.ladder.run_ladder`), outermost first; each rung
+outlives every rung inside it and stops after them:
 
-    supervisor nursery      withdrawal supervisor (must outlive every quarantine the coordinator requests)
-      coordinator nursery   coordinator task (single owner of slot state)
-        listener nursery    one listener per attachment generation, each in its own cancel scope
+    publishing     withdrawal supervisor (outlives every quarantine that asks it to withdraw an ad, and the
+                   slot task's withdrawals); republisher (outlives the coordinator, which publishes into it)
+    persistence    persistence writer (its clean stop runs once nothing applies any more)
+    coordinator    coordinator task (single owner of the slot's state)
+    lifecycle      slot task (single owner of attach, detach, quarantine, ad registration and shutdown, and of
+                   the listeners, one per attachment); ad registration (asks the slot task to register the
+                   attachment ad whenever it falls due)
 
-Shutdown follows the seed's order (agent-semantics 7.8): quarantine the current attachment, withdraw the
-attachment advertisement, stop the listener, stop the coordinator, join the supervisor, withdraw the source
-advertisement.  Every step is shielded and time-bounded so a stuck backend cannot hang the process.
+To add a component, add a :class:`~kvagent.agent.ladder.Child` (``run(*, task_status)`` and an optional
+graceful ``stop``) to the rung whose lifetime it needs in :func:`slot_rungs`; e.g. a stream writer fed by the
+coordinator's outbound events belongs in ``publishing`` beside the republisher.
+
+Shutdown follows the seed's order (agent-semantics 7.8): the slot task quarantines the current attachment,
+withdraws its advertisement and stops its listener; then the coordinator stops, the persistence writer
+records its clean stop, the supervisor drains and is joined; :func:`open_slot_agent` finally withdraws the
+source advertisement.  Every step is shielded and time-bounded so a stuck backend cannot hang the process.
 
 The attachment advertisement exists only while the attachment is ``ready``: the coordinator asks the
 withdrawal supervisor to withdraw it when the attachment leaves ready (or its ready cursor moves), and the
-slot's ad keeper (a task beside the listeners) registers it again, with the new ``ready_at_outbound_cursor``,
-once the attachment is ready again.  The keeper takes the lifecycle lock, so it never registers the ad of
-a generation that a detach or quarantine has closed, and a lifecycle call interrupts a registration that
-discovery keeps waiting.
+ad registration task has the slot task register it again, with the new ``ready_at_outbound_cursor``, once
+the attachment is ready again (:mod:`kvagent.agent.advertising`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -32,42 +39,28 @@ import trio
 import zmq
 
 from kvagent._util.latency import LatencySnapshot
-from kvagent.agent.advertising import AttachmentAdKeeper
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
-from kvagent.agent.durable import (
-    DurableSlot,
-    open_durable_slot,
-    run_durably,
-    withdraw_stale_records,
-)
+from kvagent.agent.durable import DurableSlot, open_slot_state, run_persistence, withdraw_stale_records
 from kvagent.agent.groups import unwrap_sole_exception
+from kvagent.agent.ladder import Child, Rung, run_ladder
+from kvagent.agent.lifecycle import LifecycleStatistics, SlotLifecycle
 from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
-from kvagent.agent.staleness import last_event_age, run_then_cancel, watch_silence
-from kvagent.coordinator.machine import SHUTDOWN_QUARANTINE, CoordinatorStatistics
+from kvagent.agent.staleness import last_event_age
+from kvagent.coordinator.machine import CoordinatorStatistics
 from kvagent.coordinator.task import StatusCell
-from kvagent.discovery.base import Discovery, DiscoveryRecord
-from kvagent.discovery.withdrawal import (
-    WithdrawalStatistics,
-    run_withdrawal_supervisor,
-    unregister_required,
-)
+from kvagent.discovery.base import Discovery
+from kvagent.discovery.withdrawal import WithdrawalStatistics, run_withdrawal_supervisor
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import KvAgentError
-from kvagent.model.events import (
-    KV_STATE_ATTACHMENTS_TOPIC,
-)
-from kvagent.model.ids import attachment_record_id, new_publisher_id
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, PersistenceStatus
 from kvagent.persist.writer import PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.sinks import EventSink
-from kvagent.vllm.listener import ListenerCounters, ListenerStatistics, run_listener
+from kvagent.vllm.listener import ListenerStatistics
 
-__all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent"]
+__all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent", "slot_rungs"]
 
 log = structlog.get_logger(__name__)
-
-LISTENER_JOIN_TIMEOUT = 2.0
 
 
 @attrs.frozen(slots=True)
@@ -88,28 +81,17 @@ class SlotStatistics:
     apply_latency: LatencySnapshot | None = None
     # Whether the attached engine's PUB and the slot's SUB are connected (None: no attachment).
     engine_connected: bool | None = None
-
-
-@attrs.define
-class _ListenerTask:
-    generation: int
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    finished: trio.Event = attrs.field(factory=trio.Event)
-    counters: ListenerCounters = attrs.field(factory=ListenerCounters)
-    running: bool = False  # set once the listener reported itself started (SUB connected)
+    lifecycle: LifecycleStatistics | None = None  # the slot task's (None: not measured, e.g. a test double)
 
 
 class SlotAgent:
-    """A running slot agent. Lifecycle calls are serialized; ``status()`` never waits."""
+    """A running slot agent: its lifecycle calls go to the slot task, in order; ``status()`` never waits.
 
-    def __init__(
-        self,
-        parts: SlotParts,
-        *,
-        discovery: Discovery,
-        listener_nursery: trio.Nursery,
-        zmq_context: zmq.Context[Any],
-    ) -> None:
+    A caller cancelled during a lifecycle call only stops waiting; the slot task finishes or rolls back
+    what the call began (:mod:`kvagent.agent.lifecycle`).
+    """
+
+    def __init__(self, parts: SlotParts, *, discovery: Discovery, zmq_context: zmq.Context[Any]) -> None:
         self.config = parts.config
         self.identity = parts.identity
         self._index = parts.index
@@ -118,24 +100,17 @@ class SlotAgent:
         self.republisher = parts.republisher
         self.durable = parts.durable
         self._core = parts.core
-        self._discovery = discovery
         self._holder = parts.holder
-        self._listener_nursery = listener_nursery
-        self._zmq_context = zmq_context
-        self._lifecycle = trio.Lock()
-        self._closing = False
-        self._attachment: Attachment | None = None
-        self._listener: _ListenerTask | None = None
-        self._latest_listener_counters: ListenerCounters | None = None
-        self.ad_keeper = AttachmentAdKeeper(
-            identity=self.identity,
-            kv_state_endpoint=self.config.kv_state_endpoint,
-            recovery_url=self.config.recovery_url,
+        self._lifecycle = SlotLifecycle(
+            config=parts.config,
+            identity=parts.identity,
+            coordinator=parts.coordinator,
+            status=parts.status_cell,
             discovery=discovery,
-            holder=self._holder,
-            status=self._status,
-            lifecycle=self._lifecycle,
+            holder=parts.holder,
             request_withdrawal=parts.request_withdrawal,
+            durable=parts.durable,
+            zmq_context=zmq_context,
         )
 
     # --- read side (SlotSurface) ---------------------------------------------------------------
@@ -155,6 +130,11 @@ class SlotAgent:
     def status_cell(self) -> StatusCell:
         return self._status
 
+    @property
+    def lifecycle(self) -> SlotLifecycle:
+        """The slot task (a child of the slot's ladder)."""
+        return self._lifecycle
+
     def status(self) -> AgentStatus:
         status = self._status.get()
         if self.republisher is not None:
@@ -165,22 +145,22 @@ class SlotAgent:
 
     def last_event_age(self) -> float | None:
         """Seconds since the attached engine's last live message (None: detached, or nothing received yet)."""
-        counters = self._latest_listener_counters
-        if self._attachment is None or counters is None:
+        counters = self._lifecycle.latest_listener_counters
+        if self.current_attachment is None or counters is None:
             return None
         return last_event_age(counters.reader)
 
     @property
     def current_attachment(self) -> Attachment | None:
         """The attachment this slot last attached and has not detached (with its source)."""
-        return self._attachment
+        return self._lifecycle.current_attachment
 
     def persisted_attachment(self) -> AttachmentConfig | None:
         """The engine the slot's loaded state followed (None: no state file or none attached)."""
         return None if self.durable is None else self.durable.persisted_attachment()
 
     def statistics(self) -> SlotStatistics:
-        listener = self._latest_listener_counters
+        listener = self._lifecycle.latest_listener_counters
         return SlotStatistics(
             coordinator=self._coordinator.statistics(),
             listener=None if listener is None else listener.statistics(),
@@ -191,106 +171,26 @@ class SlotAgent:
             else self.durable.writer.statistics(),
             apply_latency=self._core.apply_latency.snapshot(),
             engine_connected=self._engine_connected(),
+            lifecycle=self._lifecycle.statistics(),
         )
 
     def _engine_connected(self) -> bool | None:
-        counters = self._latest_listener_counters
-        if self._attachment is None or counters is None or counters.reader is None:
+        counters = self._lifecycle.latest_listener_counters
+        if self.current_attachment is None or counters is None or counters.reader is None:
             return None
         return counters.reader.engine_connected
 
     # --- lifecycle -----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closing:
-            raise KvAgentError("state-agent is shutting down", code="not_ready")
-
-    def _check_attachable(self, config: AttachmentConfig) -> None:
-        self._check_open()
-        if config.dp_rank != self.config.dp_rank:
-            raise KvAgentError(
-                "attachment DP rank does not match the stable state-agent slot", code="bad_request"
-            )
-        if config.ingress_protocol is not self.config.ingress_protocol:
-            raise KvAgentError(
-                "raw KV protocol mode is immutable for one state-agent publisher", code="bad_request"
-            )
-        if self._attachment is not None or self._holder.record is not None or self._listener is not None:
-            raise KvAgentError("previous engine attachment has not fully detached", code="conflict")
-
     async def attach(self, config: AttachmentConfig) -> AttachmentStatus:
         """Attach an engine: barrier, listener, then the advertisement (agent-semantics 7.4 order).
 
         The advertisement is registered only if the attachment is ready by then; a degraded or disconnected
         attachment is attached all the same, and the ad keeper advertises it once it is ready.
         """
-        self.ad_keeper.interrupt()
-        async with self._lifecycle:
-            self._check_attachable(config)
-            resume = None if self.durable is None else self.durable.take_resume_point(config)
-            attached = await self._coordinator.attach(config.to_attachment(), resume=resume)
-            generation = attached.generation
-            try:
-                await self._start_listener(attached, resume)
-            except Exception as exc:
-                log.warning("listener_start_failed", generation=generation, error=str(exc))
-                await self._coordinator.abort_attach(generation)
-                raise KvAgentError("failed to start the attached raw KV listener", code="internal") from exc
-            await self._advertise_attachment(attached)
-            self._attachment = self.ad_keeper.attached = attached
-            self.ad_keeper.wake()
-            log.info(
-                "slot_attached",
-                slot=self.name,
-                generation=generation,
-                worker_id=config.worker_id,
-                endpoint=config.endpoint,
-                replay_endpoint=config.replay_endpoint,
-                resumed=resume is not None,
-            )
-            status = self._status.get().attachment
-            return status if status is not None and status.generation == generation else attached.status()
-
-    async def _advertise_attachment(self, attached: Attachment) -> None:
-        """Register the attachment ad if ready; roll the attachment back if that fails or it terminated."""
-        generation = attached.generation
-        status = self._status.get().attachment
-        record: DiscoveryRecord | None = None
-        if status is not None and status.generation == generation and status.ready:
-            record = self.ad_keeper.record(attached, status.ready_at_outbound_cursor)
-            try:
-                await self._discovery.register(record)
-            except Exception as exc:
-                await self._rollback_started_attach(generation, "attach_rollback_failed")
-                message = "failed to advertise reattached engine attachment"
-                raise KvAgentError(message, code="internal") from exc
-            self.ad_keeper.note_registered(record, attached)
-        if self._status.get().is_open_generation(generation):
-            return
-        if record is not None:
-            try:
-                await self._discovery.unregister(record.topic, record.record_id)
-                self._holder.forget_if(record)
-            except Exception as exc:
-                log.warning(
-                    "terminated_attachment_ad_withdrawal_failed", generation=generation, error=str(exc)
-                )
-        await self._rollback_started_attach(generation, "terminated_attach_rollback_failed")
-        raise KvAgentError(
-            "raw KV listener terminated before attachment advertisement completed", code="not_ready"
-        )
+        return await self._lifecycle.attach(config)
 
     async def detach(self, generation: int) -> int:
-        self.ad_keeper.interrupt()
-        async with self._lifecycle:
-            self._check_open()
-            await self._coordinator.begin_detach(generation)
-            await self._withdraw_attachment_ad(generation)
-            await self._stop_listener()
-            cursor = await self._coordinator.complete_detach(generation)
-            self._attachment = self.ad_keeper.attached = None
-            self.ad_keeper.wake()
-            log.info("slot_detached", slot=self.name, generation=generation, outbound_cursor=cursor)
-            return cursor
+        return await self._lifecycle.detach(generation)
 
     async def quarantine(self, generation: int, reason: str) -> bool:
         """Quarantine ``generation`` if it is the current attachment (True); an older one changes nothing.
@@ -298,16 +198,7 @@ class SlotAgent:
         Returns without waiting for discovery: the coordinator hands the ad withdrawal to the withdrawal
         supervisor, which retries it until discovery answers.
         """
-        self.ad_keeper.interrupt()
-        async with self._lifecycle:
-            self._check_open()
-            affected = await self._coordinator.quarantine(generation, reason)
-            if self._listener is not None and self._listener.generation == generation:
-                await self._stop_listener()
-            self.ad_keeper.wake()
-            if affected:
-                log.info("slot_quarantined", slot=self.name, generation=generation, reason=reason)
-            return affected
+        return await self._lifecycle.quarantine(generation, reason)
 
     # SlotSurface control ops (websocket)
     async def control_attach(
@@ -333,198 +224,57 @@ class SlotAgent:
                 code="generation_mismatch",
             )
 
-    # --- internals -----------------------------------------------------------------------------
-    async def _start_listener(self, attachment: Attachment, resume: tuple[int, int] | None = None) -> None:
-        task = _ListenerTask(attachment.generation)
-        self._latest_listener_counters = task.counters
-        await self._listener_nursery.start(self._run_listener_task, attachment, task, resume)
-        self._listener = task
 
-    async def _run_listener_task(
-        self,
-        attachment: Attachment,
-        task: _ListenerTask,
-        resume: tuple[int, int] | None,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """One generation's listener. A failure to start reaches ``attach``; a later crash quarantines."""
-        # Every log line of this listener task carries its slot and generation (structlog contextvars; each
-        # Trio task has its own context, so the binding stays in this task).
-        structlog.contextvars.bind_contextvars(slot=self.config.name, generation=attachment.generation)
-        listen = partial(
-            run_listener,
-            attachment=attachment,
-            kv_block_size=self.config.kv_block_size,
-            coordinator=self._coordinator,
-            status=self._status,
-            options=self.config.listener,
-            zmq_context=self._zmq_context,
-            stats=task.counters,
-            resume=resume,
-        )
-        try:
-            with task.scope:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(run_then_cancel, listen, nursery.cancel_scope)
-                    task.running = True
-                    if (reader := task.counters.reader) is not None:
-                        watch = partial(watch_silence, reader, slot=self.name, generation=task.generation)
-                        nursery.start_soon(partial(watch, silence_warning=self.config.silence_warning))
-                    task_status.started()
-        except* Exception:
-            if not task.running:
-                raise
-            # The listener reports its own failures by quarantining; anything escaping is a bug that
-            # must not take the whole slot down.
-            log.exception("listener_crashed", generation=attachment.generation)
-            with trio.move_on_after(self.config.shutdown_step_timeout, shield=True):
-                await self._coordinator.quarantine(attachment.generation, "framework listener terminated")
-        finally:
-            task.finished.set()
-
-    async def _stop_listener(self) -> None:
-        task, self._listener = self._listener, None
-        if task is None:
-            return
-        task.scope.cancel()
-        with trio.move_on_after(LISTENER_JOIN_TIMEOUT) as join:
-            await task.finished.wait()
-        if join.cancelled_caught:
-            log.warning("listener_join_timed_out", generation=task.generation)
-
-    async def _withdraw_attachment_ad(self, generation: int) -> None:
-        record = self._holder.record
-        expected_id = attachment_record_id(self.identity.publisher_id, generation)
-        if record is None or record.record_id != expected_id or record.topic != KV_STATE_ATTACHMENTS_TOPIC:
-            return
-        try:
-            await unregister_required(self._discovery, self._holder, record)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            raise KvAgentError(
-                "state-agent lease ended before attachment advertisement was withdrawn", code="internal"
-            ) from exc
-
-    async def _rollback_started_attach(self, generation: int, failure_event: str) -> None:
-        try:
-            try:
-                await self._coordinator.begin_detach(generation)
-            finally:
-                await self._stop_listener()
-            await self._coordinator.complete_detach(generation)
-        except Exception as exc:
-            log.error(failure_event, generation=generation, error=str(exc))
-
-    async def _shutdown_attachment(self) -> None:
-        """Shutdown steps 1–3: quarantine, withdraw the attachment ad (once), stop the listener.
-
-        Lifecycle calls already running finish first (their ad must not appear after the withdrawal);
-        later ones are refused. A lifecycle call stuck past the wait does not stop the shutdown: the
-        steps then run without the lock.
-        """
-        self._closing = True
-        self.ad_keeper.close()
-        with trio.move_on_after(2 * self.config.shutdown_step_timeout) as waiting:
-            async with self._lifecycle:
-                waiting.deadline = math.inf  # only the wait for the lock is bounded here
-                await self._shutdown_attachment_steps()
-        if waiting.cancelled_caught:
-            await self._shutdown_attachment_steps()
-
-    async def _shutdown_attachment_steps(self) -> None:
-        current = self._status.get().attachment
-        if current is not None:
-            try:
-                await self._coordinator.quarantine(current.generation, SHUTDOWN_QUARANTINE)
-            except Exception as exc:
-                log.warning("shutdown_quarantine_failed", generation=current.generation, error=str(exc))
-        record = self._holder.record
-        if record is not None:
-            try:
-                await self._discovery.unregister(record.topic, record.record_id)
-                self._holder.forget_if(record)
-            except Exception as exc:
-                log.warning("attachment_ad_withdrawal_failed", record_id=record.record_id, error=str(exc))
-        await self._stop_listener()
-
-
-async def _logged_task(
-    run: Callable[..., Awaitable[None]],
-    slot: str,
-    done: trio.Event | None = None,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """``run`` as a task whose log lines all carry the slot (bound in the new task's own context)."""
-    structlog.contextvars.bind_contextvars(slot=slot)
-    try:
-        await run(task_status=task_status)
-    finally:
-        if done is not None:
-            done.set()
-
-
-@asynccontextmanager
-async def _slot_nurseries(
-    parts: SlotParts, discovery: Discovery, zmq_context: zmq.Context[Any]
-) -> AsyncIterator[SlotAgent]:
-    """The nursery ladder: supervisor ⊃ coordinator ⊃ listeners; each level stops in its ``finally``."""
+def slot_rungs(parts: SlotParts, agent: SlotAgent, discovery: Discovery) -> list[Rung]:
+    """The slot's nursery ladder, outermost rung first (see the module doc for why each is where it is)."""
     step = parts.config.shutdown_step_timeout
-    supervisor = partial(
-        run_withdrawal_supervisor,
-        discovery=discovery,
-        holder=parts.holder,
-        publisher_id=parts.identity.publisher_id,
-        requests=parts.withdraw_rx,
+    withdraw_tx = parts.withdraw_tx
+
+    async def close_withdrawals() -> None:
+        withdraw_tx.close()  # the supervisor drains what is queued, then ends
+
+    publishing = [
+        Child(
+            "withdrawal supervisor",
+            partial(
+                run_withdrawal_supervisor,
+                discovery=discovery,
+                holder=parts.holder,
+                publisher_id=parts.identity.publisher_id,
+                requests=parts.withdraw_rx,
+            ),
+            stop=close_withdrawals,
+        )
+    ]
+    if parts.republisher is not None:
+        publishing.append(Child("republisher", parts.republisher.run))
+    rungs = [Rung("publishing", publishing)]
+    if parts.durable is not None:
+        persistence = partial(
+            run_persistence,
+            parts.durable,
+            index=parts.index,
+            coordinator=parts.coordinator,
+            republisher=parts.republisher,
+            attachment=lambda: agent.current_attachment,
+            step_timeout=step,
+        )
+        rungs.append(Rung("persistence", [Child("persistence writer", persistence)]))
+    rungs.append(
+        Rung("coordinator", [Child("coordinator", parts.run_coordinator, stop=parts.coordinator.shutdown)])
     )
-    supervisor_done = trio.Event()
-    async with trio.open_nursery() as supervisor_nursery:
-        try:
-            with parts.withdraw_tx:
-                await supervisor_nursery.start(_logged_task, supervisor, parts.config.name, supervisor_done)
-                if parts.republisher is not None:  # outlives the coordinator, which publishes into it
-                    await supervisor_nursery.start(_logged_task, parts.republisher.run, parts.config.name)
-                async with (
-                    run_durably(
-                        parts.durable,
-                        index=parts.index,
-                        coordinator=parts.coordinator,
-                        republisher=parts.republisher,
-                        nursery=supervisor_nursery,
-                        step_timeout=step,
-                    ) as agent_ready,
-                    trio.open_nursery() as coordinator_nursery,
-                ):
-                    await coordinator_nursery.start(_logged_task, parts.run_coordinator, parts.config.name)
-                    try:
-                        async with trio.open_nursery() as listener_nursery:
-                            agent = SlotAgent(
-                                parts,
-                                discovery=discovery,
-                                listener_nursery=listener_nursery,
-                                zmq_context=zmq_context,
-                            )
-                            agent_ready(agent)
-                            await listener_nursery.start(_logged_task, agent.ad_keeper.run, parts.config.name)
-                            try:
-                                yield agent
-                            finally:
-                                with trio.move_on_after(3 * step, shield=True):
-                                    await agent._shutdown_attachment()
-                                listener_nursery.cancel_scope.cancel()
-                    finally:
-                        with trio.move_on_after(step, shield=True) as stopping:
-                            await parts.coordinator.shutdown()
-                        if stopping.cancelled_caught:
-                            log.warning("coordinator_shutdown_timed_out", timeout=step)
-                        coordinator_nursery.cancel_scope.cancel()
-        finally:
-            # The supervisor drains queued withdrawals now that its channel is closed; bound the wait.
-            with trio.move_on_after(step, shield=True):
-                await supervisor_done.wait()
-            supervisor_nursery.cancel_scope.cancel()
+    lifecycle = agent.lifecycle
+    rungs.append(
+        Rung(
+            "lifecycle",
+            [
+                # Its stop waits for the shutdown steps, each bounded by the step timeout.
+                Child("slot task", lifecycle.run, stop=lifecycle.stop, stop_timeout=4 * step),
+                Child("ad registration", lifecycle.run_ad_keeper),
+            ],
+        )
+    )
+    return rungs
 
 
 @asynccontextmanager
@@ -539,13 +289,16 @@ async def open_slot_agent(
     """Run one slot agent for the duration of the ``async with`` block.
 
     ``sink`` receives the slot's outbound events; a sink that names its publisher (the event plane's) must
-    be built for ``config.publisher_id``.  An exception from the block is re-raised as itself once the
-    slot has shut down, not wrapped in one exception group per nursery level.  ``durable`` is the slot's
-    opened state file (opened here from ``config.state_path`` when not given); the slot closes it.
+    be built for the slot's publisher id, which :func:`~kvagent.agent.durable.open_slot_state` decides (pass
+    its config and ``durable``).  An exception from the block is re-raised as itself once the slot has shut
+    down, not wrapped in one exception group per nursery level.  ``durable`` is the slot's opened state file
+    (opened here from ``config.state_path`` when not given); the slot closes it.
     """
     context = zmq_context if zmq_context is not None else zmq.Context.instance()
     if durable is None:
-        durable = await open_durable_slot(config, new_publisher_id())
+        config, durable = await open_slot_state(config)
+    elif config.publisher_id != durable.publisher_id:
+        config = attrs.evolve(config, publisher_id=durable.publisher_id)
     republisher = open_republisher(config, context)
     parts = build_slot(config, sink, republisher, durable)
     try:
@@ -558,9 +311,14 @@ async def open_slot_agent(
             with trio.CancelScope(shield=True):
                 await durable.close()
         raise KvAgentError("failed to advertise persistent state source", code="internal") from exc
+    agent = SlotAgent(parts, discovery=discovery, zmq_context=context)
     try:
         with unwrap_sole_exception():
-            async with _slot_nurseries(parts, discovery, context) as agent:
+            async with run_ladder(
+                slot_rungs(parts, agent, discovery),
+                slot=config.name,
+                step_timeout=config.shutdown_step_timeout,
+            ):
                 yield agent
     finally:
         if republisher is not None:

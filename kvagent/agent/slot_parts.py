@@ -28,7 +28,7 @@ from kvagent.discovery.ads import source_advertisement
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.withdrawal import AttachmentRecordHolder
 from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.ids import KvStateAgentIdentity, new_publisher_id
+from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus
 from kvagent.publish.republisher import VllmRepublisher
 from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
@@ -104,11 +104,13 @@ def build_slot(
     republisher: VllmRepublisher | None,
     durable: DurableSlot | None = None,
 ) -> SlotParts:
-    """The slot's objects, wired together (and restored from ``durable``); nothing runs yet."""
-    if durable is not None:
-        publisher_id = durable.publisher_id
-    else:
-        publisher_id = config.publisher_id if config.publisher_id is not None else new_publisher_id()
+    """The slot's objects, wired together (and restored from ``durable``); nothing runs yet.
+
+    ``config.publisher_id`` must be decided already (:func:`kvagent.agent.durable.open_slot_state`).
+    """
+    publisher_id = config.publisher_id
+    if publisher_id is None or (durable is not None and durable.publisher_id != publisher_id):
+        raise ValueError("build_slot needs the publisher id open_slot_state decided")
     identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
     index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
     status_cell = StatusCell(AgentStatus(identity))

@@ -56,31 +56,46 @@ _Invoke = Callable[[SlotCoordinator, Iterable[IngressItem]], T]
 
 
 class _Command(Generic[T]):
-    """One control command and its one-shot reply."""
+    """One control command and its one-shot reply.
 
-    __slots__ = ("_done", "_error", "_result", "dropped_message", "invoke", "stops")
+    A caller that stops waiting before the task has run the command abandons it: the task skips it, so
+    a call cancelled before it ran has done nothing (never "ran after its waiter left", issue #28 item 4).
+    A command that ran stays done, even if its caller is cancelled before it reads the reply (the slot
+    task rolls back whatever a cancelled step had begun).
+    """
+
+    __slots__ = ("_done", "_error", "_result", "abandoned", "dropped_message", "invoke", "stops")
 
     def __init__(self, invoke: _Invoke[T], dropped_message: str, *, stops: bool = False) -> None:
         self.invoke = invoke
         self.dropped_message = dropped_message
         self.stops = stops
+        self.abandoned = False
         self._done = trio.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def execute(self, core: SlotCoordinator, queued: Iterable[IngressItem]) -> None:
+    def execute(self, core: SlotCoordinator, queued: Iterable[IngressItem]) -> bool:
+        """Run the command unless its caller abandoned it; True if it ran."""
+        if self.abandoned:
+            return False
         try:
             self._result = self.invoke(core, queued)
         except Exception as error:
             self._error = error
         self._done.set()
+        return True
 
     def drop(self) -> None:
         self._error = CoordinatorClosed(self.dropped_message)
         self._done.set()
 
     async def wait(self) -> T:
-        await self._done.wait()
+        try:
+            await self._done.wait()
+        except trio.Cancelled:
+            self.abandoned = not self._done.is_set()  # not run yet: the task skips it
+            raise
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]  # set whenever no error was recorded
@@ -368,6 +383,8 @@ class _CoordinatorTask:
         self._lease = lease
         self._progress = progress
         self._started = False
+        self._newest_opened = 0  # the newest generation whose ingress was ever open (see _ingest)
+        self._note_open_generation()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._started:
@@ -390,12 +407,12 @@ class _CoordinatorTask:
             except trio.EndOfChannel:
                 return
             if command is not None:
-                if not command.stops:
+                if not command.stops and not command.abandoned:
                     # A command may publish a barrier and drain what is queued (CompleteDetach).
                     await self._await_lease(self._meter.ids + 1)
-                command.execute(self._core, self._queued())
-                if command.stops:
+                if command.execute(self._core, self._queued()) and command.stops:
                     return
+                self._note_open_generation()
             else:
                 # No other task runs while this drain is handled, so no command can arrive meanwhile: taking
                 # several chunks at once keeps the priority of control exact.
@@ -419,6 +436,11 @@ class _CoordinatorTask:
             return  # no lease, or room: the common case costs one call
         self._progress.unpark_all()  # whoever extends the lease hears about it now
         await self._lease.wait_for_room(self._core, needed)
+
+    def _note_open_generation(self) -> None:
+        open_generation = self._core.ingress_generation
+        if open_generation is not None and open_generation > self._newest_opened:
+            self._newest_opened = open_generation
 
     def _next_item(self) -> IngressItem | None:
         try:
@@ -445,6 +467,7 @@ class _CoordinatorTask:
             yield item
 
     def _ingest(self, item: IngressItem) -> None:
+        open_generation = self._core.ingress_generation  # before: handling a fault closes it
         try:
             if isinstance(item, SourceSignal):
                 try:
@@ -457,7 +480,13 @@ class _CoordinatorTask:
                 finally:
                     self._meter.sub(item.raw_bytes, len(item.events) + 1)
         except CoordinatorError as error:
-            log.error("ingress_failed", error=str(error), code=error.code)
+            generation = item.generation
+            if generation <= self._newest_opened and generation != open_generation:
+                # Admitted before its generation's ingress closed (a quarantine, a detach, the shutdown's
+                # quarantine): expected, not an error; that attachment no longer claims to be ready.
+                log.debug("late_ingress_discarded", generation=generation, error=str(error))
+            else:
+                log.error("ingress_failed", error=str(error), code=error.code)
         except Exception:
             log.exception("ingress_failed")
 

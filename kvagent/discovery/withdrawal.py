@@ -52,7 +52,7 @@ class AttachmentRecordHolder:
     def __init__(self) -> None:
         self._record: DiscoveryRecord | None = None
         self._changed = trio.Event()
-        # Plain counters bumped by the withdrawal paths; statistics() snapshots them.
+        # Plain counters bumped by the withdrawal paths (count_*); statistics() snapshots them.
         self._withdrawals = 0
         self._retries = 0
         self._stale_noops = 0
@@ -82,6 +82,19 @@ class AttachmentRecordHolder:
             self._notify()
             return True
         return False
+
+    # The withdrawal paths below count what they did (statistics() snapshots the counters).
+    def count_retry(self) -> None:
+        self._retries += 1
+
+    def count_required_withdrawal(self) -> None:
+        self._required_withdrawals += 1
+
+    def count_stale_noop(self) -> None:
+        self._stale_noops += 1
+
+    def count_withdrawal(self) -> None:
+        self._withdrawals += 1
 
     def change(self) -> trio.Event:
         """An event set at the next change of the held record (take it before looking, then wait)."""
@@ -117,7 +130,7 @@ async def unregister_required(
             await discovery.unregister(record.topic, record.record_id)
             break
         except Exception as exc:  # any backend failure is retried; Cancelled is not an Exception
-            holder._retries += 1
+            holder.count_retry()
             log.warning(
                 "required_withdrawal_retry",
                 record_id=record.record_id,
@@ -127,7 +140,7 @@ async def unregister_required(
             )
         await trio.sleep(delay)
         delay = _next_delay(delay, cap)
-    holder._required_withdrawals += 1
+    holder.count_required_withdrawal()
     holder.forget_if(record)
 
 
@@ -138,11 +151,11 @@ async def _withdraw_generation(
     current = holder.record
     if current is None or current.record_id != expected_id or current.topic != KV_STATE_ATTACHMENTS_TOPIC:
         # The fence: a late request never removes a newer attachment's record.
-        holder._stale_noops += 1
+        holder.count_stale_noop()
         return
     await discovery.unregister(current.topic, current.record_id)
     holder.forget_if(current)
-    holder._withdrawals += 1
+    holder.count_withdrawal()
 
 
 async def run_withdrawal_supervisor(
@@ -168,7 +181,7 @@ async def run_withdrawal_supervisor(
                     await _withdraw_generation(discovery, holder, publisher_id, generation)
                     break
                 except Exception as exc:  # retried until success; cancellation stops it
-                    holder._retries += 1
+                    holder.count_retry()
                     log.warning("withdrawal_retry", generation=generation, error=str(exc), retry_in=delay)
                 await trio.sleep(delay)
                 delay = _next_delay(delay, max_backoff)

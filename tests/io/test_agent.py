@@ -159,13 +159,12 @@ async def test_ad_registered_after_listener_established_and_withdrawn_before_it_
         holder: list[SlotAgent] = []
 
         def listener_running() -> bool:
-            task = holder[0]._listener if holder else None
-            return task is not None and not task.finished.is_set()
+            return bool(holder) and holder[0].lifecycle.listener_generation is not None
 
         async def spy_register(record: Any) -> None:
             if record.topic == KV_STATE_ATTACHMENTS_TOPIC:
                 # The listener task is started (SUB connected) before the ad is registered.
-                observed.append(("register", holder[0].statistics().listener is not None))
+                observed.append(("register", listener_running()))
             await register(record)
 
         async def spy_unregister(topic: str, record_id: int) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 import zmq
 
@@ -69,3 +71,27 @@ async def test_a_slot_that_fails_to_start_is_reported_and_others_keep_running() 
         assert host.states["bad"].kind is SlotStateKind.FAILED
         assert host.states["good"].kind is SlotStateKind.RUNNING
         assert host.registry.names() == ["good"]
+
+
+async def test_the_sink_the_identity_and_the_state_file_name_one_publisher_id(tmp_path: Path) -> None:
+    """The publisher id is decided once (open_slot_state): the sink factory, the slot's identity and its
+    state file agree; a restarted slot keeps it, a slot in memory only gets one of its own."""
+    named: list[int] = []
+
+    def sink_factory(config: SlotAgentConfig, publisher_id: int) -> None:
+        assert config.publisher_id == publisher_id
+        named.append(publisher_id)
+
+    persisted = attrs.evolve(slot_config("kept"), state_path=tmp_path / "kept.sqlite3")
+    identities: list[int] = []
+    with trio.fail_after(20):
+        for _run in range(2):
+            async with open_host(discovery=MemoryDiscovery(), sink_factory=sink_factory) as host:
+                kept = await host.add_slot(persisted)
+                memory = await host.add_slot(slot_config("memory"))
+                identities += [kept.identity.publisher_id, memory.identity.publisher_id]
+                assert kept.durable is not None and kept.durable.publisher_id == kept.identity.publisher_id
+    assert named == identities
+    kept_ids, memory_ids = identities[0::2], identities[1::2]
+    assert kept_ids[0] == kept_ids[1]  # restarted: the persisted id
+    assert memory_ids[0] != memory_ids[1]  # in memory only: a new one each run

@@ -110,7 +110,7 @@ async def test_a_flood_of_1_mib_batches_keeps_rss_under_the_byte_budget() -> Non
                     while True:
                         samples.append(rss_bytes())
                         if os.environ.get("KVAGENT_FLOOD_DEBUG"):
-                            counters = agent._latest_listener_counters
+                            counters = agent.lifecycle.latest_listener_counters
                             inbox = counters.reader.inbox.nbytes if counters and counters.reader else 0
                             held = counters.sync.held_bytes if counters and counters.sync else 0
                             print(f"rss {samples[-1] / MiB:.0f} inbox {inbox / MiB:.0f} held {held / MiB:.0f} coord {agent._coordinator.ingress_bytes / MiB:.0f}")
