@@ -13,6 +13,12 @@ updates wait until the last open stream is finished or closed. Iteration therefo
 change, and memory stays bounded by the mirror itself plus the batches published meanwhile. A snapshot
 started while another is open shows the same (older) state and says so in its seq.
 
+A consumer that joins late, or rejoins after kvagent's own restart, may hold a state the stream cannot
+repair by itself (a consumer without replay applies whatever arrives after a gap). :meth:`RepublishState.
+publish_resync` therefore publishes the whole state as ordinary live batches — ``AllBlocksCleared``, then every
+resident block, parents first — under the next seqs, as an engine would publish them; :class:`ResyncGate`
+decides when the shell may send one (subscriptions coalesce, and the bytes sent bound how soon the next may go).
+
 The mirror keeps each tier's blocks in flat columns (about 200 bytes a block of 16 tokens, tokens included):
 see :class:`_TierBlocks`.
 
@@ -21,6 +27,7 @@ The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing h
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 from collections import deque
@@ -42,6 +49,7 @@ __all__ = [
     "MirrorRows",
     "RangeAnswer",
     "ReplayAnswer",
+    "ResyncGate",
     "RepublishState",
     "RepublishStatistics",
     "SnapshotAnswer",
@@ -79,6 +87,9 @@ class RepublishStatistics:
     ranges_served: int
     snapshots_open: int = 0
     deferred_batches: int = 0  # published batches waiting for open snapshots before reaching the mirror
+    resyncs_published: int = 0  # whole-state resyncs published as live batches (see publish_resync)
+    resync_batches: int = 0  # the batches (and seqs) they took
+    resync_bytes: int = 0  # their payload bytes
 
 
 class SnapshotStream:
@@ -168,6 +179,32 @@ class SnapshotAnswer:
 ReplayAnswer: TypeAlias = RangeAnswer | SnapshotAnswer
 
 
+@attrs.define
+class ResyncGate:
+    """When the next whole-state resync may go out (sans-IO: the caller passes the time).
+
+    Subscriptions only mark a resync as wanted; every subscription noted before one is sent is served by it.
+    After a resync of ``B`` bytes the next waits ``max(min_interval, B / bytes_per_second)``: a consumer that
+    reconnects in a loop costs at most one resync per interval, and the resync traffic of a large state at
+    most ``bytes_per_second`` on average.
+    """
+
+    min_interval: float
+    bytes_per_second: float
+    wanted: bool = False
+    not_before: float = -math.inf
+
+    def want(self) -> None:
+        self.wanted = True
+
+    def due(self, now: float) -> bool:
+        return self.wanted and now >= self.not_before
+
+    def sent(self, now: float, size: int) -> None:
+        self.wanted = False
+        self.not_before = now + max(self.min_interval, size / self.bytes_per_second)
+
+
 class RepublishState:
     """kvagent's seq space, the replay ring and the Worker-domain mirror of one slot (sans-IO)."""
 
@@ -201,6 +238,9 @@ class RepublishState:
         self._without_tokens = 0
         self._snapshots_served = 0
         self._ranges_served = 0
+        self._resyncs = 0
+        self._resync_batches = 0
+        self._resync_bytes = 0
 
     # --- publishing ---------------------------------------------------------------------------------------
 
@@ -230,6 +270,37 @@ class RepublishState:
         self._deferred.append((seq, worker))
         self._apply_deferred()
         return seq, payload
+
+    def publish_resync(self) -> list[tuple[int, bytes]]:
+        """The whole Worker state as live batches, each under the next seq: ``AllBlocksCleared``, then every
+        resident block as ``BlockStored``, parents first (at most ``SNAPSHOT_MAX_BLOCKS`` blocks a batch).
+
+        What a consumer applies to end exactly at this state whatever it held, and a no-op for one that is
+        already there. The batches enter the ring like any other (a range replay across them stays
+        contiguous). Raises RuntimeError unless :attr:`mirror_current`: a resync must show the state after
+        the newest batch, and an open snapshot stream holds the mirror back.
+        """
+        if self._deferred:
+            raise RuntimeError("the republish mirror lags the published batches (a snapshot stream is open)")
+        payloads = encode_snapshot_batches(
+            self.snapshot_blocks(),
+            ts=self._clock(),
+            dp_rank=self.dp_rank,
+            block_size=self.block_size,
+            max_blocks=SNAPSHOT_MAX_BLOCKS,
+        )
+        published: list[tuple[int, bytes]] = []
+        for payload in payloads:  # encoded to the end before the mirror can change (nothing awaits here)
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            self._append_ring(seq, payload)
+            published.append((seq, payload))
+            self._resync_bytes += len(payload)
+        self._batches += len(published)
+        self._resyncs += 1
+        self._resync_batches += len(published)
+        self._mirror_seq = self._next_seq - 1  # the mirror is what the resync rebuilt
+        return published
 
     def _append_ring(self, seq: int, payload: bytes) -> None:
         ring = self._ring
@@ -405,6 +476,9 @@ class RepublishState:
             ranges_served=self._ranges_served,
             snapshots_open=self._snapshots_open,
             deferred_batches=len(self._deferred),
+            resyncs_published=self._resyncs,
+            resync_batches=self._resync_batches,
+            resync_bytes=self._resync_bytes,
         )
 
 

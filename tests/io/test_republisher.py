@@ -543,3 +543,62 @@ async def test_a_slot_of_dp_rank_2_binds_offset_endpoints_and_names_its_rank(
                             break
     finally:
         engine.close()
+
+
+# --- consumers that join or rejoin: the resync on subscription ------------------------------------------------
+
+
+def apply_batch(resident: set[int], payload: bytes) -> None:
+    """A consumer without replay applies every live batch it gets, gap or not (as Dynamo's indexer does)."""
+    for item in events_of(payload):
+        if item["type"] == "BlockStored":
+            resident.update(item["block_hashes"])
+        elif item["type"] == "BlockRemoved":
+            resident.difference_update(item["block_hashes"])
+        else:
+            resident.clear()
+
+
+async def follow_until(sub: TrioSocket, resident: set[int], expected: set[int]) -> list[int]:
+    """Apply live batches until the consumer's blocks are ``expected``; the seqs applied."""
+    seqs: list[int] = []
+    while resident != expected:
+        _topic, seq, payload = await sub.recv_multipart()
+        seqs.append(int.from_bytes(seq, "big"))
+        apply_batch(resident, payload)
+    return seqs
+
+
+async def test_a_consumer_without_replay_rejoining_a_restarted_republisher_converges_to_its_state(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    """kvagent restarts (its republish state restored from the state dir, seqs going on past the lease) and
+    publishes its restart batch before the consumer's SUB is back: the rejoining consumer, which has no
+    replay endpoint, must still end with exactly the restarted republisher's Worker state."""
+    resident: set[int] = set()
+    with trio.fail_after(TIMEOUT):
+        async with running(zmq_context, replay_endpoint=None, topic="") as first:
+            endpoint = first.endpoint
+            sub = socket(zmq_context, zmq.SUB, endpoint)
+            await first.wait_for_subscriber()
+            first.publish([store([1, 2, 3])])
+            first.publish([store([4], parent=3)])
+            await follow_until(sub, resident, {1, 2, 3, 4})
+            rows = first.state.mirror_rows()
+            persisted = list(rows)
+            rows.close()
+            next_seq = (first.last_seq or 0) + 1 + 1000  # a restart goes on at the seq lease's end
+        # kvagent stopped; the consumer keeps its view, and its SUB is away until after the restart.
+        with sub:
+            sub.socket.disconnect(endpoint)
+            async with running(zmq_context, endpoint=endpoint, replay_endpoint=None, topic="") as second:
+                second.state.restore(persisted, [], next_seq)
+                # The restart's own batch (a reset barrier and the engine's blocks) goes out unseen.
+                second.publish([event(CLEARED), store([10, 11]), store([12], parent=11)])
+                sub.socket.connect(endpoint)
+                await second.wait_for_subscriber()
+                second.publish([store([13], parent=12)])
+                with trio.fail_after(5):
+                    seqs = await follow_until(sub, resident, {10, 11, 12, 13})
+                assert resident == {block for _, block, _, _ in second.state.snapshot_blocks()}
+                assert min(seqs) > next_seq  # the seq space goes on: nothing looks like a restart
