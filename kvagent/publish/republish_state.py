@@ -241,6 +241,8 @@ class RepublishState:
         self._resyncs = 0
         self._resync_batches = 0
         self._resync_bytes = 0
+        # Called when the last open snapshot closes and the mirror has caught up (the shell's wakeup).
+        self.on_mirror_current: Callable[[], None] | None = None
 
     # --- publishing ---------------------------------------------------------------------------------------
 
@@ -334,6 +336,8 @@ class RepublishState:
     def _snapshot_closed(self) -> None:
         self._snapshots_open -= 1
         self._apply_deferred()
+        if not self._deferred and not self._snapshots_open and self.on_mirror_current is not None:
+            self.on_mirror_current()
 
     def _apply_deferred(self) -> None:
         """Apply the published batches, in order, unless a snapshot is open.

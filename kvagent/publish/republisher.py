@@ -262,6 +262,8 @@ class VllmRepublisher:
         self._subscribed = trio.Event()
         self._resync_gate = ResyncGate(config.resync_interval, config.resync_bytes_per_second)
         self._resync_wanted = trio.Event()
+        self._mirror_caught_up = trio.Event()
+        self._state.on_mirror_current = self._mirror_caught_up.set
         self._resyncs = 0
         self._resync_dropped = 0
         self._batches_sent = 0
@@ -417,8 +419,10 @@ class VllmRepublisher:
             await trio.sleep_until(gate.not_before)
             while not self._state.mirror_current:
                 # A replay snapshot holds the mirror back until it ends (or is abandoned at its deadline), and a
-                # resync must show the state after the newest batch: look again shortly.
-                await trio.sleep(BLOCKED_RETRY)
+                # resync must show the state after the newest batch.
+                self._mirror_caught_up = trio.Event()
+                self._state.on_mirror_current = self._mirror_caught_up.set
+                await self._mirror_caught_up.wait()
             self._send_resync()
 
     def _send_resync(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from kvagent import AttachmentConfig, SlotAgentConfig, open_slot_agent
@@ -26,6 +27,7 @@ from kvagent.model.events import (
     Stored,
 )
 from kvagent.model.status import AgentStatus
+from kvagent.publish.republish_state import ResyncGate
 from kvagent.publish.republisher import RepublishConfig, VllmRepublisher, offset_endpoint
 from kvagent.publish.sinks import FanoutSink
 from kvagent.testing import RecordingSink
@@ -576,10 +578,11 @@ async def test_a_consumer_without_replay_rejoining_a_restarted_republisher_conve
     publishes its restart batch before the consumer's SUB is back: the rejoining consumer, which has no
     replay endpoint, must still end with exactly the restarted republisher's Worker state."""
     resident: set[int] = set()
+    first_process = zmq.Context()  # terminated once the first run ends: its port is free again then
     with trio.fail_after(TIMEOUT):
-        async with running(zmq_context, replay_endpoint=None, topic="") as first:
+        async with running(first_process, replay_endpoint=None, topic="") as first:
             endpoint = first.endpoint
-            sub = socket(zmq_context, zmq.SUB, endpoint)
+            sub = socket(zmq_context, zmq.SUB, endpoint)  # the consumer outlives both runs
             await first.wait_for_subscriber()
             first.publish([store([1, 2, 3])])
             first.publish([store([4], parent=3)])
@@ -588,6 +591,7 @@ async def test_a_consumer_without_replay_rejoining_a_restarted_republisher_conve
             persisted = list(rows)
             rows.close()
             next_seq = (first.last_seq or 0) + 1 + 1000  # a restart goes on at the seq lease's end
+        first_process.term()
         # kvagent stopped; the consumer keeps its view, and its SUB is away until after the restart.
         with sub:
             sub.socket.disconnect(endpoint)
@@ -602,3 +606,53 @@ async def test_a_consumer_without_replay_rejoining_a_restarted_republisher_conve
                     seqs = await follow_until(sub, resident, {10, 11, 12, 13})
                 assert resident == {block for _, block, _, _ in second.state.snapshot_blocks()}
                 assert min(seqs) > next_seq  # the seq space goes on: nothing looks like a restart
+
+
+async def test_a_reconnecting_subscriber_costs_one_resync_per_interval_and_others_stay_exact(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    steady_view: set[int] = set()
+    with trio.fail_after(TIMEOUT):
+        async with running(
+            zmq_context, replay_endpoint=None, topic="", resync_interval=3600.0
+        ) as republisher:
+            with socket(zmq_context, zmq.SUB, republisher.endpoint) as steady:
+                await republisher.wait_for_subscriber()
+                assert republisher.statistics().resyncs == 0  # nothing published yet: nothing to miss
+                republisher.publish([store([1, 2])])
+                republisher.publish([store([3], parent=2), remove([1])])
+                await follow_until(steady, steady_view, {2, 3})
+                with socket(zmq_context, zmq.SUB, republisher.endpoint):  # a late joiner
+                    await republisher.wait_for_subscriber(2)
+                    await until(lambda: republisher.statistics().resyncs == 1)
+                # The steady subscriber sees the resync too (a PUB cannot address one subscriber): it ends where
+                # it was, at the resync's last seq.
+                _topic, seq, payload = await steady.recv_multipart()
+                assert int.from_bytes(seq, "big") == republisher.last_seq == 2
+                assert events_of(payload)[0] == {"type": "AllBlocksCleared"}
+                apply_batch(steady_view, payload)
+                assert steady_view == {2, 3}
+                for reconnect in range(5):  # a consumer reconnecting in a loop
+                    with socket(zmq_context, zmq.SUB, republisher.endpoint):
+                        await republisher.wait_for_subscriber(3 + reconnect)
+                await trio.testing.wait_all_tasks_blocked()
+                statistics = republisher.statistics()
+                assert (statistics.resyncs, statistics.resync_wanted) == (1, True)  # held back by the bound
+                assert statistics.state.resync_batches == 1 and statistics.state.resyncs_published == 1
+                republisher.publish([store([4], parent=3)])
+                await follow_until(steady, steady_view, {2, 3, 4})
+
+
+def test_the_resync_gate_coalesces_subscriptions_and_spaces_resyncs_by_time_and_bytes() -> None:
+    gate = ResyncGate(min_interval=1.0, bytes_per_second=1000.0)
+    assert not gate.due(0.0)  # nobody asked
+    gate.want()
+    gate.want()
+    assert gate.due(0.0)
+    gate.sent(0.0, size=500)  # 0.5 s of bytes: the interval decides
+    assert not gate.due(0.5)
+    gate.want()
+    assert not gate.due(0.99) and gate.due(1.0)
+    gate.sent(1.0, size=5000)  # 5 s of bytes: the byte budget decides
+    gate.want()
+    assert not gate.due(5.9) and gate.due(6.0)
