@@ -22,7 +22,7 @@ import zmq
 
 from kvagent.vllm.fake_engine import FakeVllmEngine
 from tests.interop.blocks import BLOCK_SIZE, PrefixClosedWorkload
-from tests.interop.dynamo import DynamoIndexer, run_indexer
+from tests.interop.dynamo import DynamoIndexer, IndexerDump, run_indexer
 from tests.interop.link import LossyLink
 from tests.interop.test_dynamo_kvagent import STEPS, WAIT, WORKER, Scenario
 from tests.support.serve import ServeProcess, serve
@@ -69,8 +69,12 @@ async def until_following(indexer: DynamoIndexer, scenario: Scenario) -> None:
     with trio.fail_after(WAIT):
         while True:
             sentinel = await scenario.sentinel()
+
+            def holds(dump: IndexerDump, sentinel: int = sentinel) -> bool:
+                return sentinel in dump.hashes()
+
             with trio.move_on_after(0.5):
-                await indexer.wait_for_dump(lambda dump, sentinel=sentinel: sentinel in dump.hashes())
+                await indexer.wait_for_dump(holds)
                 return
 
 
