@@ -49,6 +49,7 @@ __all__ = [
     "MirrorRows",
     "RangeAnswer",
     "ReplayAnswer",
+    "ResyncBuild",
     "ResyncGate",
     "RepublishState",
     "RepublishStatistics",
@@ -179,6 +180,40 @@ class SnapshotAnswer:
 ReplayAnswer: TypeAlias = RangeAnswer | SnapshotAnswer
 
 
+class ResyncBuild:
+    """A resync being encoded (see :meth:`RepublishState.begin_resync`): the mirror stays frozen until
+    :meth:`close` (which :meth:`RepublishState.finish_resync` calls)."""
+
+    def __init__(self, cut: int, stream: SnapshotStream, on_close: Callable[[ResyncBuild], None]) -> None:
+        self.cut = cut  # the last batch the encoded state includes
+        self.payloads: list[bytes] = []
+        self.catch_up: list[list[RouterEvent]] = []  # the Worker events published since the cut, in order
+        self._stream = stream
+        self._on_close: Callable[[ResyncBuild], None] | None = on_close
+
+    def encode(self, count: int | None) -> bool:
+        """Encode up to ``count`` more payloads (None: all); True once every payload is encoded."""
+        if self._stream.closed:
+            return True
+        payloads = self._stream if count is None else islice(self._stream, count)
+        before = len(self.payloads)
+        self.payloads.extend(payloads)
+        if count is not None and len(self.payloads) - before == count:
+            return False
+        self._stream.close()
+        return True
+
+    @property
+    def encoded_bytes(self) -> int:
+        return sum(len(payload) for payload in self.payloads)
+
+    def close(self) -> None:
+        self._stream.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(self)
+
+
 @attrs.define
 class ResyncGate:
     """When the next whole-state resync may go out (sans-IO: the caller passes the time).
@@ -241,6 +276,7 @@ class RepublishState:
         self._resyncs = 0
         self._resync_batches = 0
         self._resync_bytes = 0
+        self._resync: ResyncBuild | None = None  # the resync being encoded
         # Called when the last open snapshot closes and the mirror has caught up (the shell's wakeup).
         self.on_mirror_current: Callable[[], None] | None = None
 
@@ -270,20 +306,24 @@ class RepublishState:
         self._events += published
         self._without_tokens += without_tokens
         self._deferred.append((seq, worker))
+        if self._resync is not None:
+            self._resync.catch_up.append(worker)
         self._apply_deferred()
         return seq, payload
 
-    def publish_resync(self) -> list[tuple[int, bytes]]:
-        """The whole Worker state as live batches, each under the next seq: ``AllBlocksCleared``, then every
-        resident block as ``BlockStored``, parents first (at most ``SNAPSHOT_MAX_BLOCKS`` blocks a batch).
+    def begin_resync(self) -> ResyncBuild:
+        """Start encoding a resync: the whole Worker state as live batches (see :meth:`finish_resync`).
 
-        What a consumer applies to end exactly at this state whatever it held, and a no-op for one that is
-        already there. The batches enter the ring like any other (a range replay across them stays
-        contiguous). Raises RuntimeError unless :attr:`mirror_current`: a resync must show the state after
-        the newest batch, and an open snapshot stream holds the mirror back.
+        The mirror is frozen at the newest batch until the build is finished or closed, so the encoding can
+        be drawn a chunk at a time between other work while batches go on being published. Raises
+        RuntimeError unless :attr:`mirror_current` (an open snapshot stream holds the mirror back).
         """
         if self._deferred:
             raise RuntimeError("the republish mirror lags the published batches (a snapshot stream is open)")
+        if self._resync is not None:
+            raise RuntimeError("a resync is being built already")
+        cut = self._next_seq - 1
+        self._snapshots_open += 1
         payloads = encode_snapshot_batches(
             self.snapshot_blocks(),
             ts=self._clock(),
@@ -291,18 +331,51 @@ class RepublishState:
             block_size=self.block_size,
             max_blocks=SNAPSHOT_MAX_BLOCKS,
         )
-        published: list[tuple[int, bytes]] = []
-        for payload in payloads:  # encoded to the end before the mirror can change (nothing awaits here)
-            seq = self._next_seq
-            self._next_seq = seq + 1
-            self._append_ring(seq, payload)
-            published.append((seq, payload))
-            self._resync_bytes += len(payload)
-        self._batches += len(published)
-        self._resyncs += 1
-        self._resync_batches += len(published)
-        self._mirror_seq = self._next_seq - 1  # the mirror is what the resync rebuilt
-        return published
+        self._resync = ResyncBuild(cut, SnapshotStream(payloads, self._snapshot_closed), self._resync_closed)
+        return self._resync
+
+    def _resync_closed(self, build: ResyncBuild) -> None:
+        if self._resync is build:
+            self._resync = None
+
+    def finish_resync(self, build: ResyncBuild) -> list[tuple[int, bytes]]:
+        """The resync's batches, each under the next seq, in the order to send them.
+
+        ``AllBlocksCleared`` and every block resident at the build's cut, parents first (at most
+        ``SNAPSHOT_MAX_BLOCKS`` blocks a batch), then the batches published since the cut once more: what a
+        consumer applies to end exactly at the newest state whatever it held, and a no-op for one already
+        there. The batches enter the ring like any other (a range replay across them stays contiguous).
+        Draws whatever the build has not encoded yet, and releases its hold on the mirror.
+        """
+        if build is not self._resync:
+            raise RuntimeError("this resync build was closed (or is not this state's)")
+        try:
+            build.encode(None)
+            ts = self._clock()
+            catch_up = [
+                encode_publication(events, ts=ts, dp_rank=self.dp_rank, block_size=self.block_size)
+                for events in build.catch_up
+            ]
+            published: list[tuple[int, bytes]] = []
+            for payload in [*build.payloads, *[each for each in catch_up if each is not None]]:
+                seq = self._next_seq
+                self._next_seq = seq + 1
+                self._append_ring(seq, payload)
+                published.append((seq, payload))
+                self._resync_bytes += len(payload)
+            self._batches += len(published)
+            self._resyncs += 1
+            self._resync_batches += len(published)
+            # The resync changes no state: the mirror has caught up with it once it has applied what precedes it.
+            self._deferred.append((self._next_seq - 1, []))
+            self._apply_deferred()
+            return published
+        finally:
+            build.close()
+
+    def publish_resync(self) -> list[tuple[int, bytes]]:
+        """:meth:`begin_resync` and :meth:`finish_resync` in one step."""
+        return self.finish_resync(self.begin_resync())
 
     def _append_ring(self, seq: int, payload: bytes) -> None:
         ring = self._ring

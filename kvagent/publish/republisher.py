@@ -43,6 +43,7 @@ from kvagent.publish.republish_state import (
     ReplayAnswer,
     RepublishState,
     RepublishStatistics,
+    ResyncBuild,
     ResyncGate,
     SnapshotAnswer,
 )
@@ -67,6 +68,8 @@ ANSWER_BURST_BYTES = 256 << 10
 MAX_ANSWERS_PER_PEER = 4
 MAX_ANSWERS = 64
 MAX_QUEUED_PER_PEER = 64
+# A resync is encoded this many payloads (of up to 512 blocks) at a time between checkpoints.
+RESYNC_CHUNK_PAYLOADS = 16
 # When every answer's peer pipe is full the task waits for libzmq's next command (a peer read, a request),
 # and at most this long: an edge consumed by a send attempt is noticed within it.
 BLOCKED_RETRY = 0.05
@@ -419,18 +422,26 @@ class VllmRepublisher:
             await trio.sleep_until(gate.not_before)
             while not self._state.mirror_current:
                 # A replay snapshot holds the mirror back until it ends (or is abandoned at its deadline), and a
-                # resync must show the state after the newest batch.
+                # resync starts from the state after the newest batch.
                 self._mirror_caught_up = trio.Event()
                 self._state.on_mirror_current = self._mirror_caught_up.set
                 await self._mirror_caught_up.wait()
-            self._send_resync()
+            build = self._state.begin_resync()
+            try:
+                # Encoded a chunk at a time, so the coordinator (which goes on publishing: the resync re-sends
+                # what it publishes meanwhile) and the other tasks run between chunks.
+                while not build.encode(RESYNC_CHUNK_PAYLOADS):
+                    await trio.lowlevel.checkpoint()
+                self._send_resync(build)
+            finally:
+                build.close()
 
-    def _send_resync(self) -> None:
+    def _send_resync(self, build: ResyncBuild) -> None:
         if self._pub.closed:
             raise trio.ClosedResourceError("the republisher is closed")
         self._poll_subscriptions()  # every subscription noted so far is served by this resync
         self._resync_wanted = trio.Event()
-        batches = self._state.publish_resync()
+        batches = self._state.finish_resync(build)
         size = dropped = 0
         for seq, payload in batches:
             size += len(payload)
@@ -447,6 +458,7 @@ class VllmRepublisher:
             first_seq=batches[0][0],
             last_seq=batches[-1][0],
             blocks=self._state.resident_blocks(),
+            batches_after_cut=len(build.catch_up),
             bytes=size,
             dropped_batches=dropped,
             subscriptions=self._subscriptions,

@@ -27,7 +27,7 @@ from kvagent.model.events import (
     Stored,
 )
 from kvagent.model.status import AgentStatus
-from kvagent.publish.republish_state import ResyncGate
+from kvagent.publish.republish_state import RepublishState, ResyncGate, SnapshotAnswer
 from kvagent.publish.republisher import RepublishConfig, VllmRepublisher, offset_endpoint
 from kvagent.publish.sinks import FanoutSink
 from kvagent.testing import RecordingSink
@@ -656,3 +656,42 @@ def test_the_resync_gate_coalesces_subscriptions_and_spaces_resyncs_by_time_and_
     gate.sent(1.0, size=5000)  # 5 s of bytes: the byte budget decides
     gate.want()
     assert not gate.due(5.9) and gate.due(6.0)
+
+
+def test_a_resync_built_a_chunk_at_a_time_while_batches_go_on_ends_at_the_newest_state() -> None:
+    state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
+    state.publish([store(range(1, 1201))])  # 1200 blocks: three resync payloads of at most 512
+    state.publish([remove([1200])])
+    build = state.begin_resync()
+    assert not build.encode(1)  # the first payload; the coordinator publishes before the rest is drawn
+    state.publish([remove([1199]), store([5000], parent=1198)])
+    assert state.statistics().deferred_batches == 1  # the mirror is frozen for the build (persistence waits)
+    state.publish([store([5001], parent=5000)])
+    batches = state.finish_resync(build)
+    assert [seq for seq, _ in batches] == list(range(4, 4 + len(batches)))  # right after the newest batch
+    assert len(batches) == 3 + 2  # the state at the cut, then the two batches published while it was built
+    expected = {*range(1, 1199), 5000, 5001}
+    for held in ({7, 1200}, set(expected), set()):  # stale, in step, empty: every consumer ends exact
+        resident = set(held)
+        for _, payload in batches:
+            apply_batch(resident, payload)
+        assert resident == expected
+    assert state.mirror_current and state.last_seq == batches[-1][0]
+    assert {block for _, block, _, _ in state.snapshot_blocks()} == expected
+    statistics = state.statistics()
+    assert (statistics.resyncs_published, statistics.resync_batches, statistics.snapshots_open) == (1, 5, 0)
+    answer = state.answer(b"snapshot")  # a replay snapshot taken after the resync includes it
+    assert isinstance(answer, SnapshotAnswer) and answer.seq == state.last_seq
+    answer.close()
+
+
+def test_a_resync_build_closed_early_releases_the_mirror() -> None:
+    state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
+    state.publish([store([1, 2])])
+    build = state.begin_resync()
+    state.publish([remove([2])])
+    build.close()  # the republisher was cancelled while encoding
+    assert state.mirror_current and {b for _, b, _, _ in state.snapshot_blocks()} == {1}
+    with pytest.raises(RuntimeError, match="closed"):
+        state.finish_resync(build)
+    assert state.publish_resync()[0][0] == 2  # a later resync goes on normally
