@@ -86,7 +86,8 @@ async def _resync(context: zmq.Context[Any], republisher: VllmRepublisher) -> tu
             started = time.perf_counter()
             sub.connect(republisher.endpoint)
             while received < republisher.state.resident_blocks():
-                for _topic, _seq, payload in await sock.recv_multipart_batch():
+                # A few messages at a time: decoding them is this task's own stall, not the republisher's.
+                for _topic, _seq, payload in await sock.recv_multipart_batch(max_messages=2):
                     for event in msgpack.unpackb(payload)[1]:
                         if event["type"] == "BlockStored":
                             received += len(event["block_hashes"])
