@@ -14,10 +14,12 @@ change, and memory stays bounded by the mirror itself plus the batches published
 started while another is open shows the same (older) state and says so in its seq.
 
 A consumer that joins late, or rejoins after kvagent's own restart, may hold a state the stream cannot
-repair by itself (a consumer without replay applies whatever arrives after a gap). :meth:`RepublishState.
-publish_resync` therefore publishes the whole state as ordinary live batches — ``AllBlocksCleared``, then every
-resident block, parents first — under the next seqs, as an engine would publish them; :class:`ResyncGate`
-decides when the shell may send one (subscriptions coalesce, and the bytes sent bound how soon the next may go).
+repair by itself (a consumer without replay applies whatever arrives after a gap). A *resync* publishes the
+whole state as ordinary live batches under the next seqs, as an engine would: ``AllBlocksCleared``, every
+resident block parents first, then the batches published while the resync was being encoded, once more
+(:meth:`RepublishState.begin_resync` freezes the mirror like a snapshot, the shell encodes a chunk at a time,
+:meth:`RepublishState.finish_resync` numbers the batches). :class:`ResyncGate` decides when the shell may
+send one (subscriptions coalesce, and the bytes sent bound how soon the next may go).
 
 The mirror keeps each tier's blocks in flat columns (about 200 bytes a block of 16 tokens, tokens included):
 see :class:`_TierBlocks`.
@@ -202,10 +204,6 @@ class ResyncBuild:
             return False
         self._stream.close()
         return True
-
-    @property
-    def encoded_bytes(self) -> int:
-        return sum(len(payload) for payload in self.payloads)
 
     def close(self) -> None:
         self._stream.close()

@@ -8,7 +8,10 @@ replay ring, and snapshots for starts older than the ring (vLLM PR #50134's shap
 What is published and answered is decided by the sans-IO :class:`~kvagent.publish.republish_state.RepublishState`;
 this module moves its bytes: the PUB sends non-blocking from the coordinator's publication (drops at the
 high-water mark are counted; consumers repair them by replay), and :meth:`VllmRepublisher.run` is the one task
-owning the replay ROUTER.
+owning the replay ROUTER.  It answers several DEALERs round-robin, a few messages each per turn, so a slow one
+never stalls the others; ``ROUTER_MANDATORY`` makes a full peer pipe refuse a frame (kept and retried) instead
+of dropping it, and an answer whose DEALER takes nothing for ``answer_deadline`` seconds is abandoned, logged
+and counted, never truncated silently.
 
 The PUB is an XPUB, so kvagent sees every subscription arrive. A subscriber that arrives once something has
 been published (a late joiner, or a consumer whose SUB reconnects after kvagent's own restart) may hold a
@@ -16,10 +19,7 @@ state the stream cannot repair — a consumer without replay applies whatever fo
 *resync*: the whole state as live batches (``AllBlocksCleared``, then every resident block) under the next
 seqs. A PUB cannot address one subscriber, so every subscriber sees it; for one already in step it changes
 nothing. Subscriptions coalesce, and a :class:`~kvagent.publish.republish_state.ResyncGate` spaces resyncs
-by time and bytes, so a consumer reconnecting in a loop cannot make kvagent flood the others.  It answers several DEALERs round-robin, a few messages each per turn, so a slow one
-never stalls the others; ``ROUTER_MANDATORY`` makes a full peer pipe refuse a frame (kept and retried) instead
-of dropping it, and an answer whose DEALER takes nothing for ``answer_deadline`` seconds is abandoned, logged
-and counted, never truncated silently.
+by time and bytes, so a consumer reconnecting in a loop cannot make kvagent flood the others.
 """
 
 from __future__ import annotations
