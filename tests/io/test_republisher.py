@@ -695,3 +695,30 @@ def test_a_resync_build_closed_early_releases_the_mirror() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         state.finish_resync(build)
     assert state.publish_resync()[0][0] == 2  # a later resync goes on normally
+
+
+async def test_a_resync_waits_for_an_open_replay_snapshot_then_goes_out(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    big_tokens = 1 << 24  # 5-byte token ids: ~30 bytes per block, so 300k blocks outgrow every buffer
+    with trio.fail_after(60):
+        async with running(zmq_context, replay_sndhwm=2, answer_deadline=0.5, topic="") as republisher:
+            for chunk in range(300):
+                hashes = tuple(range(chunk * 1000, (chunk + 1) * 1000))
+                stored = Stored(None, hashes, hashes, token_bytes=tokens(1000, big_tokens))
+                republisher.publish([event(stored)])
+            expected = {block for _, block, _, _ in republisher.state.snapshot_blocks()}
+            endpoint = republisher.replay_endpoint or ""
+            with socket(zmq_context, zmq.DEALER, endpoint, RCVHWM=1, RCVBUF=65536) as stalled:
+                await stalled.send_multipart([b"", b"snapshot"])
+                await stalled.recv_multipart()  # the snapshot is streaming and holds the mirror...
+                republisher.publish([remove([1000])])  # ...which cannot take this batch yet
+                expected.discard(1000)
+                with socket(zmq_context, zmq.SUB, republisher.endpoint) as late:
+                    await republisher.wait_for_subscriber()
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert republisher.statistics().resyncs == 0  # the resync waits for the mirror...
+                    resident: set[int] = set()
+                    await follow_until(late, resident, expected)  # ...which the abandoned snapshot frees
+            statistics = republisher.statistics()
+            assert (statistics.resyncs, statistics.answers_abandoned) == (1, 1)
