@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -12,7 +13,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvagent import AttachmentConfig, SlotAgentConfig, open_slot_agent
+from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
@@ -32,7 +33,8 @@ from kvagent.publish.republisher import RepublishConfig, VllmRepublisher, offset
 from kvagent.publish.sinks import FanoutSink
 from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import decode_payload
-from tests.support.agent import XpubEngine, batch, gpu_store
+from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
+from tests.support.agent import XpubEngine, batch, gpu_store, is_store_of, wait_for_event
 from tests.support.ids import OWNER
 from tests.support.vllm_consumer import END_SEQ, VllmStyleConsumer
 
@@ -722,3 +724,80 @@ async def test_a_resync_waits_for_an_open_replay_snapshot_then_goes_out(
                     await follow_until(late, resident, expected)  # ...which the abandoned snapshot frees
             statistics = republisher.statistics()
             assert (statistics.resyncs, statistics.answers_abandoned) == (1, 1)
+
+
+async def test_a_slot_reopened_on_its_state_file_resyncs_a_consumer_that_rejoins_late(tmp_path: Path) -> None:
+    """The slot is stopped and opened again on the same state file while its engine restarts; the restarted
+    slot publishes its reset and the new engine's blocks before a consumer without replay (a SUB alone) is
+    back. That consumer must end with the restarted slot's Worker blocks, not the dead engine's."""
+    context: zmq.Context[Any] = zmq.Context()
+    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=16, context=context)
+    config = SlotAgentConfig(
+        name="s0",
+        cache_owner_id=OWNER,
+        kv_block_size=16,
+        republish=RepublishConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"),
+        state_path=tmp_path / "slots" / "s0.sqlite3",
+    )
+
+    async def attach(agent: SlotAgent) -> None:
+        async with trio.open_nursery() as attaching:
+            attaching.start_soon(engine.wait_for_subscriber)
+            await agent.attach(
+                AttachmentConfig(
+                    worker_id=17,
+                    dp_rank=0,
+                    endpoint=engine.endpoint,
+                    topic="kv-events",
+                    replay_endpoint=engine.replay_endpoint,
+                )
+            )
+
+    async def chain(agent: SlotAgent, first: int, count: int) -> None:
+        for block in range(first, first + count):
+            parent = block - 1 if block > first else None
+            await engine.publish_batch([block_stored([block], parent, [block % 1000] * 16, 16)])
+        await wait_for_event(agent, is_store_of(first + count - 1))
+
+    consumer = VllmStyleConsumer(context, "", None)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
+                    assert agent.republisher is not None
+                    consumer.endpoint = agent.republisher.endpoint
+                    away = trio.CancelScope()
+                    await nursery.start(_consume, consumer, away)
+                    await agent.republisher.wait_for_subscriber()
+                    await attach(agent)
+                    await chain(agent, 1, 30)
+                    await consumer.wait_for_hashes(set(range(1, 31)))
+                    away.cancel()  # the consumer's SUB is away until the restarted slot has published
+                engine.kill()
+                await engine.revive(restart=True)  # meanwhile a new engine, with an empty cache
+                async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
+                    republisher = agent.republisher
+                    assert republisher is not None and republisher.last_seq is not None  # restored
+                    await attach(agent)
+                    await chain(agent, 500, 10)
+                    expected = {block for _, block, _, _ in republisher.state.snapshot_blocks()}
+                    assert expected == set(range(500, 510))
+                    consumer.endpoint = republisher.endpoint
+                    await nursery.start(_consume, consumer, trio.CancelScope())  # the same consumer, back
+                    with trio.fail_after(5):
+                        await consumer.wait_for_hashes(expected)
+                    assert consumer.gaps_unrepaired >= 1  # it missed the restart's batches
+                nursery.cancel_scope.cancel()
+    finally:
+        context.destroy(linger=0)
+
+
+async def _consume(
+    consumer: VllmStyleConsumer,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await consumer.run(task_status=task_status)
