@@ -5,6 +5,11 @@ One :class:`~kvagent.publish.republisher.VllmRepublisher` in this process is fed
 and reads every frame to the end marker. Reported: publish rate, snapshot time, the blocks received (must equal
 the resident blocks), and the peak RSS growth while the snapshot streamed (bounded: the answer is encoded
 lazily, 512 blocks a payload, and the ROUTER's high-water mark holds back the producer).
+
+Then a SUB joins late, which makes the republisher publish a resync (the whole state as live batches, see
+docs/republish.md): its bytes and batches, the time from the SUB's connect to its last batch received, and
+the longest the event loop went without running another task meanwhile (the resync is encoded and sent in
+one synchronous step).
 """
 
 from __future__ import annotations
@@ -60,6 +65,37 @@ async def _snapshot(context: zmq.Context[Any], endpoint: str) -> tuple[int, int,
                         received += len(event["block_hashes"])
 
 
+async def _resync(context: zmq.Context[Any], republisher: VllmRepublisher) -> tuple[int, float, float]:
+    """A SUB joins: the blocks its resync carried, the seconds until it had all of them, the longest loop stall."""
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    stall = 0.0
+
+    async def watch_loop() -> None:
+        nonlocal stall
+        while True:
+            before = time.perf_counter()
+            await trio.sleep(0.001)
+            stall = max(stall, time.perf_counter() - before - 0.001)
+
+    received = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_loop)
+        with TrioSocket(sub) as sock:
+            started = time.perf_counter()
+            sub.connect(republisher.endpoint)
+            while received < republisher.state.resident_blocks():
+                # A few messages at a time: decoding them is this task's own stall, not the republisher's.
+                for _topic, _seq, payload in await sock.recv_multipart_batch(max_messages=2):
+                    for event in msgpack.unpackb(payload)[1]:
+                        if event["type"] == "BlockStored":
+                            received += len(event["block_hashes"])
+            seconds = time.perf_counter() - started
+        nursery.cancel_scope.cancel()
+    return received, seconds, stall
+
+
 async def run(blocks: int) -> dict[str, Any]:
     context: zmq.Context[Any] = zmq.Context()
     config = RepublishConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
@@ -71,6 +107,7 @@ async def run(blocks: int) -> dict[str, Any]:
         async with trio.open_nursery() as nursery:
             await nursery.start(republisher.run)
             received, frames, seconds = await _snapshot(context, republisher.replay_endpoint or "")
+            resync_received, resync_seconds, stall = await _resync(context, republisher)
             nursery.cancel_scope.cancel()
         rss_after = _rss_mib()
         statistics = republisher.statistics()
@@ -90,6 +127,11 @@ async def run(blocks: int) -> dict[str, Any]:
         "rss_before_feed_mib": round(rss_start),
         "rss_fed_mib": round(rss_fed),
         "peak_rss_growth_during_snapshot_mib": round(rss_after - rss_fed, 1),
+        "resync_blocks_received": resync_received,
+        "resync_batches": statistics.state.resync_batches,
+        "resync_mib": round(statistics.state.resync_bytes / 2**20, 1),
+        "resync_seconds": round(resync_seconds, 2),
+        "resync_longest_loop_stall_seconds": round(stall, 2),
     }
 
 

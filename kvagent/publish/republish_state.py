@@ -13,6 +13,14 @@ updates wait until the last open stream is finished or closed. Iteration therefo
 change, and memory stays bounded by the mirror itself plus the batches published meanwhile. A snapshot
 started while another is open shows the same (older) state and says so in its seq.
 
+A consumer that joins late, or rejoins after kvagent's own restart, may hold a state the stream cannot
+repair by itself (a consumer without replay applies whatever arrives after a gap). A *resync* publishes the
+whole state as ordinary live batches under the next seqs, as an engine would: ``AllBlocksCleared``, every
+resident block parents first, then the batches published while the resync was being encoded, once more
+(:meth:`RepublishState.begin_resync` freezes the mirror like a snapshot, the shell encodes a chunk at a time,
+:meth:`RepublishState.finish_resync` numbers the batches). :class:`ResyncGate` decides when the shell may
+send one (subscriptions coalesce, and the bytes sent bound how soon the next may go).
+
 The mirror keeps each tier's blocks in flat columns (about 200 bytes a block of 16 tokens, tokens included):
 see :class:`_TierBlocks`.
 
@@ -21,6 +29,7 @@ The trio/zmq shell (``kvagent.publish.republisher``) owns the sockets; nothing h
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 from collections import deque
@@ -42,6 +51,8 @@ __all__ = [
     "MirrorRows",
     "RangeAnswer",
     "ReplayAnswer",
+    "ResyncBuild",
+    "ResyncGate",
     "RepublishState",
     "RepublishStatistics",
     "SnapshotAnswer",
@@ -79,6 +90,9 @@ class RepublishStatistics:
     ranges_served: int
     snapshots_open: int = 0
     deferred_batches: int = 0  # published batches waiting for open snapshots before reaching the mirror
+    resyncs_published: int = 0  # whole-state resyncs published as live batches (see publish_resync)
+    resync_batches: int = 0  # the batches (and seqs) they took
+    resync_bytes: int = 0  # their payload bytes
 
 
 class SnapshotStream:
@@ -168,6 +182,62 @@ class SnapshotAnswer:
 ReplayAnswer: TypeAlias = RangeAnswer | SnapshotAnswer
 
 
+class ResyncBuild:
+    """A resync being encoded (see :meth:`RepublishState.begin_resync`): the mirror stays frozen until
+    :meth:`close` (which :meth:`RepublishState.finish_resync` calls)."""
+
+    def __init__(self, cut: int, stream: SnapshotStream, on_close: Callable[[ResyncBuild], None]) -> None:
+        self.cut = cut  # the last batch the encoded state includes
+        self.payloads: list[bytes] = []
+        self.catch_up: list[list[RouterEvent]] = []  # the Worker events published since the cut, in order
+        self._stream = stream
+        self._on_close: Callable[[ResyncBuild], None] | None = on_close
+
+    def encode(self, count: int | None) -> bool:
+        """Encode up to ``count`` more payloads (None: all); True once every payload is encoded."""
+        if self._stream.closed:
+            return True
+        payloads = self._stream if count is None else islice(self._stream, count)
+        before = len(self.payloads)
+        self.payloads.extend(payloads)
+        if count is not None and len(self.payloads) - before == count:
+            return False
+        self._stream.close()
+        return True
+
+    def close(self) -> None:
+        self._stream.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(self)
+
+
+@attrs.define
+class ResyncGate:
+    """When the next whole-state resync may go out (sans-IO: the caller passes the time).
+
+    Subscriptions only mark a resync as wanted; every subscription noted before one is sent is served by it.
+    After a resync of ``B`` bytes the next waits ``max(min_interval, B / bytes_per_second)``: a consumer that
+    reconnects in a loop costs at most one resync per interval, and the resync traffic of a large state at
+    most ``bytes_per_second`` on average.
+    """
+
+    min_interval: float
+    bytes_per_second: float
+    wanted: bool = False
+    not_before: float = -math.inf
+
+    def want(self) -> None:
+        self.wanted = True
+
+    def due(self, now: float) -> bool:
+        return self.wanted and now >= self.not_before
+
+    def sent(self, now: float, size: int) -> None:
+        self.wanted = False
+        self.not_before = now + max(self.min_interval, size / self.bytes_per_second)
+
+
 class RepublishState:
     """kvagent's seq space, the replay ring and the Worker-domain mirror of one slot (sans-IO)."""
 
@@ -201,6 +271,12 @@ class RepublishState:
         self._without_tokens = 0
         self._snapshots_served = 0
         self._ranges_served = 0
+        self._resyncs = 0
+        self._resync_batches = 0
+        self._resync_bytes = 0
+        self._resync: ResyncBuild | None = None  # the resync being encoded
+        # Called when the last open snapshot closes and the mirror has caught up (the shell's wakeup).
+        self.on_mirror_current: Callable[[], None] | None = None
 
     # --- publishing ---------------------------------------------------------------------------------------
 
@@ -228,8 +304,76 @@ class RepublishState:
         self._events += published
         self._without_tokens += without_tokens
         self._deferred.append((seq, worker))
+        if self._resync is not None:
+            self._resync.catch_up.append(worker)
         self._apply_deferred()
         return seq, payload
+
+    def begin_resync(self) -> ResyncBuild:
+        """Start encoding a resync: the whole Worker state as live batches (see :meth:`finish_resync`).
+
+        The mirror is frozen at the newest batch until the build is finished or closed, so the encoding can
+        be drawn a chunk at a time between other work while batches go on being published. Raises
+        RuntimeError unless :attr:`mirror_current` (an open snapshot stream holds the mirror back).
+        """
+        if self._deferred:
+            raise RuntimeError("the republish mirror lags the published batches (a snapshot stream is open)")
+        if self._resync is not None:
+            raise RuntimeError("a resync is being built already")
+        cut = self._next_seq - 1
+        self._snapshots_open += 1
+        payloads = encode_snapshot_batches(
+            self.snapshot_blocks(),
+            ts=self._clock(),
+            dp_rank=self.dp_rank,
+            block_size=self.block_size,
+            max_blocks=SNAPSHOT_MAX_BLOCKS,
+        )
+        self._resync = ResyncBuild(cut, SnapshotStream(payloads, self._snapshot_closed), self._resync_closed)
+        return self._resync
+
+    def _resync_closed(self, build: ResyncBuild) -> None:
+        if self._resync is build:
+            self._resync = None
+
+    def finish_resync(self, build: ResyncBuild) -> list[tuple[int, bytes]]:
+        """The resync's batches, each under the next seq, in the order to send them.
+
+        ``AllBlocksCleared`` and every block resident at the build's cut, parents first (at most
+        ``SNAPSHOT_MAX_BLOCKS`` blocks a batch), then the batches published since the cut once more: what a
+        consumer applies to end exactly at the newest state whatever it held, and a no-op for one already
+        there. The batches enter the ring like any other (a range replay across them stays contiguous).
+        Draws whatever the build has not encoded yet, and releases its hold on the mirror.
+        """
+        if build is not self._resync:
+            raise RuntimeError("this resync build was closed (or is not this state's)")
+        try:
+            build.encode(None)
+            ts = self._clock()
+            catch_up = [
+                encode_publication(events, ts=ts, dp_rank=self.dp_rank, block_size=self.block_size)
+                for events in build.catch_up
+            ]
+            published: list[tuple[int, bytes]] = []
+            for payload in [*build.payloads, *[each for each in catch_up if each is not None]]:
+                seq = self._next_seq
+                self._next_seq = seq + 1
+                self._append_ring(seq, payload)
+                published.append((seq, payload))
+                self._resync_bytes += len(payload)
+            self._batches += len(published)
+            self._resyncs += 1
+            self._resync_batches += len(published)
+            # The resync changes no state: the mirror has caught up with it once it has applied what precedes it.
+            self._deferred.append((self._next_seq - 1, []))
+            self._apply_deferred()
+            return published
+        finally:
+            build.close()
+
+    def publish_resync(self) -> list[tuple[int, bytes]]:
+        """:meth:`begin_resync` and :meth:`finish_resync` in one step."""
+        return self.finish_resync(self.begin_resync())
 
     def _append_ring(self, seq: int, payload: bytes) -> None:
         ring = self._ring
@@ -263,6 +407,8 @@ class RepublishState:
     def _snapshot_closed(self) -> None:
         self._snapshots_open -= 1
         self._apply_deferred()
+        if not self._deferred and not self._snapshots_open and self.on_mirror_current is not None:
+            self.on_mirror_current()
 
     def _apply_deferred(self) -> None:
         """Apply the published batches, in order, unless a snapshot is open.
@@ -405,6 +551,9 @@ class RepublishState:
             ranges_served=self._ranges_served,
             snapshots_open=self._snapshots_open,
             deferred_batches=len(self._deferred),
+            resyncs_published=self._resyncs,
+            resync_batches=self._resync_batches,
+            resync_bytes=self._resync_bytes,
         )
 
 

@@ -12,6 +12,14 @@ owning the replay ROUTER.  It answers several DEALERs round-robin, a few message
 never stalls the others; ``ROUTER_MANDATORY`` makes a full peer pipe refuse a frame (kept and retried) instead
 of dropping it, and an answer whose DEALER takes nothing for ``answer_deadline`` seconds is abandoned, logged
 and counted, never truncated silently.
+
+The PUB is an XPUB, so kvagent sees every subscription arrive. A subscriber that arrives once something has
+been published (a late joiner, or a consumer whose SUB reconnects after kvagent's own restart) may hold a
+state the stream cannot repair — a consumer without replay applies whatever follows a gap — so it gets a
+*resync*: the whole state as live batches (``AllBlocksCleared``, then every resident block) under the next
+seqs. A PUB cannot address one subscriber, so every subscriber sees it; for one already in step it changes
+nothing. Subscriptions coalesce, and a :class:`~kvagent.publish.republish_state.ResyncGate` spaces resyncs
+by time and bytes, so a consumer reconnecting in a loop cannot make kvagent flood the others.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from kvagent.publish.republish_state import (
     ReplayAnswer,
     RepublishState,
     RepublishStatistics,
+    ResyncBuild,
+    ResyncGate,
     SnapshotAnswer,
 )
 from kvagent.wire.vllm_events import END_SEQ
@@ -58,6 +68,8 @@ ANSWER_BURST_BYTES = 256 << 10
 MAX_ANSWERS_PER_PEER = 4
 MAX_ANSWERS = 64
 MAX_QUEUED_PER_PEER = 64
+# A resync is encoded this many payloads (of up to 512 blocks) at a time between checkpoints.
+RESYNC_CHUNK_PAYLOADS = 16
 # When every answer's peer pipe is full the task waits for libzmq's next command (a peer read, a request),
 # and at most this long: an edge consumed by a send attempt is noticed within it.
 BLOCKED_RETRY = 0.05
@@ -125,7 +137,10 @@ class RepublishConfig:
     """Where and how one slot republishes (validated: ``KvAgentError(code="bad_request")`` on bad values).
 
     ``endpoint`` and ``replay_endpoint`` are the addresses of dp_rank 0; :meth:`for_rank` offsets them the way
-    vLLM does.  ``legacy_replay`` answers replay in the 3-frame form of vLLM < 0.26.
+    vLLM does.  ``legacy_replay`` answers replay in the 3-frame form of vLLM < 0.26.  ``resync_on_subscribe``
+    publishes the whole state when a subscriber arrives after the first batch (see the module docstring), at
+    most once per ``resync_interval`` seconds and, after a resync of B bytes, not again for
+    ``B / resync_bytes_per_second`` seconds.
     """
 
     endpoint: str = attrs.field(validator=_bind_endpoint)
@@ -136,6 +151,9 @@ class RepublishConfig:
     sndhwm: int = attrs.field(default=100_000, validator=_positive)
     replay_sndhwm: int = attrs.field(default=1000, validator=_positive)  # a full peer pipe waits, never drops
     answer_deadline: float = attrs.field(default=10.0, validator=_positive)
+    resync_on_subscribe: bool = True
+    resync_interval: float = attrs.field(default=1.0, validator=_positive)
+    resync_bytes_per_second: float = attrs.field(default=float(32 << 20), validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         ephemeral = self.endpoint.startswith("tcp://") and self.endpoint.endswith(":0")
@@ -170,6 +188,9 @@ class RepublisherStatistics:
         answers_completed: answers whose end marker was sent.
         answers_abandoned: answers given up (the DEALER took nothing within the deadline, or left).
         answers_active: answers being sent now.
+        resyncs: whole-state resyncs sent for subscriptions (batches and bytes: ``state.resync_*``).
+        resync_dropped_batches: resync batches dropped at the PUB's high-water mark.
+        resync_wanted: a subscription waits for a resync (held back by the resync bound).
     """
 
     state: RepublishStatistics
@@ -182,6 +203,9 @@ class RepublisherStatistics:
     answers_completed: int
     answers_abandoned: int
     answers_active: int
+    resyncs: int = 0
+    resync_dropped_batches: int = 0
+    resync_wanted: bool = False
 
 
 @attrs.define
@@ -239,6 +263,12 @@ class VllmRepublisher:
                 raise
         self._subscriptions = 0
         self._subscribed = trio.Event()
+        self._resync_gate = ResyncGate(config.resync_interval, config.resync_bytes_per_second)
+        self._resync_wanted = trio.Event()
+        self._mirror_caught_up = trio.Event()
+        self._state.on_mirror_current = self._mirror_caught_up.set
+        self._resyncs = 0
+        self._resync_dropped = 0
         self._batches_sent = 0
         self._dropped_batches = 0
         self._replay_requests = 0
@@ -310,6 +340,9 @@ class VllmRepublisher:
             answers_completed=self._answers_completed,
             answers_abandoned=self._answers_abandoned,
             answers_active=sum(len(queue) for queue in self._answers.values()),
+            resyncs=self._resyncs,
+            resync_dropped_batches=self._resync_dropped,
+            resync_wanted=self._resync_gate.wanted,
         )
 
     # --- live ------------------------------------------------------------------------------------
@@ -345,6 +378,11 @@ class VllmRepublisher:
             if note[:1] == b"\x01":
                 self._subscriptions += 1
         if self._subscriptions != seen:
+            # A subscriber before the first batch misses nothing; a later one may hold anything (it joined
+            # late, or it followed this slot before kvagent restarted): it gets the whole state.
+            if self.config.resync_on_subscribe and self._state.last_seq is not None:
+                self._resync_gate.want()
+                self._resync_wanted.set()
             self._subscribed.set()
             self._subscribed = trio.Event()
 
@@ -362,6 +400,7 @@ class VllmRepublisher:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_subscriptions)
+                nursery.start_soon(self._resync_subscribers)
                 if self._router is not None:
                     nursery.start_soon(self._serve_replay, self._router)
                 task_status.started()
@@ -374,6 +413,56 @@ class VllmRepublisher:
         while True:
             self._poll_subscriptions()
             await self._pub.wait_readable()
+
+    async def _resync_subscribers(self) -> None:
+        """Send a resync whenever a subscription wants one and the gate allows it."""
+        gate = self._resync_gate
+        while True:
+            await self._resync_wanted.wait()
+            await trio.sleep_until(gate.not_before)
+            while not self._state.mirror_current:
+                # A replay snapshot holds the mirror back until it ends (or is abandoned at its deadline), and a
+                # resync starts from the state after the newest batch.
+                self._mirror_caught_up = trio.Event()
+                self._state.on_mirror_current = self._mirror_caught_up.set
+                await self._mirror_caught_up.wait()
+            build = self._state.begin_resync()
+            try:
+                # Encoded a chunk at a time, so the coordinator (which goes on publishing: the resync re-sends
+                # what it publishes meanwhile) and the other tasks run between chunks.
+                while not build.encode(RESYNC_CHUNK_PAYLOADS):
+                    await trio.lowlevel.checkpoint()
+                self._send_resync(build)
+            finally:
+                build.close()
+
+    def _send_resync(self, build: ResyncBuild) -> None:
+        if self._pub.closed:
+            raise trio.ClosedResourceError("the republisher is closed")
+        self._poll_subscriptions()  # every subscription noted so far is served by this resync
+        self._resync_wanted = trio.Event()
+        batches = self._state.finish_resync(build)
+        size = dropped = 0
+        for seq, payload in batches:
+            size += len(payload)
+            if self._pub.try_send_multipart([self._topic, _seq_frame(seq), payload]):
+                self._batches_sent += 1
+            else:
+                dropped += 1
+        self._dropped_batches += dropped
+        self._resync_dropped += dropped
+        self._resyncs += 1
+        self._resync_gate.sent(trio.current_time(), size)
+        log.info(
+            "republish_resync",
+            first_seq=batches[0][0],
+            last_seq=batches[-1][0],
+            blocks=self._state.resident_blocks(),
+            batches_after_cut=len(build.catch_up),
+            bytes=size,
+            dropped_batches=dropped,
+            subscriptions=self._subscriptions,
+        )
 
     async def _serve_replay(self, router: TrioSocket) -> None:
         fd = cast(int, router.socket.getsockopt(zmq.FD))

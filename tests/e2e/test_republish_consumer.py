@@ -214,3 +214,54 @@ async def test_command_line_republish_with_legacy_replay_serves_a_pre_026_consum
                 republish = (await c.request("status"))["status"]["republish"]
                 assert (republish["endpoint"], republish["replay_endpoint"]) == (endpoint, replay_endpoint)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_consumer_without_replay_rejoining_after_kvagent_restarts_matches_kvagent(
+    tmp_path: Path, zmq_context: zmq.Context[Any]
+) -> None:
+    """kvagent is killed and restarted on its state directory and ports while the engine goes on; a consumer
+    with no replay endpoint (a SUB alone, applying whatever follows a gap) is away meanwhile and rejoins only
+    after the restarted kvagent has published its catch-up. It must end with kvagent's Worker blocks."""
+    engine = FakeVllmEngine(
+        replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE, context=zmq_context, topic=b"kv-events"
+    )
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            config = write_config(tmp_path, engine)
+            config.write_text(f'state_dir = "{tmp_path / "state"}"\n' + config.read_text())
+            workload = SimulatedWorkload(seed=21, block_size=BLOCK_SIZE)
+            async with serve(tmp_path, "--config", str(config)) as agent, client(agent.url) as c:
+                endpoint, replay_endpoint = await republish_endpoints(agent)
+                await engine.wait_for_subscriber()
+                consumer = VllmStyleConsumer(zmq_context, endpoint, None, topic=b"kvagent")
+                away = trio.CancelScope()
+                await nursery.start(_run_in, consumer, away)
+                await run_steps(engine, workload, 40)
+                dump = await settle(engine, c, consumer)
+                assert consumer_blocks(consumer) == worker_blocks(dump) != set()
+                away.cancel()  # the consumer's SUB is gone until kvagent has restarted and caught up
+            await run_steps(engine, workload, 30)  # kvagent is down (SIGKILL); the engine goes on
+
+            port = endpoint.rsplit(":", 1)[1]
+            replay_port = replay_endpoint.rsplit(":", 1)[1]
+            text = config.read_text()
+            text = text.replace('endpoint = "tcp://127.0.0.1:0"', f'endpoint = "tcp://127.0.0.1:{port}"', 1)
+            text = text.replace(
+                'replay_endpoint = "tcp://127.0.0.1:0"', f'replay_endpoint = "tcp://127.0.0.1:{replay_port}"'
+            )
+            config.write_text(text)
+            subscribed = engine.subscriptions
+            async with serve(tmp_path, "--config", str(config)) as agent, client(agent.url) as c:
+                assert await republish_endpoints(agent) == (endpoint, replay_endpoint)
+                await engine.wait_for_subscriber(subscribed + 1)
+                await run_steps(engine, workload, 20)
+                await applied_so_far(engine, c)  # everything the restart publishes has gone out, unseen
+                seq_before = consumer.last_seq or 0
+                await nursery.start(_run_in, consumer, trio.CancelScope())  # the same consumer, a new SUB
+                while True:  # (each round publishes a sentinel: a consumer missing the resync never matches)
+                    dump = await settle(engine, c, consumer)
+                    if consumer_blocks(consumer) == worker_blocks(dump):
+                        break
+                assert consumer.gaps_unrepaired >= 1 and (consumer.last_seq or 0) > seq_before
+            nursery.cancel_scope.cancel()

@@ -23,6 +23,7 @@ class LossyLink:
         for sock in (self._sub, self._pub):
             sock.socket.setsockopt(zmq.LINGER, 0)
         self._sub.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.upstream: str | None = upstream
         self._sub.socket.connect(upstream)
         self._pub.socket.bind("tcp://127.0.0.1:0")
         self.endpoint: str = self._pub.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -30,6 +31,18 @@ class LossyLink:
         self.dropped = 0
         self._to_drop = 0
         self._progress = trio.Event()
+
+    def leave_upstream(self) -> None:
+        """Disconnect from the publisher (and stop reconnecting): its consumer sees nothing until :meth:`join`."""
+        if self.upstream is not None:
+            self._sub.socket.disconnect(self.upstream)
+            self.upstream = None
+
+    def join(self, upstream: str) -> None:
+        """Connect (again) to ``upstream``: the publisher sees a new subscription, as after a SUB's reconnect."""
+        self.leave_upstream()
+        self._sub.socket.connect(upstream)
+        self.upstream = upstream
 
     def drop_next(self, count: int) -> None:
         self._to_drop += count

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import trio
+import trio.testing
 import zmq
 
-from kvagent import AttachmentConfig, SlotAgentConfig, open_slot_agent
+from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
@@ -26,11 +28,13 @@ from kvagent.model.events import (
     Stored,
 )
 from kvagent.model.status import AgentStatus
+from kvagent.publish.republish_state import RepublishState, ResyncGate, SnapshotAnswer
 from kvagent.publish.republisher import RepublishConfig, VllmRepublisher, offset_endpoint
 from kvagent.publish.sinks import FanoutSink
 from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import decode_payload
-from tests.support.agent import XpubEngine, batch, gpu_store
+from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
+from tests.support.agent import XpubEngine, batch, gpu_store, is_store_of, wait_for_event
 from tests.support.ids import OWNER
 from tests.support.vllm_consumer import END_SEQ, VllmStyleConsumer
 
@@ -543,3 +547,257 @@ async def test_a_slot_of_dp_rank_2_binds_offset_endpoints_and_names_its_rank(
                             break
     finally:
         engine.close()
+
+
+# --- consumers that join or rejoin: the resync on subscription ------------------------------------------------
+
+
+def apply_batch(resident: set[int], payload: bytes) -> None:
+    """A consumer without replay applies every live batch it gets, gap or not (as Dynamo's indexer does)."""
+    for item in events_of(payload):
+        if item["type"] == "BlockStored":
+            resident.update(item["block_hashes"])
+        elif item["type"] == "BlockRemoved":
+            resident.difference_update(item["block_hashes"])
+        else:
+            resident.clear()
+
+
+async def follow_until(sub: TrioSocket, resident: set[int], expected: set[int]) -> list[int]:
+    """Apply live batches until the consumer's blocks are ``expected``; the seqs applied."""
+    seqs: list[int] = []
+    while resident != expected:
+        _topic, seq, payload = await sub.recv_multipart()
+        seqs.append(int.from_bytes(seq, "big"))
+        apply_batch(resident, payload)
+    return seqs
+
+
+async def test_a_consumer_without_replay_rejoining_a_restarted_republisher_converges_to_its_state(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    """kvagent restarts (its republish state restored from the state dir, seqs going on past the lease) and
+    publishes its restart batch before the consumer's SUB is back: the rejoining consumer, which has no
+    replay endpoint, must still end with exactly the restarted republisher's Worker state."""
+    resident: set[int] = set()
+    first_process = zmq.Context()  # terminated once the first run ends: its port is free again then
+    with trio.fail_after(TIMEOUT):
+        async with running(first_process, replay_endpoint=None, topic="") as first:
+            endpoint = first.endpoint
+            sub = socket(zmq_context, zmq.SUB, endpoint)  # the consumer outlives both runs
+            await first.wait_for_subscriber()
+            first.publish([store([1, 2, 3])])
+            first.publish([store([4], parent=3)])
+            await follow_until(sub, resident, {1, 2, 3, 4})
+            rows = first.state.mirror_rows()
+            persisted = list(rows)
+            rows.close()
+            next_seq = (first.last_seq or 0) + 1 + 1000  # a restart goes on at the seq lease's end
+        first_process.term()
+        # kvagent stopped; the consumer keeps its view, and its SUB is away until after the restart.
+        with sub:
+            sub.socket.disconnect(endpoint)
+            async with running(zmq_context, endpoint=endpoint, replay_endpoint=None, topic="") as second:
+                second.state.restore(persisted, [], next_seq)
+                # The restart's own batch (a reset barrier and the engine's blocks) goes out unseen.
+                second.publish([event(CLEARED), store([10, 11]), store([12], parent=11)])
+                sub.socket.connect(endpoint)
+                await second.wait_for_subscriber()
+                second.publish([store([13], parent=12)])
+                with trio.fail_after(5):
+                    seqs = await follow_until(sub, resident, {10, 11, 12, 13})
+                assert resident == {block for _, block, _, _ in second.state.snapshot_blocks()}
+                assert min(seqs) > next_seq  # the seq space goes on: nothing looks like a restart
+
+
+async def test_a_reconnecting_subscriber_costs_one_resync_per_interval_and_others_stay_exact(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    steady_view: set[int] = set()
+    with trio.fail_after(TIMEOUT):
+        async with running(
+            zmq_context, replay_endpoint=None, topic="", resync_interval=3600.0
+        ) as republisher:
+            with socket(zmq_context, zmq.SUB, republisher.endpoint) as steady:
+                await republisher.wait_for_subscriber()
+                assert republisher.statistics().resyncs == 0  # nothing published yet: nothing to miss
+                republisher.publish([store([1, 2])])
+                republisher.publish([store([3], parent=2), remove([1])])
+                await follow_until(steady, steady_view, {2, 3})
+                with socket(zmq_context, zmq.SUB, republisher.endpoint):  # a late joiner
+                    await republisher.wait_for_subscriber(2)
+                    await until(lambda: republisher.statistics().resyncs == 1)
+                # The steady subscriber sees the resync too (a PUB cannot address one subscriber): it ends where
+                # it was, at the resync's last seq.
+                _topic, seq, payload = await steady.recv_multipart()
+                assert int.from_bytes(seq, "big") == republisher.last_seq == 2
+                assert events_of(payload)[0] == {"type": "AllBlocksCleared"}
+                apply_batch(steady_view, payload)
+                assert steady_view == {2, 3}
+                for reconnect in range(5):  # a consumer reconnecting in a loop
+                    with socket(zmq_context, zmq.SUB, republisher.endpoint):
+                        await republisher.wait_for_subscriber(3 + reconnect)
+                await trio.testing.wait_all_tasks_blocked()
+                statistics = republisher.statistics()
+                assert (statistics.resyncs, statistics.resync_wanted) == (1, True)  # held back by the bound
+                assert statistics.state.resync_batches == 1 and statistics.state.resyncs_published == 1
+                republisher.publish([store([4], parent=3)])
+                await follow_until(steady, steady_view, {2, 3, 4})
+
+
+def test_the_resync_gate_coalesces_subscriptions_and_spaces_resyncs_by_time_and_bytes() -> None:
+    gate = ResyncGate(min_interval=1.0, bytes_per_second=1000.0)
+    assert not gate.due(0.0)  # nobody asked
+    gate.want()
+    gate.want()
+    assert gate.due(0.0)
+    gate.sent(0.0, size=500)  # 0.5 s of bytes: the interval decides
+    assert not gate.due(0.5)
+    gate.want()
+    assert not gate.due(0.99) and gate.due(1.0)
+    gate.sent(1.0, size=5000)  # 5 s of bytes: the byte budget decides
+    gate.want()
+    assert not gate.due(5.9) and gate.due(6.0)
+
+
+def test_a_resync_built_a_chunk_at_a_time_while_batches_go_on_ends_at_the_newest_state() -> None:
+    state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
+    state.publish([store(range(1, 1201))])  # 1200 blocks: three resync payloads of at most 512
+    state.publish([remove([1200])])
+    build = state.begin_resync()
+    assert not build.encode(1)  # the first payload; the coordinator publishes before the rest is drawn
+    state.publish([remove([1199]), store([5000], parent=1198)])
+    assert state.statistics().deferred_batches == 1  # the mirror is frozen for the build (persistence waits)
+    state.publish([store([5001], parent=5000)])
+    batches = state.finish_resync(build)
+    assert [seq for seq, _ in batches] == list(range(4, 4 + len(batches)))  # right after the newest batch
+    assert len(batches) == 3 + 2  # the state at the cut, then the two batches published while it was built
+    expected = {*range(1, 1199), 5000, 5001}
+    for held in ({7, 1200}, set(expected), set()):  # stale, in step, empty: every consumer ends exact
+        resident = set(held)
+        for _, payload in batches:
+            apply_batch(resident, payload)
+        assert resident == expected
+    assert state.mirror_current and state.last_seq == batches[-1][0]
+    assert {block for _, block, _, _ in state.snapshot_blocks()} == expected
+    statistics = state.statistics()
+    assert (statistics.resyncs_published, statistics.resync_batches, statistics.snapshots_open) == (1, 5, 0)
+    answer = state.answer(b"snapshot")  # a replay snapshot taken after the resync includes it
+    assert isinstance(answer, SnapshotAnswer) and answer.seq == state.last_seq
+    answer.close()
+
+
+def test_a_resync_build_closed_early_releases_the_mirror() -> None:
+    state = RepublishState(dp_rank=0, block_size=BLOCK_SIZE)
+    state.publish([store([1, 2])])
+    build = state.begin_resync()
+    state.publish([remove([2])])
+    build.close()  # the republisher was cancelled while encoding
+    assert state.mirror_current and {b for _, b, _, _ in state.snapshot_blocks()} == {1}
+    with pytest.raises(RuntimeError, match="closed"):
+        state.finish_resync(build)
+    assert state.publish_resync()[0][0] == 2  # a later resync goes on normally
+
+
+async def test_a_resync_waits_for_an_open_replay_snapshot_then_goes_out(
+    zmq_context: zmq.Context[Any],
+) -> None:
+    big_tokens = 1 << 24  # 5-byte token ids: ~30 bytes per block, so 300k blocks outgrow every buffer
+    with trio.fail_after(60):
+        async with running(zmq_context, replay_sndhwm=2, answer_deadline=0.5, topic="") as republisher:
+            for chunk in range(300):
+                hashes = tuple(range(chunk * 1000, (chunk + 1) * 1000))
+                stored = Stored(None, hashes, hashes, token_bytes=tokens(1000, big_tokens))
+                republisher.publish([event(stored)])
+            expected = {block for _, block, _, _ in republisher.state.snapshot_blocks()}
+            endpoint = republisher.replay_endpoint or ""
+            with socket(zmq_context, zmq.DEALER, endpoint, RCVHWM=1, RCVBUF=65536) as stalled:
+                await stalled.send_multipart([b"", b"snapshot"])
+                await stalled.recv_multipart()  # the snapshot is streaming and holds the mirror...
+                republisher.publish([remove([1000])])  # ...which cannot take this batch yet
+                expected.discard(1000)
+                with socket(zmq_context, zmq.SUB, republisher.endpoint) as late:
+                    await republisher.wait_for_subscriber()
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert republisher.statistics().resyncs == 0  # the resync waits for the mirror...
+                    resident: set[int] = set()
+                    await follow_until(late, resident, expected)  # ...which the abandoned snapshot frees
+            statistics = republisher.statistics()
+            assert (statistics.resyncs, statistics.answers_abandoned) == (1, 1)
+
+
+async def test_a_slot_reopened_on_its_state_file_resyncs_a_consumer_that_rejoins_late(tmp_path: Path) -> None:
+    """The slot is stopped and opened again on the same state file while its engine restarts; the restarted
+    slot publishes its reset and the new engine's blocks before a consumer without replay (a SUB alone) is
+    back. That consumer must end with the restarted slot's Worker blocks, not the dead engine's."""
+    context: zmq.Context[Any] = zmq.Context()
+    engine = FakeVllmEngine(replay_endpoint="tcp://127.0.0.1:0", block_size=16, context=context)
+    config = SlotAgentConfig(
+        name="s0",
+        cache_owner_id=OWNER,
+        kv_block_size=16,
+        republish=RepublishConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"),
+        state_path=tmp_path / "slots" / "s0.sqlite3",
+    )
+
+    async def attach(agent: SlotAgent) -> None:
+        async with trio.open_nursery() as attaching:
+            attaching.start_soon(engine.wait_for_subscriber)
+            await agent.attach(
+                AttachmentConfig(
+                    worker_id=17,
+                    dp_rank=0,
+                    endpoint=engine.endpoint,
+                    topic="kv-events",
+                    replay_endpoint=engine.replay_endpoint,
+                )
+            )
+
+    async def chain(agent: SlotAgent, first: int, count: int) -> None:
+        for block in range(first, first + count):
+            parent = block - 1 if block > first else None
+            await engine.publish_batch([block_stored([block], parent, [block % 1000] * 16, 16)])
+        await wait_for_event(agent, is_store_of(first + count - 1))
+
+    consumer = VllmStyleConsumer(context, "", None)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
+                    assert agent.republisher is not None
+                    consumer.endpoint = agent.republisher.endpoint
+                    away = trio.CancelScope()
+                    await nursery.start(_consume, consumer, away)
+                    await agent.republisher.wait_for_subscriber()
+                    await attach(agent)
+                    await chain(agent, 1, 30)
+                    await consumer.wait_for_hashes(set(range(1, 31)))
+                    away.cancel()  # the consumer's SUB is away until the restarted slot has published
+                engine.kill()
+                await engine.revive(restart=True)  # meanwhile a new engine, with an empty cache
+                async with open_slot_agent(config, discovery=MemoryDiscovery(), zmq_context=context) as agent:
+                    republisher = agent.republisher
+                    assert republisher is not None and republisher.last_seq is not None  # restored
+                    await attach(agent)
+                    await chain(agent, 500, 10)
+                    expected = {block for _, block, _, _ in republisher.state.snapshot_blocks()}
+                    assert expected == set(range(500, 510))
+                    consumer.endpoint = republisher.endpoint
+                    await nursery.start(_consume, consumer, trio.CancelScope())  # the same consumer, back
+                    with trio.fail_after(5):
+                        await consumer.wait_for_hashes(expected)
+                    assert consumer.gaps_unrepaired >= 1  # it missed the restart's batches
+                nursery.cancel_scope.cancel()
+    finally:
+        context.destroy(linger=0)
+
+
+async def _consume(
+    consumer: VllmStyleConsumer,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await consumer.run(task_status=task_status)

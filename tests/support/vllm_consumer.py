@@ -5,7 +5,9 @@ known bugs fixed (vllm-wire.md §14): it tracks ``last_seq`` on the live path, r
 ``[b"", start_seq]``, parses the 4-frame (or 3-frame legacy) replies and ends on the ``ff×8`` seq.  It knows
 nothing of kvagent: a late join (and its own restart) asks replay from seq 0, a gap asks from ``last + 1``,
 every replayed frame with ``seq >= start`` is applied (so a snapshot answer, whose frames all carry one seq,
-is applied whole), and ``AllBlocksCleared`` empties its view.
+is applied whole), and ``AllBlocksCleared`` empties its view. Without a replay endpoint it is a SUB alone and
+applies whatever follows a gap (as Dynamo's indexer does without one). Its view outlives :meth:`run`: running
+it again is the same consumer rejoining with a new SUB.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class VllmStyleConsumer:
         self,
         context: zmq.Context[Any],
         endpoint: str,
-        replay_endpoint: str,
+        replay_endpoint: str | None,
         *,
         topic: bytes = b"",
         legacy_replay: bool = False,
@@ -49,6 +51,7 @@ class VllmStyleConsumer:
         self.replays: list[int] = []  # the start of every replay asked
         self.snapshot_answers = 0  # answers not starting at the seq asked (a snapshot)
         self.stores_without_tokens = 0
+        self.gaps_unrepaired = 0  # gaps seen without a replay endpoint (what followed was applied as is)
         self.token_counts_ok = True
         self._progress = trio.Event()
         self.joined = trio.Event()  # set once the first replay (the late join) has been applied
@@ -125,6 +128,9 @@ class VllmStyleConsumer:
 
     # --- the task ---------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.replay_endpoint is None:
+            await self._run_without_replay(task_status)
+            return
         sub = self.context.socket(zmq.SUB)
         dealer = self.context.socket(zmq.DEALER)
         for sock in (sub, dealer):
@@ -149,5 +155,25 @@ class VllmStyleConsumer:
                     await self.replay(replies, last + 1)  # a gap: ask for what is missing
                     if self.last_seq is not None and seq <= self.last_seq:
                         continue
+                self.apply(payload)
+                self._advance(seq)
+
+    async def _run_without_replay(self, task_status: trio.TaskStatus[None]) -> None:
+        sub = self.context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        with TrioSocket(sub) as live:
+            task_status.started()
+            self.joined.set()
+            while True:
+                topic, seq_frame, payload = await live.recv_multipart()
+                assert topic.startswith(self.topic)
+                seq = int.from_bytes(seq_frame, "big")
+                if self.last_seq is not None and seq <= self.last_seq:
+                    continue  # stale, as Dynamo's watermark drops it
+                if self.last_seq is not None and seq > self.last_seq + 1:
+                    self.gaps_unrepaired += 1
                 self.apply(payload)
                 self._advance(seq)
