@@ -61,6 +61,7 @@ from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, Pers
 from kvagent.persist.writer import PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.sinks import EventSink
+from kvagent.publish.stream_writer import StreamWriterStatistics
 from kvagent.vllm.listener import ListenerCounters, ListenerStatistics, run_listener
 
 __all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent"]
@@ -88,6 +89,7 @@ class SlotStatistics:
     apply_latency: LatencySnapshot | None = None
     # Whether the attached engine's PUB and the slot's SUB are connected (None: no attachment).
     engine_connected: bool | None = None
+    stream: StreamWriterStatistics | None = None  # the Redis/Valkey stream writer's (None: no stream)
 
 
 @attrs.define
@@ -117,6 +119,7 @@ class SlotAgent:
         self._coordinator = parts.coordinator
         self.republisher = parts.republisher
         self.durable = parts.durable
+        self._stream_writer = parts.stream_writer
         self._core = parts.core
         self._discovery = discovery
         self._holder = parts.holder
@@ -191,6 +194,7 @@ class SlotAgent:
             else self.durable.writer.statistics(),
             apply_latency=self._core.apply_latency.snapshot(),
             engine_connected=self._engine_connected(),
+            stream=None if self._stream_writer is None else self._stream_writer.statistics(),
         )
 
     def _engine_connected(self) -> bool | None:
@@ -486,6 +490,8 @@ async def _slot_nurseries(
                 await supervisor_nursery.start(_logged_task, supervisor, parts.config.name, supervisor_done)
                 if parts.republisher is not None:  # outlives the coordinator, which publishes into it
                     await supervisor_nursery.start(_logged_task, parts.republisher.run, parts.config.name)
+                if parts.stream_writer is not None:  # outlives the coordinator, which wakes it
+                    await supervisor_nursery.start(_logged_task, parts.stream_writer.run, parts.config.name)
                 async with (
                     run_durably(
                         parts.durable,

@@ -21,6 +21,7 @@ from cattrs.v import format_exception, transform_error
 
 from kvagent.cli.etcd_settings import EtcdSettings, etcd_open_options, etcd_problems
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
+from kvagent.cli.stream_settings import StreamSettings, stream_problems
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
@@ -163,6 +164,7 @@ class ServeConfig:
     model: str | None = None  # the default of every slot's ``model``
     silence_warning: float = 60.0  # seconds an attached engine may publish nothing before a WARNING
     etcd: EtcdSettings = EtcdSettings()
+    stream: StreamSettings | None = None  # [stream]: every slot's events in Redis/Valkey (docs/fleet.md)
 
     @property
     def http_listen(self) -> str | None:
@@ -457,6 +459,7 @@ def validate_serve_config(config: ServeConfig) -> None:
     if config.model is not None and not config.model:
         errors.append("model: must not be empty")
     errors.extend(etcd_problems(config.etcd, config.discovery))
+    errors.extend([] if config.stream is None else stream_problems(config.stream))
     if not config.state_dir:
         errors.append(f"state_dir: must be a directory or {STATE_DIR_NONE!r}, got an empty string")
     if config.log_format not in ("text", "json"):

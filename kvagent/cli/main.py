@@ -14,6 +14,8 @@ from kvagent.cli.config import ServeConfig, load_config_file, structure_serve_co
 from kvagent.cli.errors import OneLineArgumentParser, explain, one_line
 from kvagent.cli.logs import Console
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
+from kvagent.cli.stream_follow import add_stream_follow_parser
+from kvagent.cli.stream_settings import add_stream_arguments, apply_stream_args
 from kvagent.cli.top import add_top_parser
 from kvagent.model.errors import ConfigError
 from kvagent.model.ids import resolve_stable_dp_slot_id
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0.02; 0: wake for every batch; a batch after a quiet spell is read at once)",
     )
     _add_etcd_arguments(serve)
+    add_stream_arguments(serve)
     serve.add_argument(
         "--simulate",
         action="store_true",
@@ -260,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_top_parser(sub)
+    add_stream_follow_parser(sub)
 
     slot_id = sub.add_parser("slot-id", help="print the stable DP slot id derived from a slot name")
     slot_id.add_argument("name")
@@ -418,6 +422,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         ]
     _apply_top_level(data, args)
     _apply_republish(data, _republish_from_args(args))
+    apply_stream_args(data, args)
     if not data.get("slots"):
         raise ConfigError("at least one --slot (or a [[slots]] table in --config) is required")
     return structure_serve_config(data)
@@ -449,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "slot-id":
             print(resolve_stable_dp_slot_id(args.name))
             return 0
+        if args.command == "stream-follow":
+            from kvagent.cli.stream_follow import run_stream_follow
+
+            return trio.run(run_stream_follow, args)
         if args.command == "top":
             from kvagent.cli.top import run_top
 

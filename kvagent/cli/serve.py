@@ -34,6 +34,7 @@ from kvagent.cli.config import (
 from kvagent.cli.control_token import ControlToken, load_or_create_token, token_path
 from kvagent.cli.errors import CliError, blame, blaming, find_cause, system_error
 from kvagent.cli.logs import Console, configure_logging
+from kvagent.cli.stream_settings import stream_config
 from kvagent.discovery import Discovery, file_discovery_directory, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.errors import DiscoveryError
@@ -79,6 +80,7 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         republish=None if slot.republish is None else slot.republish.to_config(),
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
         silence_warning=serve.silence_warning,
+        stream=None if serve.stream is None else stream_config(serve.stream),
     )
 
 
