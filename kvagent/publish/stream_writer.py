@@ -214,6 +214,11 @@ class StreamWriter:
         ):
             await self._progress.wait()
 
+    async def wait_until(self, predicate: Callable[[StreamWriterStatistics], bool]) -> None:
+        """Return once ``predicate(self.statistics())`` holds (checked at each write round and failure)."""
+        while not predicate(self.statistics()):
+            await self._progress.wait()
+
     # --- the task -----------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Write until cancelled; Redis failures are retried with backoff, never raised."""
