@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import trio
 
 from kvagent._util.redis_target import StreamTarget
+from kvagent.cli.logs import configure_logging
 from kvagent.model.errors import ConfigError
 from kvagent.recovery.stream_reader import SlotReplica, StreamFollower
 from kvagent.wire.router_event import router_event_to_json
@@ -74,6 +76,7 @@ def _print(value: object) -> None:
 async def run_stream_follow(args: argparse.Namespace) -> int:
     if (args.group is None) != (args.consumer is None):
         raise ConfigError("--group and --consumer go together")
+    configure_logging("text", logging.WARNING)  # stderr: stdout carries only the JSON lines
     target = StreamTarget(args.url, password=_password(args.password_file), username=args.username)
     follower = StreamFollower(
         target, prefix=args.prefix, slots=args.slot, group=args.group, consumer=args.consumer

@@ -106,9 +106,12 @@ class SlotReplica:
             if entry.first > self.cursor + 1:
                 self.gaps += 1
                 return False
+            index = self.index
             for event in entry.events:
                 if event.event_id > self.cursor:
-                    self.index.apply(event)
+                    if event.event_id > index.current_event_id() + 1:
+                        index.skip_to(event.event_id - 1)  # ids the agent skipped (a restart's lease)
+                    index.apply(event)
                     self.events += 1
             if entry.last > self.index.current_event_id():
                 self.index.skip_to(entry.last)  # ids the agent skipped carry no event
