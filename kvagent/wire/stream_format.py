@@ -30,6 +30,7 @@ import json
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import compress
 from typing import Protocol
 
 import attrs
@@ -314,11 +315,37 @@ def _le_array(data: bytes, rows: int, field: str) -> array[int]:
     return column
 
 
+_LIVE = bytes(0 if flag == _DEAD else 1 for flag in range(256))  # flags -> 1 for a live row, 0 for padding
+
+
+def _compacted(columns: SnapshotColumns) -> tuple[bytes, bytes, bytes, bytes, list[list[object]]]:
+    """The live rows' columns (little-endian u64s, flags) and multimodal infos, padding rows dropped."""
+    flags = bytes(columns.flags)
+    mask = flags.translate(_LIVE)
+    mm = sorted(columns.mm.items())
+    infos: list[list[object]] = []
+    if mask.count(0) == 0:
+        hashes, parents, tokens = columns.hashes, columns.parents, columns.tokens
+        infos.extend([row, mm_extra_info_to_wire(info)] for row, info in mm)
+    else:
+        hashes = array("Q", compress(columns.hashes, mask))
+        parents = array("Q", compress(columns.parents, mask))
+        tokens = array("Q", compress(columns.tokens, mask))
+        flags = bytes(compress(flags, mask))
+        live_before, scanned = 0, 0
+        for row, info in mm:
+            live_before += mask.count(1, scanned, row)
+            scanned = row
+            if mask[row]:
+                infos.append([live_before, mm_extra_info_to_wire(info)])
+    return _le_bytes(hashes), _le_bytes(parents), _le_bytes(tokens), flags, infos
+
+
 def encode_snapshot(snapshot: SnapshotLike, status: AgentStatus) -> bytes:
     """The resident state as columns (25 bytes a block, plus multimodal info) with its cursor and status."""
     groups = []
     for group in snapshot.groups:
-        columns = group.columns
+        hashes, parents, tokens, flags, infos = _compacted(group.columns)
         groups.append(
             {
                 "worker_id": group.worker_id,
@@ -326,12 +353,12 @@ def encode_snapshot(snapshot: SnapshotLike, status: AgentStatus) -> bytes:
                 "residency_domain": group.domain.value,
                 "dp_rank": group.dp_rank,
                 "state_source": None if group.source is None else state_source_to_wire(group.source),
-                "rows": len(columns.flags),
-                "hashes": _le_bytes(columns.hashes),
-                "parents": _le_bytes(columns.parents),
-                "tokens": _le_bytes(columns.tokens),
-                "flags": bytes(columns.flags),
-                "mm": [[row, mm_extra_info_to_wire(info)] for row, info in sorted(columns.mm.items())],
+                "rows": len(flags),
+                "hashes": hashes,
+                "parents": parents,
+                "tokens": tokens,
+                "flags": flags,
+                "mm": infos,
             }
         )
     body = {

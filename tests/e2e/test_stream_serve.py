@@ -50,8 +50,8 @@ async def replica_at(target: StreamTarget, prefix: str, cursor: int) -> StreamFo
 
 def stream_entries(url: str, keys: StreamKeys) -> list[EventsEntry | SnapshotEntry]:
     with redis.Redis.from_url(url) as connection:
-        raw = connection.xrange(keys.events)
-    entries = [decode_entry(i.decode(), f) for i, f in raw]  # type: ignore[union-attr]
+        raw: Any = connection.xrange(keys.events)
+    entries = [decode_entry(i.decode(), f) for i, f in raw]
     return [e for e in entries if isinstance(e, EventsEntry | SnapshotEntry)]
 
 

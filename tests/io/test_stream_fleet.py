@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 import redis
@@ -15,17 +17,24 @@ from tests.support.redis_server import PrivateRedis
 from tests.support.stream_sim import SimulatedSlot, canonical_state, run_writers
 
 
-def _config(url: str, prefix: str, **kwargs: object) -> StreamConfig:
+def _config(url: str, prefix: str, maxlen: int = 10_000, entry_events: int = 256) -> StreamConfig:
+    target = StreamTarget(url)
     return StreamConfig(
-        StreamTarget(url), prefix=prefix, heartbeat_interval=0.2, backoff_initial=0.05, **kwargs
-    )  # type: ignore[arg-type]
+        target,
+        prefix=prefix,
+        heartbeat_interval=0.2,
+        backoff_initial=0.05,
+        maxlen=maxlen,
+        entry_events=entry_events,
+    )
 
 
 def _event_entries(url: str, keys: StreamKeys) -> list[tuple[str, EventsEntry | SnapshotEntry]]:
     client = redis.Redis.from_url(url)
     try:
         found: list[tuple[str, EventsEntry | SnapshotEntry]] = []
-        for raw_id, fields in client.xrange(keys.events):  # type: ignore[union-attr]
+        raw: Any = client.xrange(keys.events)
+        for raw_id, fields in raw:
             entry_id = raw_id.decode()
             entry = decode_entry(entry_id, fields)
             if isinstance(entry, EventsEntry | SnapshotEntry):
@@ -138,7 +147,7 @@ async def test_a_resent_entry_is_refused_by_redis(redis_server: str, redis_prefi
         client.xadd(keys.events, {"k": "ev"}, id="5-0")
         with pytest.raises(redis.ResponseError, match="equal or smaller"):
             client.xadd(keys.events, {"k": "ev"}, id="5-0")
-        assert cursor_of_id(client.xadd(keys.events, {"k": "hb"}, id="5-*")) == 5  # type: ignore[arg-type]
+        assert cursor_of_id(client.xadd(keys.events, {"k": "hb"}, id="5-*")) == 5
     finally:
         client.close()
 

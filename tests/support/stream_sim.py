@@ -143,7 +143,7 @@ class SimulatedSlot:
                 block = self._hash()
                 self.owner_blocks.append(block)
                 events.append(self._event(Stored(None, (block,), (self._hash(),)), owner=True))
-            elif roll < 0.995 and self.owner_blocks:
+            elif roll < 0.999 and self.owner_blocks:
                 events.append(self._event(Removed((self.owner_blocks.pop(),)), owner=True))
             else:
                 self.chains.clear()
