@@ -210,3 +210,33 @@ def test_stream_config_refuses_password_in_url() -> None:
     with pytest.raises(ConfigError, match="redis://"):
         StreamTarget("http://127.0.0.1:6379")
     assert "secret" not in repr(attrs.evolve(StreamTarget("rediss://h:1/2"), password="secret"))
+
+
+@pytest.mark.parametrize(
+    "events",
+    [50_000, pytest.param(1_000_000, marks=[pytest.mark.slow, pytest.mark.timeout(900)])],
+)
+async def test_reader_started_cold_after_many_events(
+    redis_server: str, redis_prefix: str, events: int
+) -> None:
+    """The default stream settings: a cold reader reads one snapshot and at most about ``maxlen`` entries."""
+    config = StreamConfig(StreamTarget(redis_server), prefix=redis_prefix)
+    slot = SimulatedSlot.create(11, config, ring=1 << 14)
+    with trio.fail_after(850):
+        async with trio.open_nursery() as nursery:
+            await run_writers([slot], nursery)
+            for _ in range(events // 10_000):
+                slot.step(10_000)
+                await slot.flushed()  # the writer keeps up from the ring: no reset after the first
+            writer = slot.writer
+            assert writer is not None and writer.statistics().resets == 1
+            with redis.Redis.from_url(redis_server) as client:
+                length = client.xlen(writer.keys.events)
+            follower = StreamFollower(StreamTarget(redis_server), prefix=redis_prefix)
+            await follower.catch_up()
+            await follower.aclose()
+            replica = follower.replicas[slot.name]
+            assert replica.cursor == events
+            assert replica.snapshots_loaded == 1 and replica.entries <= length <= config.maxlen * 1.2 + 100
+            assert canonical_state(replica.index) == canonical_state(slot.index)
+            nursery.cancel_scope.cancel()
