@@ -107,7 +107,15 @@ class SlotReplica:
                 self.gaps += 1
                 return False
             index = self.index
-            for event in entry.events:
+            events = entry.events
+            if events and events[0].event_id == index.current_event_id() + 1 == self.cursor + 1:
+                failures = index.apply_run(events)  # the batch path: one check per entry, not per event
+                if failures is not None:
+                    if failures:
+                        raise IndexApplyError(f"stream entry {entry_id}: {failures[0][1]}")
+                    events = ()
+                    self.events += len(entry.events)
+            for event in events:
                 if event.event_id > self.cursor:
                     if event.event_id > index.current_event_id() + 1:
                         index.skip_to(event.event_id - 1)  # ids the agent skipped (a restart's lease)
