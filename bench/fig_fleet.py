@@ -162,8 +162,8 @@ def _measure(
     streamed = _fleet(url, prefix, slots, processes, per_slot)
 
     def rate(runs: list[dict[str, Any]]) -> float:
-        wall = max(r["finished"] for r in runs) - min(r["started"] for r in runs)
-        return sum(r["events"] for r in runs) / wall
+        wall = float(max(r["finished"] for r in runs) - min(r["started"] for r in runs))
+        return float(sum(r["events"] for r in runs)) / wall
 
     events = sum(r["events"] for r in streamed)
     blocks = {name: count for r in streamed for name, count in r["blocks"].items()}
