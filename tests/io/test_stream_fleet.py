@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -42,6 +43,10 @@ def _event_entries(url: str, keys: StreamKeys) -> list[tuple[str, EventsEntry | 
         return found
     finally:
         client.close()
+
+
+def _at(name: str, cursor: int) -> Callable[[StreamFollower], bool]:
+    return lambda follower: name in follower.replicas and follower.replicas[name].cursor == cursor
 
 
 async def _failed(writer: StreamWriter) -> None:
@@ -239,4 +244,41 @@ async def test_reader_started_cold_after_many_events(
             assert replica.cursor == events
             assert replica.snapshots_loaded == 1 and replica.entries <= length <= config.maxlen * 1.2 + 100
             assert canonical_state(replica.index) == canonical_state(slot.index)
+            nursery.cancel_scope.cancel()
+
+
+async def test_consumer_group_members_split_the_slots(redis_server: str, redis_prefix: str) -> None:
+    config = _config(redis_server, redis_prefix)
+    slots = [SimulatedSlot.create(n, config) for n in (20, 21)]
+    target = StreamTarget(redis_server)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await run_writers(slots, nursery)
+            members = [
+                StreamFollower(
+                    target,
+                    prefix=redis_prefix,
+                    slots=[slot.name],
+                    block_ms=100,
+                    group="routers",
+                    consumer=f"r{i}",
+                )
+                for i, slot in enumerate(slots)
+            ]
+            for member in members:
+                await nursery.start(member.run)
+            for slot in slots:
+                slot.set_ready(1, ready=True)
+                slot.step(700)
+            for member, slot in zip(members, slots, strict=True):
+                await member.wait_until(_at(slot.name, 700))
+                assert canonical_state(member.replicas[slot.name].index) == canonical_state(slot.index)
+                assert list(member.replicas) == [slot.name]
+            with redis.Redis.from_url(redis_server) as client:
+                for slot in slots:
+                    assert slot.writer is not None
+                    info: Any = client.xinfo_groups(slot.writer.keys.events)
+                    assert [g["name"] for g in info] == [b"routers"]
+                    assert info[0]["pending"] == 0  # every delivered entry was acknowledged once applied
+                    assert cursor_of_id(info[0]["last-delivered-id"]) == 700  # delivered through the group
             nursery.cancel_scope.cancel()
