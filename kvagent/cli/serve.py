@@ -222,12 +222,15 @@ async def _status_lines(console: Console, host: Host, interval: float) -> None:
             faults = sum(coordinator.quarantines.values())
             blocks = agent.index.resident_block_count
             republish = "" if status.republish is None else f" republish seq {status.republish.seq}"
+            writer = agent.statistics().stream  # the Redis stream's lag (docs/fleet.md); DOWN while failing
+            down = "" if writer is None or writer.connected else " DOWN"
+            stream = "" if writer is None else f" stream lag {writer.lag_events}{down}"
             console.line(
                 "slot_status",
                 f"[{agent.name}] {state} cursor {status.outbound_cursor} ({rate:.0f} ev/s) "
                 f"blocks {blocks} dropped {coordinator.dropped_events} "
                 f"quarantines {faults} cache_owner {'ready' if status.cache_owner_ready else 'UNREADY'}"
-                f"{republish}",
+                f"{republish}{stream}",
                 slot=agent.name,
                 generation=None if attachment is None else attachment.generation,
                 state="detached" if attachment is None else attachment.state,
@@ -239,6 +242,7 @@ async def _status_lines(console: Console, host: Host, interval: float) -> None:
                 quarantines=faults,
                 cache_owner_ready=status.cache_owner_ready,
                 republish_seq=None if status.republish is None else status.republish.seq,
+                stream_lag=None if writer is None else writer.lag_events,
             )
 
 
