@@ -53,6 +53,7 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 # Entries sent in one pipeline: enough to catch up fast, few enough that status and heartbeats interleave.
 ROUND_ENTRIES = 64
+RETIRED_STREAM_TTL = 3600  # seconds a slot's previous stream (an older publisher id) is kept for readers
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -246,7 +247,10 @@ class StreamWriter:
         finally:
             if self._connected:  # the last events and the shutdown status, if Redis answers promptly
                 with trio.move_on_after(1, shield=True):
-                    await self._write_round()
+                    try:
+                        await self._write_round()
+                    except (redis.RedisError, OSError) as exc:
+                        log.warning("stream_final_write_failed", stream=self.keys.events, error=str(exc))
             client, self._client = self._client, None
             if client is not None:
                 with trio.move_on_after(1, shield=True):
@@ -268,13 +272,20 @@ class StreamWriter:
         prefix, slot = self.config.prefix, self._head.slot
 
         def establish(client: redis.Redis) -> tuple[list[Any], bool]:
+            previous: Any = client.hget(keys.head, "publisher_id")
             pipe = client.pipeline(transaction=False)
+            if previous is not None and previous.isdigit() and int(previous) != keys.publisher_id:
+                # The slot restarted under a new publisher id: readers move to the new stream (the head
+                # says so); the old one stays readable for a while, then Redis frees it.
+                retired = StreamKeys(keys.prefix, keys.slot, int(previous))
+                pipe.expire(retired.events, RETIRED_STREAM_TTL)
+                pipe.expire(retired.snapshot, RETIRED_STREAM_TTL)
             pipe.hset(keys.head, mapping=head)  # type: ignore[arg-type]
             pipe.sadd(slots_key(prefix), slot)
             pipe.xrevrange(keys.events, count=1)
             pipe.exists(keys.snapshot)
             result = pipe.execute()
-            return result[2], bool(result[3])
+            return result[-2], bool(result[-1])
 
         top, has_snapshot = await self._call(establish)
         self._written = cursor_of_id(top[0][0]) if top else 0

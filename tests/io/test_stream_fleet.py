@@ -282,3 +282,37 @@ async def test_consumer_group_members_split_the_slots(redis_server: str, redis_p
                     assert info[0]["pending"] == 0  # every delivered entry was acknowledged once applied
                     assert cursor_of_id(info[0]["last-delivered-id"]) == 700  # delivered through the group
             nursery.cancel_scope.cancel()
+
+
+async def test_a_slot_restarted_under_a_new_publisher_moves_its_readers(
+    redis_server: str, redis_prefix: str
+) -> None:
+    config = _config(redis_server, redis_prefix)
+    first = SimulatedSlot.create(30, config, publisher_id=7001)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            follower = StreamFollower(StreamTarget(redis_server), prefix=redis_prefix, block_ms=100)
+            async with trio.open_nursery() as old_life:
+                await run_writers([first], old_life)
+                first.step(300)
+                await first.flushed()
+                await nursery.start(follower.run)
+                assert follower.replicas[first.name].head.publisher_id == 7001
+                old_life.cancel_scope.cancel()
+            # The agent restarted without its state: a new publisher id, cursors from 1 again.
+            second = SimulatedSlot.create(30, config, publisher_id=7002)
+            second.rng.seed(99)
+            await run_writers([second], nursery)
+            second.step(120)
+            await second.flushed()
+            await follower.wait_until(
+                lambda f: (
+                    f.replicas[second.name].head.publisher_id == 7002
+                    and f.replicas[second.name].cursor == 120
+                )
+            )
+            assert canonical_state(follower.replicas[second.name].index) == canonical_state(second.index)
+            assert first.writer is not None
+            with redis.Redis.from_url(redis_server) as client:
+                assert 0 < client.ttl(first.writer.keys.events) <= 3600  # the old stream is freed later
+            nursery.cancel_scope.cancel()
