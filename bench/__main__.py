@@ -17,6 +17,7 @@ from types import ModuleType
 from bench import (
     fig_cpu,
     fig_dump,
+    fig_fleet,
     fig_http_dump,
     fig_ingest,
     fig_memory,
@@ -31,7 +32,7 @@ FIGURES: dict[str, ModuleType] = {
     module.NAME: module
     for module in (
         fig_ingest, fig_peer, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving, fig_http_dump,
-        fig_persistence,
+        fig_persistence, fig_fleet,
     )
 }
 

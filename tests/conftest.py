@@ -20,7 +20,7 @@ from kvagent.testing import RecordingSink
 from tests.support import ids
 from tests.support.agent import XpubEngine
 
-pytest_plugins = ["tests.support.etcd_server"]
+pytest_plugins = ["tests.support.etcd_server", "tests.support.redis_server"]
 
 
 @pytest.fixture(autouse=True)

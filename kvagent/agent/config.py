@@ -15,6 +15,7 @@ from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol, WorkerWithDp
 from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import Attachment, AttachmentSource
 from kvagent.publish.republisher import RepublishConfig
+from kvagent.publish.stream_writer import StreamConfig
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = ["AttachmentConfig", "SlotAgentConfig"]
@@ -78,6 +79,8 @@ class SlotAgentConfig:
     state_path: Path | None = None
     # Seconds an attached engine may publish nothing before the slot logs one WARNING (docs/metrics.md).
     silence_warning: float = 60.0
+    # The slot's Redis/Valkey event stream (docs/fleet.md); None: no stream.
+    stream: StreamConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.name:

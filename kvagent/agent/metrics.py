@@ -25,6 +25,7 @@ from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
 from kvagent.persist.writer import PersistenceState, PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
+from kvagent.publish.stream_writer import StreamWriterStatistics
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
@@ -380,6 +381,29 @@ def _persistence_families(views: list[_SlotView]) -> Iterator[Metric]:
         yield family
 
 
+# Per-slot families of the Redis/Valkey stream writer (slots with ``--stream``): name after ``kvagent_stream_``.
+_STREAM: tuple[tuple[str, str, bool, Callable[[StreamWriterStatistics], int]], ...] = (
+    ("connected", "1 while the last call to Redis succeeded", False, lambda s: int(s.connected)),
+    ("lag_events", "Outbound ids not yet in the stream", False, lambda s: s.lag_events),
+    ("written_cursor", "Every event up to this cursor is in the stream", False, lambda s: s.written_cursor),
+    ("entries", "Event entries appended", True, lambda s: s.entries),
+    ("snapshots", "Snapshots written (refreshes and resets)", True, lambda s: s.snapshots),
+    ("resets", "Snapshots written because the ring no longer covered the gap", True, lambda s: s.resets),
+    ("failures", "Redis calls that failed (each retried with back-off)", True, lambda s: s.failures),
+)
+
+
+def _stream_families(views: list[_SlotView]) -> Iterator[Metric]:
+    streaming = [(view.name, view.statistics.stream) for view in views if view.statistics.stream]
+    for name, doc, counter, read in _STREAM:
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        family = kind(f"kvagent_stream_{name}", doc, labels=["slot"])
+        for slot, statistics in streaming:
+            if statistics is not None:
+                family.add_metric([slot], read(statistics))
+        yield family
+
+
 def _republish_families(views: list[_SlotView]) -> Iterator[Metric]:
     republishing = [(view.name, view.statistics.republish) for view in views if view.statistics.republish]
     for name, doc, counter, read in _REPUBLISH:
@@ -519,6 +543,7 @@ class SlotMetricsCollector(Collector):
         yield from _slot_families(views)
         yield from _republish_families(views)
         yield from _persistence_families(views)
+        yield from _stream_families(views)
         if self._sources.server is not None:
             yield from _server_families(self._sources.server())
         if self._sources.event_plane is not None:

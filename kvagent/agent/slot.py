@@ -56,6 +56,7 @@ from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, Pers
 from kvagent.persist.writer import PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.sinks import EventSink
+from kvagent.publish.stream_writer import StreamWriterStatistics
 from kvagent.vllm.listener import ListenerStatistics
 
 __all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent", "slot_rungs"]
@@ -82,6 +83,7 @@ class SlotStatistics:
     # Whether the attached engine's PUB and the slot's SUB are connected (None: no attachment).
     engine_connected: bool | None = None
     lifecycle: LifecycleStatistics | None = None  # the slot task's (None: not measured, e.g. a test double)
+    stream: StreamWriterStatistics | None = None  # the Redis/Valkey stream writer's (None: no stream)
 
 
 class SlotAgent:
@@ -99,6 +101,7 @@ class SlotAgent:
         self._coordinator = parts.coordinator
         self.republisher = parts.republisher
         self.durable = parts.durable
+        self._stream_writer = parts.stream_writer
         self._core = parts.core
         self._holder = parts.holder
         self._lifecycle = SlotLifecycle(
@@ -172,6 +175,7 @@ class SlotAgent:
             apply_latency=self._core.apply_latency.snapshot(),
             engine_connected=self._engine_connected(),
             lifecycle=self._lifecycle.statistics(),
+            stream=None if self._stream_writer is None else self._stream_writer.statistics(),
         )
 
     def _engine_connected(self) -> bool | None:
@@ -248,6 +252,8 @@ def slot_rungs(parts: SlotParts, agent: SlotAgent, discovery: Discovery) -> list
     ]
     if parts.republisher is not None:
         publishing.append(Child("republisher", parts.republisher.run))
+    if parts.stream_writer is not None:  # outlives the coordinator, which wakes it
+        publishing.append(Child("stream writer", parts.stream_writer.run))
     rungs = [Rung("publishing", publishing)]
     if parts.durable is not None:
         persistence = partial(

@@ -32,6 +32,7 @@ from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus
 from kvagent.publish.republisher import VllmRepublisher
 from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
+from kvagent.publish.stream_writer import StreamWriter
 
 __all__ = ["SlotParts", "TimedSlotCoordinator", "build_slot", "open_republisher"]
 
@@ -96,6 +97,7 @@ class SlotParts:
     republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
     core: TimedSlotCoordinator
     durable: DurableSlot | None  # the slot's state file (None: in memory only)
+    stream_writer: StreamWriter | None = None  # a sink and a task: reads the index's ring by cursor
 
 
 def build_slot(
@@ -124,7 +126,8 @@ def build_slot(
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             log.warning("withdrawal_request_dropped", generation=generation, reason="supervisor is gone")
 
-    sinks = [each for each in (sink, republisher) if each is not None]
+    stream_writer = open_stream_writer(config, identity, index, status_cell)
+    sinks = [each for each in (sink, republisher, stream_writer) if each is not None]
     outbound: EventSink = FanoutSink(*sinks) if len(sinks) > 1 else sinks[0] if sinks else NullSink()
     core = TimedSlotCoordinator(
         identity=identity,
@@ -163,6 +166,7 @@ def build_slot(
         republisher=republisher,
         core=core,
         durable=durable,
+        stream_writer=stream_writer,
     )
 
 
@@ -183,3 +187,20 @@ def open_republisher(config: SlotAgentConfig, context: zmq.Context[Any]) -> Vllm
         replay_endpoint=republisher.replay_endpoint,
     )
     return republisher
+
+
+def open_stream_writer(
+    config: SlotAgentConfig, identity: KvStateAgentIdentity, index: RecoveryIndex, status_cell: StatusCell
+) -> StreamWriter | None:
+    """The slot's Redis/Valkey stream writer (docs/fleet.md): it reads the index's ring and the status cell."""
+    if config.stream is None:
+        return None
+    return StreamWriter(
+        config.stream,
+        slot=config.name,
+        publisher_id=identity.publisher_id,
+        cache_owner_id=str(identity.cache_owner_id),
+        kv_block_size=config.kv_block_size,
+        ring=index,
+        status=status_cell,
+    )

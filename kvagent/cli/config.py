@@ -31,6 +31,7 @@ from kvagent.cli.options import (
     parse_byte_size,
 )
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
+from kvagent.cli.stream_settings import StreamSettings, stream_problems
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
@@ -561,6 +562,7 @@ class ServeConfig:
         check=_positive,
     )
     etcd: EtcdSettings = EtcdSettings()
+    stream: StreamSettings | None = None  # [stream]: every slot's events in Redis/Valkey (docs/fleet.md)
 
     @property
     def http_listen(self) -> str | None:
@@ -587,6 +589,7 @@ SERVE_OPTIONS: list[tuple[Scope, attrs.Attribute[Any], Option]] = [
     *declared_options(EngineConfig, Scope.ENGINE),
     *declared_options(RepublishSettings, Scope.REPUBLISH),
     *declared_options(EtcdSettings, Scope.ETCD),
+    *declared_options(StreamSettings, Scope.STREAM),
 ]
 
 
@@ -777,6 +780,7 @@ def validate_serve_config(config: ServeConfig) -> None:
     if config.http is not None and config.metrics is not None and config.http != config.metrics:
         errors.append("metrics: is the older name of http; set only http")
     errors.extend(etcd_problems(config.etcd, config.discovery))
+    errors.extend([] if config.stream is None else stream_problems(config.stream))
     if errors:
         _raise(tuple(errors))
 

@@ -15,6 +15,7 @@ from kvagent.cli.errors import OneLineArgumentParser, explain, one_line
 from kvagent.cli.logs import Console
 from kvagent.cli.options import Option, Scope, add_arguments, given_values
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
+from kvagent.cli.stream_follow import add_stream_follow_parser
 from kvagent.cli.top import add_top_parser
 from kvagent.model.errors import ConfigError
 from kvagent.model.ids import resolve_stable_dp_slot_id
@@ -51,6 +52,7 @@ def _apply_republish(data: dict[str, Any], republish: dict[str, object]) -> None
 _GROUPS = {
     Scope.REPUBLISH: "republish (a vLLM-compatible KV event stream per slot)",
     Scope.ETCD: "etcd discovery (TOML [etcd]; docs/discovery.md)",
+    Scope.STREAM: "event streams in Redis/Valkey (TOML [stream]; docs/fleet.md)",
 }
 
 
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_top_parser(sub)
+    add_stream_follow_parser(sub)
 
     slot_id = sub.add_parser("slot-id", help="print the stable DP slot id derived from a slot name")
     slot_id.add_argument("name")
@@ -247,6 +250,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         ]
     _apply_table(data, given[Scope.TOP], None)
     _apply_table(data, given[Scope.ETCD], "etcd")
+    _apply_table(data, given[Scope.STREAM], "stream")
     _apply_republish(data, {key: value for key, (_, value) in given[Scope.REPUBLISH].items()})
     if not data.get("slots"):
         raise ConfigError("at least one --slot (or a [[slots]] table in --config) is required")
@@ -279,6 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "slot-id":
             print(resolve_stable_dp_slot_id(args.name))
             return 0
+        if args.command == "stream-follow":
+            from kvagent.cli.stream_follow import run_stream_follow
+
+            return trio.run(run_stream_follow, args)
         if args.command == "top":
             from kvagent.cli.top import run_top
 

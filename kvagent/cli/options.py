@@ -1,7 +1,7 @@
 """Each ``kvagent serve`` option declared once: an attrs field whose metadata is an :class:`Option`.
 
 A config field (``ServeConfig``, ``SlotConfig``, ``EngineConfig``, ``RepublishSettings``,
-``EtcdSettings``) declared with :func:`option` carries its help, its command-line flag(s), the parser of the
+``EtcdSettings``, ``StreamSettings``) declared with :func:`option` carries its help, its command-line flag(s), the parser of the
 flag's text, the check of its value and the text of its default in the docs; its TOML key is the field's
 path (``ingest_budget``, ``slots.kv_block_size``, ``etcd.ttl``) and its default the field's default. From
 these declarations:
@@ -51,6 +51,7 @@ class Scope(enum.Enum):
     ENGINE = "slots.engine."  # a key of the engine table of every slot with an engine endpoint
     REPUBLISH = "slots.republish."  # a key of every slot's ``[slots.republish]`` table
     ETCD = "etcd."  # a key of the ``[etcd]`` table
+    STREAM = "stream."  # a key of the ``[stream]`` table (present only when a stream is configured)
 
 
 @attrs.frozen(slots=True)

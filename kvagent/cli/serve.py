@@ -34,6 +34,7 @@ from kvagent.cli.config import (
 from kvagent.cli.control_token import ControlToken, load_or_create_token, token_path
 from kvagent.cli.errors import CliError, blame, blaming, find_cause, system_error
 from kvagent.cli.logs import Console, configure_logging
+from kvagent.cli.stream_settings import stream_config
 from kvagent.discovery import Discovery, file_discovery_directory, open_discovery
 from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.errors import DiscoveryError
@@ -81,6 +82,7 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         republish=None if slot.republish is None else slot.republish.to_config(),
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
         silence_warning=serve.silence_warning,
+        stream=None if serve.stream is None else stream_config(serve.stream),
     )
 
 
@@ -222,12 +224,15 @@ async def _status_lines(console: Console, host: Host, interval: float) -> None:
             faults = sum(coordinator.quarantines.values())
             blocks = agent.index.resident_block_count
             republish = "" if status.republish is None else f" republish seq {status.republish.seq}"
+            writer = agent.statistics().stream  # the Redis stream's lag (docs/fleet.md); DOWN while failing
+            down = "" if writer is None or writer.connected else " DOWN"
+            stream = "" if writer is None else f" stream lag {writer.lag_events}{down}"
             console.line(
                 "slot_status",
                 f"[{agent.name}] {state} cursor {status.outbound_cursor} ({rate:.0f} ev/s) "
                 f"blocks {blocks} dropped {coordinator.dropped_events} "
                 f"quarantines {faults} cache_owner {'ready' if status.cache_owner_ready else 'UNREADY'}"
-                f"{republish}",
+                f"{republish}{stream}",
                 slot=agent.name,
                 generation=None if attachment is None else attachment.generation,
                 state="detached" if attachment is None else attachment.state,
@@ -239,6 +244,7 @@ async def _status_lines(console: Console, host: Host, interval: float) -> None:
                 quarantines=faults,
                 cache_owner_ready=status.cache_owner_ready,
                 republish_seq=None if status.republish is None else status.republish.seq,
+                stream_lag=None if writer is None else writer.lag_events,
             )
 
 

@@ -122,6 +122,6 @@ def test_one_declaration_is_the_argument_the_merge_and_the_check() -> None:
 
 def test_every_top_level_key_is_a_declared_option() -> None:
     declared = {field.name for scope, field, _ in SERVE_OPTIONS if scope is Scope.TOP}
-    tables = {"slots", "etcd"}
+    tables = {"slots", "etcd", "stream"}
     assert {field.name for field in attrs.fields(ServeConfig)} == declared | tables
     structure_serve_config({"slots": [{"name": "a"}]})  # every default passes its own check

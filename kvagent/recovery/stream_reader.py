@@ -1,0 +1,420 @@
+"""Rebuild the resident state of any number of slots from their Redis/Valkey streams, and follow them live.
+
+No connection to any agent: a slot's replica is its stream's snapshot (a tree dump at a cursor) plus the
+event entries after it (docs/fleet.md).  :class:`SlotReplica` is sans-IO: it takes decoded entries and says
+when it needs its snapshot again (a ``snap`` marker beyond its cursor, or entries that start after it: the
+stream was trimmed under a slow reader, or lost with a restarted Redis).  :class:`StreamFollower` is its Trio
+shell: it owns one redis-py sync client, used from one worker thread at a time, and reads every followed
+stream with one blocking ``XREAD`` (or ``XREADGROUP``, for routers that share the entries of a group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import attrs
+import redis
+import structlog
+import trio
+
+from kvagent._util.redis_target import StreamTarget
+from kvagent.index.recovery_index import RecoveryIndex
+from kvagent.model.errors import CodecError, IndexApplyError
+from kvagent.model.status import AgentStatus
+from kvagent.wire.stream_format import (
+    EventsEntry,
+    HeartbeatEntry,
+    SlotHead,
+    SnapshotEntry,
+    StatusEntry,
+    StreamEntry,
+    StreamKeys,
+    StreamSnapshot,
+    decode_entry,
+    decode_head,
+    decode_snapshot,
+    head_key,
+    slots_key,
+)
+
+__all__ = ["FollowerStatistics", "SlotReplica", "StreamFollower"]
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+PAGE_ENTRIES = 64  # entries per XRANGE/XREAD page, per stream (an entry holds up to 256 events)
+MAX_RELOADS = 8  # snapshot reloads in a row before a slot waits for the next round
+
+
+class SlotReplica:
+    """One slot's state rebuilt from its stream: an index, the slot's status, and how far it has read.
+
+    ``ready`` is the slot's attachment readiness as the stream last said (False: not ready, or no status
+    seen yet), told apart from ``index.resident_block_count == 0`` (empty).
+    """
+
+    def __init__(self, head: SlotHead, prefix: str) -> None:
+        self.head = head
+        self.keys = StreamKeys(prefix, head.slot, head.publisher_id)
+        self.index = RecoveryIndex(head.kv_block_size, ring_capacity=1)
+        self.status: AgentStatus | None = None
+        self.cursor = 0
+        self.position = "0-0"  # the stream id read through (exclusive start of the next read)
+        self.loaded = False  # a snapshot (or an empty new stream) is the base of the state
+        self.heartbeat_unix_ms: int | None = None
+        self.entries = 0
+        self.events = 0
+        self.snapshots_loaded = 0
+        self.gaps = 0  # entries that started after the cursor (trimmed or lost): answered by a reload
+
+    @property
+    def slot(self) -> str:
+        return self.head.slot
+
+    @property
+    def ready(self) -> bool:
+        attachment = None if self.status is None else self.status.attachment
+        return attachment is not None and attachment.ready
+
+    @property
+    def generation(self) -> int | None:
+        attachment = None if self.status is None else self.status.attachment
+        return None if attachment is None else attachment.generation
+
+    def load(self, snapshot: StreamSnapshot | None) -> None:
+        """Start over from ``snapshot`` (None: the stream has none yet, so it starts empty at cursor 0)."""
+        index = RecoveryIndex(self.head.kv_block_size, ring_capacity=1)
+        if snapshot is None:
+            self.cursor, self.status = 0, None
+        else:
+            index.restore(snapshot.events(), (), snapshot_id=snapshot.cursor)
+            self.cursor, self.status = snapshot.cursor, snapshot.status
+            self.snapshots_loaded += 1
+        self.index = index
+        self.position = f"{self.cursor}-0"
+        self.loaded = True
+
+    def apply(self, entry_id: str, entry: StreamEntry) -> bool:
+        """Apply one entry; False: the replica needs its snapshot first (the entry is not consumed)."""
+        if isinstance(entry, EventsEntry):
+            if entry.last <= self.cursor:
+                self.position = entry_id
+                return True  # already in the state (a snapshot taken after it)
+            if entry.first > self.cursor + 1:
+                self.gaps += 1
+                return False
+            index = self.index
+            events = entry.events
+            if events and events[0].event_id == index.current_event_id() + 1 == self.cursor + 1:
+                failures = index.apply_run(events)  # the batch path: one check per entry, not per event
+                if failures is not None:
+                    if failures:
+                        raise IndexApplyError(f"stream entry {entry_id}: {failures[0][1]}")
+                    events = ()
+                    self.events += len(entry.events)
+            for event in events:
+                if event.event_id > self.cursor:
+                    if event.event_id > index.current_event_id() + 1:
+                        index.skip_to(event.event_id - 1)  # ids the agent skipped (a restart's lease)
+                    index.apply(event)
+                    self.events += 1
+            if entry.last > self.index.current_event_id():
+                self.index.skip_to(entry.last)  # ids the agent skipped carry no event
+            self.cursor = entry.last
+            self.entries += 1
+        elif isinstance(entry, SnapshotEntry):
+            if entry.cursor > self.cursor:
+                return False  # the slot's state was reset to that snapshot
+        elif isinstance(entry, StatusEntry):
+            self.status = entry.status
+        elif isinstance(entry, HeartbeatEntry):
+            self.heartbeat_unix_ms = entry.unix_ms
+        self.position = entry_id
+        return True
+
+
+@attrs.frozen(slots=True)
+class FollowerStatistics:
+    slots: int
+    entries: int
+    events: int
+    snapshots_loaded: int
+    gaps: int
+    malformed: int
+    failures: int
+    last_error: str | None
+
+
+def _read_pages(client: redis.Redis, *, requests: list[tuple[str, str]]) -> list[Any]:
+    """One page of each stream after its position (a pipeline: one round trip for every stream)."""
+    pipe = client.pipeline(transaction=False)
+    for key, position in requests:
+        pipe.xrange(key, min=f"({position}", count=PAGE_ENTRIES)
+    pages: list[Any] = pipe.execute()
+    return pages
+
+
+def _xread(
+    client: redis.Redis, *, streams: dict[str, str], group: str | None, consumer: str | None, block: int
+) -> list[tuple[Any, Any]]:
+    """One blocking XREAD (or XREADGROUP) of every stream: [(key, [(id, fields), ...]), ...]."""
+    keys: Any = streams
+    if group is not None and consumer is not None:
+        result: Any = client.xreadgroup(group, consumer, keys, count=PAGE_ENTRIES, block=block)
+    else:
+        result = client.xread(keys, count=PAGE_ENTRIES, block=block)
+    if not result:
+        return []
+    if isinstance(result, dict):  # RESP3
+        return list(result.items())
+    return [(key, entries) for key, entries in result]
+
+
+def _ack(client: redis.Redis, *, key: str, group: str | None, ids: list[Any]) -> None:
+    if group is not None:
+        client.xack(key, group, *ids)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class StreamFollower:
+    """Replicas of the followed slots (``slots`` None: every slot in the directory, new ones included).
+
+    ``group``/``consumer``: read live entries through a consumer group instead (``XREADGROUP`` and
+    ``XACK``): each entry then goes to one member of the group, for routers that share the work of
+    applying entries (each member's replicas hold only its share, so members should split the slots).
+    """
+
+    def __init__(
+        self,
+        target: StreamTarget,
+        *,
+        prefix: str = "kvagent",
+        slots: Sequence[str] | None = None,
+        block_ms: int = 1000,
+        group: str | None = None,
+        consumer: str | None = None,
+        on_update: Callable[[SlotReplica], None] | None = None,
+        client_factory: Callable[[], redis.Redis] | None = None,
+    ) -> None:
+        if (group is None) != (consumer is None):
+            raise ValueError("a consumer group needs both group and consumer names")
+        self._target = target
+        self.prefix = prefix
+        self._slots = None if slots is None else list(slots)
+        self._block_ms = block_ms
+        self._group = group
+        self._consumer = consumer
+        self._on_update = on_update
+        self._client_factory = client_factory or (
+            lambda: attrs.evolve(
+                target, socket_timeout=max(target.socket_timeout, 2 * block_ms / 1000)
+            ).client()
+        )
+        self._client: redis.Redis | None = None
+        self._limiter = trio.CapacityLimiter(1)
+        self.replicas: dict[str, SlotReplica] = {}
+        self._grouped: set[str] = set()
+        self._malformed = 0
+        self._failures = 0
+        self._last_error: str | None = None
+        self._progress = trio.Event()
+
+    def statistics(self) -> FollowerStatistics:
+        replicas = list(self.replicas.values())
+        return FollowerStatistics(
+            slots=len(replicas),
+            entries=sum(r.entries for r in replicas),
+            events=sum(r.events for r in replicas),
+            snapshots_loaded=sum(r.snapshots_loaded for r in replicas),
+            gaps=sum(r.gaps for r in replicas),
+            malformed=self._malformed,
+            failures=self._failures,
+            last_error=self._last_error,
+        )
+
+    async def _call(self, fn: Callable[[redis.Redis], _T]) -> _T:
+        if self._client is None:
+            self._client = self._client_factory()
+        return await trio.to_thread.run_sync(fn, self._client, limiter=self._limiter, abandon_on_cancel=True)
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with trio.move_on_after(1, shield=True):
+                await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+
+    async def wait_until(self, predicate: Callable[[StreamFollower], bool]) -> None:
+        """Return once ``predicate(self)`` holds (checked after every round of reads)."""
+        while not predicate(self):
+            await self._progress.wait()
+
+    # --- one pass ---------------------------------------------------------------------------------
+    async def refresh_heads(self) -> None:
+        """Find the followed slots' current streams; a slot whose publisher changed starts over."""
+        prefix, wanted = self.prefix, self._slots
+
+        def heads(client: redis.Redis) -> dict[str, dict[bytes, bytes]]:
+            names = (
+                wanted if wanted is not None else sorted(_text(n) for n in client.smembers(slots_key(prefix)))
+            )
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.hgetall(head_key(prefix, name))
+            return dict(zip(names, pipe.execute(), strict=True))
+
+        for name, fields in (await self._call(heads)).items():
+            if not fields:
+                continue  # not written yet (or lost with a restarted Redis, until the writer is back)
+            try:
+                head = decode_head(fields)
+            except CodecError as exc:
+                self._malformed += 1
+                log.warning("stream_head_malformed", slot=name, error=str(exc))
+                continue
+            current = self.replicas.get(name)
+            if current is None or current.head.publisher_id != head.publisher_id:
+                self.replicas[name] = SlotReplica(head, prefix)
+                self._grouped.discard(name)
+
+    async def _load_snapshot(self, replica: SlotReplica) -> None:
+        key = replica.keys.snapshot
+
+        def get(client: redis.Redis) -> bytes | None:
+            value: bytes | None = client.get(key)  # type: ignore[assignment]
+            return value
+
+        payload = await self._call(get)
+        replica.load(None if payload is None else decode_snapshot(payload))
+
+    def _apply_entries(self, replica: SlotReplica, entries: list[tuple[Any, dict[bytes, bytes]]]) -> bool:
+        """Apply read entries in order; False: the replica must reload its snapshot (the rest is dropped)."""
+        for raw_id, fields in entries:
+            entry_id = _text(raw_id)
+            try:
+                entry = decode_entry(entry_id, fields)
+            except CodecError as exc:
+                self._malformed += 1
+                log.warning("stream_entry_malformed", slot=replica.slot, id=entry_id, error=str(exc))
+                replica.position = entry_id
+                continue
+            try:
+                if not replica.apply(entry_id, entry):
+                    return False
+            except IndexApplyError as exc:
+                self._malformed += 1
+                log.warning("stream_entry_refused", slot=replica.slot, id=entry_id, error=str(exc))
+                return False
+        return True
+
+    async def catch_up(self) -> None:
+        """Bring every followed replica to the end of its stream (snapshot first where needed)."""
+        await self.refresh_heads()
+        pending = [r for r in self.replicas.values()]
+        reloads = dict.fromkeys((r.slot for r in pending), 0)
+        while pending:
+            for replica in pending:
+                if not replica.loaded:
+                    await self._load_snapshot(replica)
+            requests = [(r.keys.events, r.position) for r in pending]
+
+            pages = await self._call(partial(_read_pages, requests=requests))
+            still: list[SlotReplica] = []
+            for replica, entries in zip(pending, pages, strict=True):
+                if not self._apply_entries(replica, entries):
+                    reloads[replica.slot] += 1
+                    if reloads[replica.slot] <= MAX_RELOADS:
+                        replica.loaded = False
+                        still.append(replica)
+                    continue
+                if self._on_update is not None and entries:
+                    self._on_update(replica)
+                if len(entries) == PAGE_ENTRIES:
+                    still.append(replica)
+            pending = still
+        self._note_progress()
+
+    def _note_progress(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    # --- follow -----------------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Catch up, then follow every stream live until cancelled; Redis failures are retried."""
+        started = False
+        backoff = 0.1
+        try:
+            while True:
+                try:
+                    await self.catch_up()
+                    if not started:
+                        task_status.started()
+                        started = True
+                    backoff = 0.1
+                    await self._read_live()
+                except (redis.RedisError, OSError) as exc:
+                    self._failures += 1
+                    self._last_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("stream_read_failed", error=self._last_error)
+                    self._client = None  # a fresh connection (and fresh group reads) after the outage
+                    await trio.sleep(backoff)
+                    backoff = min(2 * backoff, 5.0)
+        finally:
+            await self.aclose()
+
+    async def _read_live(self) -> None:
+        """Blocking reads of every replica's stream, until a replica needs its snapshot or heads may move."""
+        while True:
+            replicas = [r for r in self.replicas.values() if r.loaded]
+            if not replicas:
+                await self._sleep_ms(self._block_ms)
+                return
+            if self._group is not None:
+                await self._ensure_groups(replicas)
+            streams = {r.keys.events: (r.position if self._group is None else ">") for r in replicas}
+            by_key = {r.keys.events: r for r in replicas}
+            read = partial(_xread, streams=streams, group=self._group, consumer=self._consumer)
+            answer = await self._call(partial(read, block=self._block_ms))
+            if not answer:
+                return  # idle for a block: let the caller look at the heads again
+            needs_snapshot = False
+            for raw_key, entries in answer:
+                replica = by_key[_text(raw_key)]
+                ok = self._apply_entries(replica, entries)
+                if self._group is not None and entries:
+                    ids = [raw_id for raw_id, _ in entries]
+                    await self._call(partial(_ack, key=replica.keys.events, group=self._group, ids=ids))
+                if not ok:
+                    replica.loaded = False
+                    needs_snapshot = True
+                elif self._on_update is not None and entries:
+                    self._on_update(replica)
+            self._note_progress()
+            if needs_snapshot:
+                return
+
+    async def _ensure_groups(self, replicas: list[SlotReplica]) -> None:
+        group = self._group
+        todo = [r for r in replicas if r.slot not in self._grouped]
+        if not todo or group is None:
+            return
+
+        def create(client: redis.Redis) -> None:
+            for replica in todo:
+                try:
+                    client.xgroup_create(replica.keys.events, group, id=replica.position, mkstream=True)
+                except redis.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+
+        await self._call(create)
+        self._grouped.update(r.slot for r in todo)
+
+    @staticmethod
+    async def _sleep_ms(ms: float) -> None:
+        await trio.sleep(ms / 1000 if math.isfinite(ms) else 1.0)
