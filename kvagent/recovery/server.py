@@ -25,7 +25,7 @@ import attrs
 import structlog
 import trio
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, RejectConnection, RejectData, Request
+from wsproto.events import RejectConnection, RejectData, Request
 
 from kvagent._util.latency import LatencyHistogram
 from kvagent._util.listen import (
@@ -46,6 +46,7 @@ from kvagent.recovery.websocket import (
     HandshakeFailed,
     SendLimits,
     WebSocket,
+    accept_response,
     read_request,
     send_all,
 )
@@ -343,7 +344,7 @@ class _Server:
             return None
         self._holding.add(sock)
         try:
-            await send_all(sock, connection.send(AcceptConnection()))
+            await send_all(sock, accept_response(connection))  # every offered extension refused
         except BaseException:
             self._release_slot(sock)
             raise
