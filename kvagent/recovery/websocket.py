@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -71,6 +72,7 @@ __all__ = [
 RECEIVE_BYTES = 64 << 10
 
 _TRANSPORT_ERRORS = (OSError, trio.ClosedResourceError)
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
 
 
 class HandshakeFailed(Exception):
@@ -188,7 +190,7 @@ class WebSocket:
                 await self._finished.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            self._finish()
+            self._finish(abort=not self.core.close_complete)  # e.g. the server's shutdown timeout
 
     async def _run_body(self, body: Callable[[], Awaitable[None]]) -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -218,11 +220,19 @@ class WebSocket:
         self._inbound_lot.unpark_all()
         self._reader_lot.unpark_all()
 
-    def _finish(self) -> None:
-        """The end of the transport (idempotent): the socket closes and every waiter wakes."""
+    def _finish(self, *, abort: bool = False) -> None:
+        """The end of the transport (idempotent): the socket closes and every waiter wakes.
+
+        ``abort``: the close did not complete in time.  The socket is reset (SO_LINGER 0), so the kernel
+        drops what it still buffers for a peer that does not read, instead of keeping it (and an orphan
+        socket) while it retries.
+        """
         if self._finished.is_set():
             return
         self.core.finish()
+        if abort:
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
         close_socket(self._sock)
         self._finished.set()
         self._wake_all()
@@ -323,7 +333,7 @@ class WebSocket:
             return
         was_open = self.core.close_reason is None
         if self.core.write_timed_out(trio.current_time()):
-            self._finish()  # not even the close could be written: abort the transport
+            self._finish(abort=True)  # not even the close could be written: abort the transport
             return
         if self.core.overrun and was_open and self._on_overrun is not None:
             self._on_overrun()
@@ -332,10 +342,10 @@ class WebSocket:
 
     async def _await_close_reply(self) -> None:
         # Our close frame is out: the peer has until the abort time (at most the close grace) to answer.
-        with trio.move_on_at(self.core.abort_at):
+        with trio.move_on_at(self.core.abort_at) as waited:
             while not self.core.close_received and not self._finished.is_set():
                 await self._writer_lot.park()
-        self._finish()
+        self._finish(abort=waited.cancelled_caught)
 
     # --- receiving ----------------------------------------------------------------------------------
 
