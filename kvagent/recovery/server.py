@@ -2,8 +2,9 @@
 
 This module is the shell around the sessions: accepting (:mod:`kvagent._util.listen`: fd exhaustion and
 the pre-handshake limit), the handshake (its deadline, the path, token placement), the connection limiter,
-the heartbeat, each connection's lifecycle and the shutdown.  The connection's send path is
-:mod:`kvagent.recovery.websocket`'s; what a connection says is :mod:`kvagent.recovery.session`'s.
+the heartbeat, each connection's lifecycle and the shutdown.  A connection is
+:mod:`kvagent.recovery.websocket`'s Trio driver over the sans-IO :mod:`kvagent.recovery.wscore`; what a
+connection says is :mod:`kvagent.recovery.session`'s.
 
 A connection's failure never reaches the others: ``ConnectionClosed`` is quiet, a failing request gets an
 ``internal`` error response, and anything else is logged and closes only that connection with 1011.
@@ -400,9 +401,10 @@ class _Server:
         """Ping, and drop a peer that stops answering; the ping goes out between frames of any answer."""
         while True:
             await trio.sleep(self.options.heartbeat_interval)
-            with trio.move_on_after(self.options.heartbeat_timeout) as waited:
-                await ws.ping()
-            if waited.cancelled_caught:
+            try:
+                with trio.fail_after(self.options.heartbeat_timeout):
+                    await ws.ping()
+            except trio.TooSlowError:
                 self.stats.ping_timeouts += 1
                 log.info("peer_ping_timeout", slot=slot)
                 ws.close(CLOSE_PING_TIMEOUT, "ping timeout", urgent=True)

@@ -51,6 +51,7 @@ __all__ = [
     "CLOSE_INTERNAL_ERROR",
     "CLOSE_NORMAL",
     "CLOSE_PING_TIMEOUT",
+    "CLOSE_PROTOCOL_ERROR",
     "CLOSE_TRY_AGAIN_LATER",
     "FRAGMENT_BYTES",
     "MESSAGE_OVERHEAD",
@@ -67,6 +68,7 @@ __all__ = [
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # the server is shutting down
+CLOSE_PROTOCOL_ERROR = 1002  # sent by wsproto: the peer broke the protocol (e.g. a reserved bit set)
 CLOSE_ABNORMAL = 1006  # never sent: the transport ended without a close frame
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013  # follower overrun, or a peer that stopped reading ("overrun")

@@ -22,6 +22,7 @@ from wsproto.events import (
 from wsproto.extensions import PerMessageDeflate
 
 from kvagent.recovery.wscore import (
+    CLOSE_PROTOCOL_ERROR,
     CLOSE_TRY_AGAIN_LATER,
     FRAGMENT_BYTES,
     MESSAGE_OVERHEAD,
@@ -73,7 +74,7 @@ def test_an_offered_permessage_deflate_is_declined() -> None:
     rsv1_text = bytes([0xC1, 0x80 | 2]) + b"\0\0\0\0" + b"hi"
     core.receive_data(rsv1_text, 0.0)
     assert core.close_received and core.close_reason is not None
-    assert core.close_reason.code == 1002
+    assert core.close_reason.code == CLOSE_PROTOCOL_ERROR
     assert core.next_message() is None
 
 
