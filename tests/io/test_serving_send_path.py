@@ -104,8 +104,10 @@ async def test_pings_are_answered_while_a_slow_reader_keeps_the_send_path_blocke
     never mistaken for a dead one, however long its answer takes."""
     stats = ServerStats()
     # The reference client answers a ping only when its one-message queue has room, i.e. after the next
-    # get_message: the timeout leaves room for that, and the reading takes longer than interval + timeout.
-    options = ServingOptions(heartbeat_interval=0.05, heartbeat_timeout=1.0, send_deadline=SEND_DEADLINE)
+    # get_message: the timeout leaves room for that (a ping waits behind the frames already in the socket
+    # buffers, each read 0.35 s apart; 3 s holds on a loaded machine, where 1 s failed half the runs, old
+    # server and new alike), and the reading takes longer than interval + timeout.
+    options = ServingOptions(heartbeat_interval=0.05, heartbeat_timeout=3.0, send_deadline=SEND_DEADLINE)
     url = await start_server(nursery, big_slot, options=options, stats=stats)
     messages = 0
     with trio.fail_after(60):
@@ -116,7 +118,7 @@ async def test_pings_are_answered_while_a_slow_reader_keeps_the_send_path_blocke
                 messages += 1
                 if not frame["more"]:
                     break
-                await trio.sleep(0.12)  # pacing: a reader that takes longer than interval + timeout
+                await trio.sleep(0.35)  # pacing: a reader that takes longer than interval + timeout
             await ws.send_message(json.dumps({"id": 2, "op": "status"}))
             assert json.loads(await ws.get_message())["ok"] is True
     assert messages >= 10  # reading the answer took longer than a heartbeat interval plus its timeout
