@@ -210,17 +210,21 @@ async def _handshake_and_serve(self: Any, stream: trio.SocketStream, nursery: tr
             target = urlsplit(request.path)
             known, slot = server_module._slot_from_path(target.path)
             if server_module._query_carries_token(target.query):
+                self.stats.count_rejected(403)
                 await request.reject(403, body=b"forbidden: token in the URL")
                 return
             if not known or (slot is not None and self.registry.get(slot) is None):
+                self.stats.count_rejected(404)
                 await request.reject(404, body=b"unknown path")
                 return
             if self.stopping:
+                self.stats.count_rejected(503)
                 await request.reject(503, body=b"shutting down")
                 return
             try:
                 self.limiter.acquire_on_behalf_of_nowait(stream)
             except trio.WouldBlock:
+                self.stats.count_rejected(503)
                 await request.reject(503, body=b"too many connections")
                 return
             try:
