@@ -401,4 +401,5 @@ class WebSocket:
                 self._on_peer_close()  # before the reply: the peer's close completes only after it
             self._wake_all()
             self._deadline_moved()
-        self._kick_writer()
+        if core.control_pending or core.close_received:  # a pong or close reply to send, or the writer waits
+            self._kick_writer()

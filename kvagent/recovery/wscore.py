@@ -326,9 +326,9 @@ class WebSocketCore:
         return self._ping_payload is not None
 
     @property
-    def writing(self) -> bool:
-        """A frame is half-written (the driver waits for the socket, under the send deadline)."""
-        return bool(self._frame)
+    def control_pending(self) -> bool:
+        """A pong, a ping or a close frame waits to be written (the driver wakes its writer)."""
+        return self._pong is not None or self._ping is not None or self._close_frame is not None
 
     def outgoing(self, now: float) -> list[memoryview] | None:
         """The buffers of the frame to write next (the rest of the frame in flight first); None: nothing."""

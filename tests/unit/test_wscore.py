@@ -156,7 +156,9 @@ def test_pings_and_pongs_go_between_fragments_of_a_long_message() -> None:
     core.queue_message(bytes(3 * FRAGMENT_BYTES))
     first = core.outgoing(0.0)
     assert first is not None
+    assert not make_core()[0].control_pending
     core.receive_data(client.send(Ping(payload=b"p")), 0.0)
+    assert core.control_pending  # the pong: the driver wakes its writer
     core.start_ping(b"q")
     data = b"".join(bytes(b) for b in first)
     core.sent(len(data), 0.0)
