@@ -287,8 +287,9 @@ class WebSocketCore:
             self.peer_closed = True
             try:
                 self._close_frame = self._ws.send(event.response())
-            except LocalProtocolError:
+            except LocalProtocolError:  # no reply can be sent: the close is complete as it is
                 self._close_frame = None
+                self.close_sent = True
             self.close_urgent = True
             self._closing()
             self._discard_messages()
