@@ -280,10 +280,15 @@ class WebSocket:
             raise ConnectionClosed(self.core.close_reason or CloseReason(CLOSE_ABNORMAL))
 
     def _kick_writer(self) -> None:
-        """Write eagerly unless the writer is waiting for the socket; otherwise let it look again."""
-        if not self._blocked and not self._finished.is_set():
-            self._pump()
-        self._writer_lot.unpark_all()
+        """Write eagerly unless the writer is waiting for the socket (it writes once the socket takes more).
+
+        The writer task is woken only when it has something to do: a frame left half-written, or a close
+        under way.  An answer the socket took whole costs no task switch.
+        """
+        if self._blocked or self._finished.is_set():
+            return
+        if self._pump() or self.core.close_reason is not None:
+            self._writer_lot.unpark_all()
 
     def _pump(self) -> bool:
         """Write until the socket would block; True when a frame is left half-written (wait writable)."""
@@ -359,7 +364,8 @@ class WebSocket:
                 raise ConnectionClosed(core.close_reason)
             message = core.next_message()
             if message is not None:
-                self._reader_lot.unpark_all()  # room again below the inbound bound
+                if self._reader_lot:  # the reader stopped at the inbound bound: there may be room now
+                    self._reader_lot.unpark_all()
                 if isinstance(message, MessageTooBig):
                     raise message
                 return message
@@ -394,7 +400,7 @@ class WebSocket:
         core.receive_data(data, trio.current_time())
         if awaiting_pong and not core.awaiting_pong:
             self._pong_received.set()
-        if core.has_message:
+        if core.has_message and self._inbound_lot:
             self._inbound_lot.unpark_all()
         if core.peer_closed and was_open:
             if self._on_peer_close is not None:
