@@ -357,19 +357,29 @@ class WebSocket:
     # --- receiving ----------------------------------------------------------------------------------
 
     async def get_message(self) -> str | bytes:
-        """The next request; ConnectionClosed once closing, MessageTooBig for a discarded oversized one."""
+        """The next request; ConnectionClosed once closing, MessageTooBig for a discarded oversized one.
+
+        Always a schedule point, as a channel's ``receive`` is: a client that pipelines many requests
+        takes one per step, never the event loop for all of them.
+        """
         core = self.core
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             if core.close_reason is not None:
                 raise ConnectionClosed(core.close_reason)
             message = core.next_message()
             if message is not None:
-                if self._reader_lot:  # the reader stopped at the inbound bound: there may be room now
-                    self._reader_lot.unpark_all()
-                if isinstance(message, MessageTooBig):
-                    raise message
-                return message
+                break
             await self._inbound_lot.park()
+            waited = True
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        if self._reader_lot:  # the reader stopped at the inbound bound: there may be room now
+            self._reader_lot.unpark_all()
+        if isinstance(message, MessageTooBig):
+            raise message
+        return message
 
     async def _reader(self) -> None:
         core = self.core

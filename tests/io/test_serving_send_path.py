@@ -21,7 +21,7 @@ from kvagent.recovery.client import connect_slot
 from kvagent.recovery.server import ServerStats, ServingOptions
 from kvagent.recovery.websocket import RECEIVE_BYTES, SendLimits, WebSocket, accept_response
 from kvagent.recovery.wscore import MESSAGE_OVERHEAD
-from tests.support.rawws import OP_PING, RawPeer, close_code
+from tests.support.rawws import OP_PING, OP_TEXT, RawPeer, close_code, masked_frame
 from tests.support.recovery import FakeSlot, start_server
 
 SEND_DEADLINE = 1.0
@@ -258,4 +258,28 @@ async def test_a_peer_that_never_reads_is_reset_after_the_deadline_and_the_grace
         with pytest.raises(trio.BrokenResourceError):  # ECONNRESET: the reset, not a FIN after the data
             while await peer.stream.receive_some(1 << 16):
                 pass
+    await peer.aclose()
+
+
+async def test_pipelined_requests_are_answered_one_per_step(nursery: trio.Nursery) -> None:
+    """200 requests arriving in one read are not answered in one task step: every other task (ingest,
+    other connections) runs between two of them."""
+    slot = FakeSlot()
+    stats = ServerStats()
+    url = await start_server(nursery, slot, stats=stats)
+    requests = 200
+    with trio.fail_after(10):
+        peer = await RawPeer.connect(url, "/v1/slots/a")
+        burst = b"".join(
+            masked_frame(OP_TEXT, json.dumps({"id": n, "op": "status"}).encode()) for n in range(requests)
+        )
+        largest_step = 0
+        seen = 0
+        await peer.stream.send_all(burst)
+        while seen < requests:
+            await trio.lowlevel.checkpoint()  # one scheduling round: how many answers did it hold?
+            now = stats.requests.get("status", 0)
+            largest_step = max(largest_step, now - seen)
+            seen = now
+    assert largest_step <= 2
     await peer.aclose()
