@@ -1,5 +1,6 @@
 """The recovery server's connections on trio-websocket, as issue #26 item 4's design card draws them; the
-``serving`` figure runs it side by side with kvagent's own connection (``KVAGENT_BENCH_SERVERS``).
+``serving`` figure runs it side by side with kvagent's own connection (:func:`bench.fig_serving.compare`,
+``python -m bench.fig_serving OUT.json``; the decision is in docs/performance.md).
 
 Run as a script it is ``kvagent`` (same arguments) with :meth:`_Server._handle` replaced by
 :func:`handle_with_trio_websocket`:
@@ -7,7 +8,8 @@ Run as a script it is ``kvagent`` (same arguments) with :meth:`_Server._handle` 
 * the handshake is trio-websocket's (``wrap_server_stream`` on a stream we own, then ``request.accept()``
   or ``request.reject()``), under ``trio.fail_after(handshake_timeout)``;
 * one writer task per connection, fed by a channel bounded in bytes (:class:`TrioWebsocketConnection`);
-  each send is ``send_message`` under ``trio.fail_after(send_deadline)``;
+  each send is ``send_message`` under a cancel scope with the send deadline (``fail_after``'s deadline,
+  caught where it happens: the writer knows the frame is cut);
 * on overrun the raw TCP stream is aborted (SO_LINGER 0 and close), never a graceful close that would
   queue behind the blocked send; an urgent close (1001, 4000, 1011) gives the send in flight
   ``close_grace`` and then does the same;
@@ -16,7 +18,9 @@ Run as a script it is ``kvagent`` (same arguments) with :meth:`_Server._handle` 
 What it cannot keep of the pinned behaviour (trio-websocket 0.12.2): an oversized request closes the
 connection with 1009 (the message limit is ``len()`` of the text, and the library has no "discard and
 carry on"); its reader answers pings itself through the send lock, so a peer that stops reading also
-stops the reader.  This module is the measured alternative, not the production server.
+stops the reader; a send cut by the deadline leaves no way to send the 1013; a protocol error closes the
+stream without the 1002.  Under the serving tests it passes 55 of 61.  This module is the measured
+alternative, not the production server.
 """
 
 from __future__ import annotations
