@@ -62,10 +62,10 @@ def _cpu_seconds(pid: int) -> float:
 class _Server:
     """A ``kvagent serve`` subprocess with one slot attached to the publisher."""
 
-    def __init__(self, endpoint: str, workdir: Path, extra: list[str]) -> None:
+    def __init__(self, endpoint: str, workdir: Path, extra: list[str], script: str | None = None) -> None:
         # KVAGENT_BENCH_SERVER_SCRIPT: a script run in place of ``-m kvagent.cli.main`` with the same
-        # arguments (a profiling or tracing wrapper).
-        script = os.environ.get("KVAGENT_BENCH_SERVER_SCRIPT")
+        # arguments (a profiling or tracing wrapper); ``script`` (a server variant) takes precedence.
+        script = script or os.environ.get("KVAGENT_BENCH_SERVER_SCRIPT")
         command = [
             sys.executable, *([script] if script else ["-m", "kvagent.cli.main"]), "serve",
             "--slot", f"s0={endpoint}", "--topic", "kv-events", "--block-size", "16",
@@ -125,19 +125,20 @@ def _wait_cursor(url: str, target: int) -> int:
 
 def _merge(tallies: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {"latencies": [], "refused_latencies": [], "kinds": {}, "refused": {}, "closed": {},
-                              "hanging": 0, "connect_failures": 0, "issued": 0, "client_cpu_seconds": 0.0}
+                              "hanging": 0, "connect_failures": 0, "issued": 0, "client_cpu_seconds": 0.0,
+                              "stalled": 0}
     for tally in tallies:
         for key in ("latencies", "refused_latencies"):
             merged[key] += tally[key]
         for key in ("kinds", "refused", "closed"):
             for name, count in tally[key].items():
                 merged[key][name] = merged[key].get(name, 0) + count
-        for key in ("hanging", "connect_failures", "issued", "client_cpu_seconds"):
+        for key in ("hanging", "connect_failures", "issued", "client_cpu_seconds", "stalled"):
             merged[key] += tally[key]
     return merged
 
 
-def _run_clients(url: str, clients: int, seconds: float, lite: bool) -> dict[str, Any]:
+def _run_clients(url: str, clients: int, seconds: float, lite: bool, stalled: int = 0) -> dict[str, Any]:
     """The clients, spread over processes of at most CLIENTS_PER_PROCESS each; their tallies merged."""
     ctx = multiprocessing.get_context("spawn")
     processes = []
@@ -145,10 +146,11 @@ def _run_clients(url: str, clients: int, seconds: float, lite: bool) -> dict[str
         (clients + CLIENTS_PER_PROCESS - 1) // CLIENTS_PER_PROCESS
     )
     shares[0] += clients - sum(shares)
-    for share in shares:
+    for number, share in enumerate(shares):
         parent, child = ctx.Pipe()
         process = ctx.Process(
-            target=client_process, args=(child, url, share, CLIENT_RATE, WARMUP, seconds, BACKLOG, lite)
+            target=client_process,
+            args=(child, url, share, CLIENT_RATE, WARMUP, seconds, BACKLOG, lite, stalled if number == 0 else 0),
         )
         process.start()
         child.close()
@@ -166,10 +168,14 @@ def _run_clients(url: str, clients: int, seconds: float, lite: bool) -> dict[str
     return _merge(tallies)
 
 
-def one_run(publisher: Publisher, clients: int, seconds: float, workdir: Path, lite: bool = True) -> dict[str, Any]:
-    """A fresh server, paced ingest, N clients; the tally plus loss and CPU figures."""
+def one_run(
+    publisher: Publisher, clients: int, seconds: float, workdir: Path, lite: bool = True, *,
+    stalled: int = 0, script: str | None = None, extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A fresh server, paced ingest, N clients (and ``stalled`` never-reading followers); the tally plus
+    loss and CPU figures.  ``script``: a server variant run in place of ``kvagent`` (bench/tws_server.py)."""
     publisher.request_subscriber_wait()
-    server = _Server(publisher.endpoint, workdir, [])
+    server = _Server(publisher.endpoint, workdir, list(extra), script)
     try:
         publisher.wait_subscribed(SERVER_START_TIMEOUT)
         base = _cursor(server.url)
@@ -179,7 +185,7 @@ def one_run(publisher: Publisher, clients: int, seconds: float, workdir: Path, l
         cpu_before = _cpu_seconds(server.process.pid)
         busy_before = _machine_busy_seconds()
         started = time.monotonic()
-        tally = _run_clients(server.url, clients, seconds, lite)
+        tally = _run_clients(server.url, clients, seconds, lite, stalled)
         elapsed = time.monotonic() - started
         server_cpu = (_cpu_seconds(server.process.pid) - cpu_before) / elapsed
         ours = _cpu_seconds(server.process.pid) + _cpu_seconds(publisher.pid or 0) - ours_before
@@ -216,6 +222,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "refused": refused,
         "hanging": run["hanging"],
         "closed": closed,
+        "stalled": run["stalled"],
         "kinds": run["kinds"],
         "refused_by_code": run["refused"],
         "closed_by_code": run["closed"],
@@ -281,3 +288,41 @@ def _rows(result: FigureResult, clients: int, runs: list[dict[str, Any]], client
         Row(f"unanswered, {label}", float(unanswered), "requests", higher_is_better=False,
             target="0", note="no answer and no error frame within 10 s, or cut by a close (max of runs)"),
     ]
+
+
+# --- side by side: kvagent's own websocket connection against trio-websocket (issue #26) -------------
+
+SERVERS = {"own": None, "trio-websocket": str(Path(__file__).with_name("tws_server.py"))}
+COMPARE_COUNTS = (64, 256)
+COMPARE_STALLED = (0, 16)  # never-reading followers beside the clients
+STALLED_SEND_DEADLINE = "2"  # so the stalled followers are cut inside the measured window
+
+
+def compare(repetitions: int = 3, seconds: float = 8.0) -> dict[str, Any]:
+    """Both servers at 64 and 256 clients, with and without never-reading followers.
+
+    The servers alternate within every repetition, so foreign load on the shared machine falls on both
+    alike.  Every configuration passes ``--send-deadline 2`` (the stalled followers must be cut inside
+    the 8 s window; the others never come near it).
+    """
+    results: dict[str, list[dict[str, Any]]] = {}
+    batches = int(INGEST_RATE / EVENTS_PER_BATCH * (seconds + WARMUP + 4))
+    extra = ("--send-deadline", STALLED_SEND_DEADLINE)
+    with Publisher(batches) as publisher, tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repetitions):
+            for clients in COMPARE_COUNTS:
+                for stalled in COMPARE_STALLED:
+                    for server, script in SERVERS.items():
+                        run = summarize(one_run(
+                            publisher, clients, seconds, Path(tmp), True, stalled=stalled, script=script,
+                            extra=extra,
+                        ))
+                        key = f"{server} {clients} clients, {stalled} stalled"
+                        results.setdefault(key, []).append(run)
+                        print(f"   {key}: {json.dumps(run)}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("serving_compare.json")
+    out.write_text(json.dumps(compare(), indent=1))

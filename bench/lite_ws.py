@@ -52,8 +52,17 @@ class LiteWebSocket:
         self._buffer = bytearray()
 
     @classmethod
-    async def connect(cls, host: str, port: int, path: str) -> LiteWebSocket:
-        stream = await trio.open_tcp_stream(host, port)
+    async def connect(
+        cls, host: str, port: int, path: str, *, receive_buffer: int | None = None
+    ) -> LiteWebSocket:
+        """Upgrade to ``path``; ``receive_buffer`` fixes SO_RCVBUF first (a stalled peer fills sooner)."""
+        if receive_buffer is None:
+            stream = await trio.open_tcp_stream(host, port)
+        else:
+            sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, receive_buffer)
+            await sock.connect((host, port))
+            stream = trio.SocketStream(sock)
         key = base64.b64encode(os.urandom(16)).decode()
         request = (
             f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"

@@ -110,6 +110,7 @@ class _Tally:
         self.hanging = 0
         self.connect_failures = 0
         self.issued = 0
+        self.stalled = 0  # never-reading followers that got their follow in
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +122,7 @@ class _Tally:
             "hanging": self.hanging,
             "connect_failures": self.connect_failures,
             "issued": self.issued,
+            "stalled": self.stalled,
         }
 
 
@@ -214,8 +216,36 @@ async def _client_loop(
             await trio.sleep(0.1)  # a refused client retries after a pause, as a router would
 
 
+STALLED_RECEIVE_BUFFER = 4096  # a never-reading follower's SO_RCVBUF: its window fills within a second
+
+
+async def _stalled_follower(url: str, deadline: float, tally: _Tally) -> None:
+    """A router that asks to follow and never reads again: the server must cut it, not queue for it.
+
+    It reads the cursor (so the backlog is a short range, not a tree dump), sends ``follow`` and then
+    holds the connection without reading until the run ends.
+    """
+    import msgpack
+
+    from bench.lite_ws import LiteWebSocket
+
+    host, port = url.removeprefix("ws://").rsplit(":", 1)
+    try:
+        ws = await LiteWebSocket.connect(host, int(port), "/v1/slots/s0", receive_buffer=STALLED_RECEIVE_BUFFER)
+        cursor = await LiteClient(ws).cursor()
+        await ws.send(msgpack.packb({"id": 1 << 30, "op": "follow", "from": cursor}))
+    except Exception:
+        tally.connect_failures += 1
+        return
+    tally.stalled += 1
+    await trio.sleep_until(deadline)  # never reading: the point of this client
+    with trio.move_on_after(0.5):
+        await ws.aclose()
+
+
 async def clients_main(
-    url: str, clients: int, rate: float, warmup: float, seconds: float, backlog: int, lite: bool
+    url: str, clients: int, rate: float, warmup: float, seconds: float, backlog: int, lite: bool,
+    stalled: int = 0,
 ) -> dict[str, Any]:
     tally = _Tally()
     interval = 1.0 / rate
@@ -224,6 +254,8 @@ async def clients_main(
     deadline = warm + seconds
     cpu_started = time.process_time()
     async with trio.open_nursery() as nursery:
+        for _ in range(stalled):
+            nursery.start_soon(_stalled_follower, url, deadline, tally)
         for number in range(clients):
             nursery.start_soon(
                 _client_loop, url, lite, interval, interval * number / clients, warm, deadline, backlog, tally
@@ -235,10 +267,10 @@ async def clients_main(
 
 
 def client_process(conn: Any, url: str, clients: int, rate: float, warmup: float, seconds: float,
-                   backlog: int, lite: bool) -> None:
+                   backlog: int, lite: bool, stalled: int = 0) -> None:
     """Entry point of the spawned client process: the tally goes back over ``conn``."""
     try:
-        conn.send(("ok", trio.run(clients_main, url, clients, rate, warmup, seconds, backlog, lite)))
+        conn.send(("ok", trio.run(clients_main, url, clients, rate, warmup, seconds, backlog, lite, stalled)))
     except Exception as exc:
         import traceback
 

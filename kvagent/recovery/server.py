@@ -2,8 +2,9 @@
 
 This module is the shell around the sessions: accepting (:mod:`kvagent._util.listen`: fd exhaustion and
 the pre-handshake limit), the handshake (its deadline, the path, token placement), the connection limiter,
-the heartbeat, each connection's lifecycle and the shutdown.  The connection's send path is
-:mod:`kvagent.recovery.websocket`'s; what a connection says is :mod:`kvagent.recovery.session`'s.
+the heartbeat, each connection's lifecycle and the shutdown.  A connection is
+:mod:`kvagent.recovery.websocket`'s Trio driver over the sans-IO :mod:`kvagent.recovery.wscore`; what a
+connection says is :mod:`kvagent.recovery.session`'s.
 
 A connection's failure never reaches the others: ``ConnectionClosed`` is quiet, a failing request gets an
 ``internal`` error response, and anything else is logged and closes only that connection with 1011.
@@ -25,7 +26,7 @@ import attrs
 import structlog
 import trio
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, RejectConnection, RejectData, Request
+from wsproto.events import RejectConnection, RejectData, Request
 
 from kvagent._util.latency import LatencyHistogram
 from kvagent._util.listen import (
@@ -46,6 +47,7 @@ from kvagent.recovery.websocket import (
     HandshakeFailed,
     SendLimits,
     WebSocket,
+    accept_response,
     read_request,
     send_all,
 )
@@ -343,7 +345,7 @@ class _Server:
             return None
         self._holding.add(sock)
         try:
-            await send_all(sock, connection.send(AcceptConnection()))
+            await send_all(sock, accept_response(connection))  # every offered extension refused
         except BaseException:
             self._release_slot(sock)
             raise
@@ -399,9 +401,10 @@ class _Server:
         """Ping, and drop a peer that stops answering; the ping goes out between frames of any answer."""
         while True:
             await trio.sleep(self.options.heartbeat_interval)
-            with trio.move_on_after(self.options.heartbeat_timeout) as waited:
-                await ws.ping()
-            if waited.cancelled_caught:
+            try:
+                with trio.fail_after(self.options.heartbeat_timeout):
+                    await ws.ping()
+            except trio.TooSlowError:
                 self.stats.ping_timeouts += 1
                 log.info("peer_ping_timeout", slot=slot)
                 ws.close(CLOSE_PING_TIMEOUT, "ping timeout", urgent=True)

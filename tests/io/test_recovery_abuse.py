@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 
 import msgpack
 import pytest
@@ -10,6 +12,7 @@ import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from kvagent.recovery.client import connect_slot
+from tests.support.rawws import OP_TEXT, close_code, masked_frame, parse_frames
 from tests.support.recovery import FakeSlot, start_server
 
 
@@ -151,3 +154,70 @@ async def test_connection_limit_rejects_excess_with_503(nursery: trio.Nursery, s
             assert (admitted, rejected) == (8, 32)
             release.set()
         await assert_served(url, slot)  # capacity is released when connections end
+
+
+async def _upgrade(url: str, extra_header: str = "") -> tuple[trio.SocketStream, bytes, bytes]:
+    """A raw upgrade (with ``extra_header``): the stream, the response head and what followed it."""
+    host, port = url.removeprefix("ws://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    await stream.send_all(
+        (
+            f"GET /v1/slots/a HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{extra_header}\r\n"
+        ).encode()
+    )
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(4096)
+        assert chunk, "closed during the handshake"
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    return stream, head, rest
+
+
+async def test_an_offered_permessage_deflate_is_declined_and_a_compressed_frame_is_a_protocol_error(
+    nursery: trio.Nursery, slot: FakeSlot
+) -> None:
+    url = await start_server(nursery, slot)
+    with trio.fail_after(10):
+        offer = "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n"
+        stream, head, rest = await _upgrade(url, offer)
+        assert b" 101 " in head.split(b"\r\n", 1)[0]
+        assert b"sec-websocket-extensions" not in head.lower()
+        # RSV1 set: a compressed message, which nothing negotiated.  The server closes with 1002.
+        frame = bytearray(masked_frame(OP_TEXT, json.dumps({"id": 1, "op": "status"}).encode()))
+        frame[0] |= 0x40
+        await stream.send_all(bytes(frame))
+        data = rest
+        while True:
+            try:
+                chunk = await stream.receive_some(1 << 16)
+            except trio.BrokenResourceError:
+                chunk = b""
+            if not chunk:
+                break
+            data += chunk
+        frames, _ = parse_frames(data)
+        code = close_code(frames)
+        assert code is not None and code[0] == 1002
+        await stream.aclose()
+    await assert_served(url, slot)
+
+
+async def test_the_request_limit_counts_utf8_bytes(nursery: trio.Nursery, slot: FakeSlot) -> None:
+    """A text request under the limit in characters but over it in bytes is refused as too big."""
+    limit = 4096
+    url = await start_server(nursery, slot, max_message_size=limit)
+    request = json.dumps({"id": 1, "op": "status", "pad": "é" * 3000}, ensure_ascii=False)
+    assert len(request) < limit < len(request.encode())
+    with trio.fail_after(10):
+        async with open_websocket_url(f"{url}/v1/slots/a") as ws:
+            await ws.send_message(request)
+            frame = json.loads(await ws.get_message())
+            assert frame["ok"] is False and frame["id"] is None
+            assert frame["error"]["code"] == "bad_request" and str(limit) in frame["error"]["message"]
+            await ws.send_message(
+                json.dumps({"id": 2, "op": "status", "pad": "é" * 1000}, ensure_ascii=False)
+            )
+            assert json.loads(await ws.get_message())["id"] == 2
