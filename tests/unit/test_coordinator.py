@@ -358,7 +358,7 @@ def test_swallowed_removes_consume_no_id_but_refresh_status() -> None:
 def test_outbound_cursor_exhaustion_fails_the_source() -> None:
     slot = Slot()
     slot.core.attach(attachment_for(FIRST))
-    slot.core._next_outbound_id = (1 << 64) - 1
+    slot.core.lease.next_id = (1 << 64) - 1
     with pytest.raises(CoordinatorError, match="^state-agent outbound cursor exhausted$"):
         slot.core.handle_ingress(chunk(1, 1, [store(W, None, 1, 1)]))
     assert slot.core.counters.quarantines == {"state-agent outbound cursor exhausted": 1}
