@@ -17,6 +17,8 @@ from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
 from kvagent.model.ids import attachment_record_id
 
 __all__ = [
+    "INITIAL_BACKOFF",
+    "MAX_BACKOFF",
     "AttachmentRecordHolder",
     "WithdrawalStatistics",
     "run_withdrawal_supervisor",
@@ -25,7 +27,7 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-INITIAL_BACKOFF = 0.1
+INITIAL_BACKOFF = 0.1  # backoff after a failed discovery call (withdrawal, advertisement), doubling up to:
 MAX_BACKOFF = 5.0
 
 
