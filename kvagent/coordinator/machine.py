@@ -124,7 +124,7 @@ class SlotCoordinator:
 
     @property
     def outbound_cursor(self) -> int:
-        return self.lease.next_id - 1
+        return self.lease.last_taken
 
     @property
     def worker_domain_failed(self) -> bool:
@@ -525,7 +525,7 @@ class SlotCoordinator:
         # The Worker state no longer follows any engine batch: nothing to resume from until the next one.
         self.trust.worker_barrier()
         self._apply_and_publish([barrier])
-        return self.lease.next_id - 1
+        return self.lease.last_taken
 
     def _apply_and_publish(self, placement_events: Sequence[PlacementEvent]) -> None:
         attachment = self._attachment
@@ -692,7 +692,7 @@ class SlotCoordinator:
                 identity=self.identity,
                 attachment=None if attachment is None else attachment.status(),
                 cache_owner_ready=self.trust.cache_owner_ready,
-                outbound_cursor=self.lease.next_id - 1,
+                outbound_cursor=self.lease.last_taken,
             )
         )
 
