@@ -38,13 +38,13 @@ class WithdrawalStatistics:
     Attributes:
       withdrawals: generations whose attachment ad the supervisor unregistered.
       retries: failed withdrawal attempts (supervisor and required withdrawals) that were retried.
-      stale_noops: supervisor requests fenced off: no ad held, or it belongs to another generation.
+      stale_withdrawals: supervisor requests fenced off: no ad held, or it belongs to another generation.
       required_withdrawals: successful :func:`unregister_required` withdrawals.
     """
 
     withdrawals: int
     retries: int
-    stale_noops: int
+    stale_withdrawals: int
     required_withdrawals: int
 
 
@@ -57,14 +57,14 @@ class AttachmentRecordHolder:
         # Plain counters bumped by the withdrawal paths (count_*); statistics() snapshots them.
         self._withdrawals = 0
         self._retries = 0
-        self._stale_noops = 0
+        self._stale_withdrawals = 0
         self._required_withdrawals = 0
 
     def statistics(self) -> WithdrawalStatistics:
         return WithdrawalStatistics(
             withdrawals=self._withdrawals,
             retries=self._retries,
-            stale_noops=self._stale_noops,
+            stale_withdrawals=self._stale_withdrawals,
             required_withdrawals=self._required_withdrawals,
         )
 
@@ -93,7 +93,7 @@ class AttachmentRecordHolder:
         self._required_withdrawals += 1
 
     def count_stale_noop(self) -> None:
-        self._stale_noops += 1
+        self._stale_withdrawals += 1
 
     def count_withdrawal(self) -> None:
         self._withdrawals += 1

@@ -186,8 +186,8 @@ def test_detach_drain_applies_only_cache_owner_and_discards_other_generations() 
     ]
     assert slot.core.complete_detach(1, queued) == 4
     assert [(e.event_id, e.residency_domain) for e in slot.sink.events] == [(1, W), (2, C), (3, C), (4, W)]
-    assert slot.core.counters.filtered["detach_worker_dropped"] == 1
-    assert slot.core.counters.filtered["stale_generation"] == 1
+    assert slot.core.counters.events_filtered["detach_worker_dropped"] == 1
+    assert slot.core.counters.events_filtered["stale_generation"] == 1
     assert slot.current().attachment is None
 
 
@@ -261,7 +261,7 @@ def test_cache_owner_fault_filters_cache_owner_forever_but_allows_a_new_attach()
         )
     )
     assert [(e.event_id, e.residency_domain) for e in slot.sink.events][-1] == (5, W)
-    assert slot.core.counters.filtered["cache_owner_failed"] == 2
+    assert slot.core.counters.events_filtered["cache_owner_failed"] == 2
     assert slot.owner_dump_events() == []
     assert not slot.current().cache_owner_ready
 
@@ -393,7 +393,7 @@ def test_duplicate_raw_batch_is_dropped_without_applying() -> None:
     slot.core.handle_ingress(chunk(1, 5, [store(W, None, 101, 11)]))
     slot.core.handle_ingress(chunk(1, 5, [store(W, None, 101, 11)]))
     assert slot.ids() == [1, 2]
-    assert slot.core.counters.filtered["duplicate_source_chunk"] == 1
+    assert slot.core.counters.events_filtered["duplicate_source_chunk"] == 1
     assert slot.core.counters.dropped_events == 0
     # A multi-chunk duplicate is dropped chunk by chunk.
     slot.core.handle_ingress(chunk(1, 6, [store(W, None, 1, 1)], final=False))
@@ -404,7 +404,7 @@ def test_duplicate_raw_batch_is_dropped_without_applying() -> None:
     slot.core.handle_ingress(chunk(1, 7, [store(W, None, 5, 5)]))
     assert slot.ids() == [1, 2, 3, 4, 5]
     assert slot.core.counters.dropped_events == 0
-    assert slot.core.counters.filtered["duplicate_source_chunk"] == 3
+    assert slot.core.counters.events_filtered["duplicate_source_chunk"] == 3
     assert slot.core.counters.restarts == 0
 
 
@@ -480,8 +480,8 @@ def test_statistics_is_a_frozen_snapshot_of_the_counters() -> None:
     slot.core.counters.count_filtered("stale_generation")
     slot.core.counters.quarantines["operator quarantine"] += 1
     # Later counting changes neither the snapshot's scalars nor its labelled counters.
-    assert before.filtered == {} and before.quarantines == {"operator quarantine": 1}
-    assert slot.core.statistics().filtered == {"stale_generation": 1}
+    assert before.events_filtered == {} and before.quarantines == {"operator quarantine": 1}
+    assert slot.core.statistics().events_filtered == {"stale_generation": 1}
 
 
 # -- one event larger than a chunk (issue #14) ------------------------------------------------------
