@@ -127,14 +127,6 @@ class SlotCoordinator:
         return self.lease.last_taken
 
     @property
-    def worker_domain_failed(self) -> bool:
-        return self.trust.worker_failed
-
-    @property
-    def source_failed(self) -> bool:
-        return self.trust.source_failed
-
-    @property
     def cursor(self) -> SourceCursorTracker:
         return self._continuity.tracker
 

@@ -217,7 +217,7 @@ def test_oversized_envelope_fails_the_source() -> None:
         slot.core.handle_ingress(chunk(1, 1, [store(W, None, 99, 9)] * 129))
     assert slot.withdrawals == [1]
     assert slot.core.counters.quarantines == {"oversized ingress envelope": 1}
-    assert slot.core.source_failed and slot.core.worker_domain_failed
+    assert slot.core.trust.source_failed and slot.core.trust.worker_failed
     big = PlacementEvent(Removed(tuple(range(8193))), HP, W, 3)
     other = Slot()
     other.core.attach(attachment_for(FIRST))
@@ -303,7 +303,7 @@ def test_barrier_publication_failure_at_attach() -> None:
     assert slot.sink.calls == 1
     assert slot.index.current_event_id() == 1
     assert slot.current().outbound_cursor == 1
-    assert slot.core.worker_domain_failed
+    assert slot.core.trust.worker_failed
 
 
 def test_final_barrier_failure_keeps_the_attachment_and_retires_the_worker_domain() -> None:
@@ -315,7 +315,7 @@ def test_final_barrier_failure_keeps_the_attachment_and_retires_the_worker_domai
         slot.core.complete_detach(1, [])
     assert slot.withdrawals == [1]
     assert slot.current().attachment is not None
-    assert slot.core.worker_domain_failed
+    assert slot.core.trust.worker_failed
     assert slot.current().outbound_cursor == 2
 
 
@@ -327,7 +327,7 @@ def test_cache_owner_clear_publication_failure_fails_cache_owner_closed() -> Non
         slot.core.handle_ingress(chunk(1, 1, [PlacementEvent(CLEARED, DEVICE, C, 3)]))
     assert slot.withdrawals == [1]
     assert not slot.current().cache_owner_ready
-    assert not slot.core.worker_domain_failed
+    assert not slot.core.trust.worker_failed
     assert slot.core.counters.quarantines == {"reset barrier publication failed": 1}
 
 
