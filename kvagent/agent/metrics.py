@@ -262,7 +262,12 @@ _SLOT_GAUGES: tuple[tuple[str, str, _Reading], ...] = (
 )
 # Per-slot families with a second label: (name, help, label, the counts by that label).
 _SLOT_LABELLED: tuple[tuple[str, str, str, Callable[[_SlotView], Mapping[str, int]]], ...] = (
-    ("events_filtered", "Events filtered, by reason", "reason", lambda v: v.statistics.coordinator.events_filtered),
+    (
+        "events_filtered",
+        "Events filtered, by reason",
+        "reason",
+        lambda v: v.statistics.coordinator.events_filtered,
+    ),
     ("quarantines", "Quarantines, by reason", "reason", lambda v: v.statistics.coordinator.quarantines),
 )
 
