@@ -109,7 +109,7 @@ async def _run_agent(publisher: Publisher, *, paced: tuple[float, float] | None,
                 listener=_attrs_dict(listener),
                 dropped_events=counters.dropped_events,
                 source_losses=counters.source_losses,
-                filtered=dict(counters.filtered),
+                filtered=dict(counters.events_filtered),
                 quarantines=dict(counters.quarantines),
             )
             return result

@@ -45,7 +45,7 @@ def run(result: FigureResult, *, quick: bool) -> None:
     on = [run["applied"] / run["seconds"] for run in persisted]
     cpu_off = [1e6 * run["cpu_seconds"] / run["applied"] for run in memory]
     cpu_on = [1e6 * run["cpu_seconds"] / run["applied"] for run in persisted]
-    live = [run["persistence"]["bytes"] / max(1, run["resident_blocks"]) for run in persisted]
+    live = [run["persistence"]["disk_bytes"] / max(1, run["resident_blocks"]) for run in persisted]
     closed = [run["closed_disk_bytes"] / max(1, run["resident_blocks"]) for run in persisted]
     trailing = [run["persisted_seconds"] - run["seconds"] for run in persisted]
     result.rows += [

@@ -27,14 +27,12 @@ import trio
 from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.ads import attachment_advertisement
 from kvagent.discovery.base import Discovery, DiscoveryRecord
-from kvagent.discovery.withdrawal import AttachmentRecordHolder
+from kvagent.discovery.withdrawal import INITIAL_BACKOFF, MAX_BACKOFF, AttachmentRecordHolder
 from kvagent.model.errors import KvAgentError
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import Attachment
 
 __all__ = [
-    "AD_RETRY_INITIAL",
-    "AD_RETRY_MAX",
     "AttachmentAdKeeper",
     "advertised_host",
     "advertised_zmq_endpoint",
@@ -45,9 +43,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-
-AD_RETRY_INITIAL = 0.1  # backoff after a failed registration, doubling up to AD_RETRY_MAX
-AD_RETRY_MAX = 5.0
 
 # Bind addresses that mean "every interface": no client can connect to them, so they are never advertised.
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
@@ -203,7 +198,7 @@ class AttachmentAdKeeper:
         """Each time the ad falls due, ``register()`` (the slot task runs :meth:`register_due`); failures
         back off.  Ends when the slot refuses (it is shutting down)."""
         task_status.started()
-        delay = AD_RETRY_INITIAL
+        delay = INITIAL_BACKOFF
         while True:
             await self._wait_until_due()
             try:
@@ -212,9 +207,9 @@ class AttachmentAdKeeper:
                 return  # the slot task is shutting down: nothing will be due any more
             if outcome is False:
                 await trio.sleep(delay)
-                delay = min(delay * 2, AD_RETRY_MAX)
+                delay = min(delay * 2, MAX_BACKOFF)
             elif outcome:
-                delay = AD_RETRY_INITIAL
+                delay = INITIAL_BACKOFF
 
     async def register_due(self) -> bool | None:
         """The slot task's step: register the ad if it is (still) due.

@@ -221,7 +221,7 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
     (
         "stale_withdrawals",
         "Withdrawal requests fenced off (another generation's advertisement)",
-        lambda v: v.statistics.withdrawal.stale_noops,
+        lambda v: v.statistics.withdrawal.stale_withdrawals,
     ),
     (
         "required_withdrawals",
@@ -262,7 +262,12 @@ _SLOT_GAUGES: tuple[tuple[str, str, _Reading], ...] = (
 )
 # Per-slot families with a second label: (name, help, label, the counts by that label).
 _SLOT_LABELLED: tuple[tuple[str, str, str, Callable[[_SlotView], Mapping[str, int]]], ...] = (
-    ("events_filtered", "Events filtered, by reason", "reason", lambda v: v.statistics.coordinator.filtered),
+    (
+        "events_filtered",
+        "Events filtered, by reason",
+        "reason",
+        lambda v: v.statistics.coordinator.events_filtered,
+    ),
     ("quarantines", "Quarantines, by reason", "reason", lambda v: v.statistics.coordinator.quarantines),
 )
 
@@ -362,7 +367,7 @@ _PERSISTENCE: tuple[tuple[str, str, bool, Callable[[PersistenceStatistics], int]
     ),
     ("persisted_id", "Newest outbound event id in the state file", False, lambda p: p.persisted_id),
     ("lag_events", "Applied outbound ids not yet in the state file", False, lambda p: p.lag_events),
-    ("disk_bytes", "Bytes of the state file (with its WAL)", False, lambda p: p.bytes),
+    ("disk_bytes", "Bytes of the state file (with its WAL)", False, lambda p: p.disk_bytes),
     ("lease_end", "End of the leased outbound id block (ids stay below it)", False, lambda p: p.lease_end),
     ("appends", "Append transactions committed", True, lambda p: p.appends),
     ("snapshots", "Compacted snapshots written", True, lambda p: p.snapshots),

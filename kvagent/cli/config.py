@@ -705,11 +705,6 @@ def _raise(errors: tuple[str, ...], context: str | None = None) -> NoReturn:
 # -- validation ------------------------------------------------------------------------------------
 
 
-def _check(errors: list[str], path: str, problem: str | None) -> None:
-    if problem is not None:
-        errors.append(f"{path}: {problem}")
-
-
 def _republish_endpoints(errors: list[str], path: str, slot: SlotConfig) -> list[tuple[str, str]]:
     """Check ``[slots.republish]``; the endpoints this slot binds (offset by its dp_rank) with their key paths."""
     republish = slot.republish

@@ -17,7 +17,7 @@ class CoordinatorStatistics:
         events_in: placement events taken from ingress chunks.
         events_published: RouterEvents the sink accepted.
         events_out_ids: outbound event ids assigned (published or not).
-        filtered: events dropped before publication, by reason.
+        events_filtered: events dropped before publication, by reason.
         dropped_events: raw batches lost to source cursor gaps (``engines_dropped_events``).
         quarantines: quarantines of an attachment, by reason.
         attachments: attachments that became ready.
@@ -39,7 +39,7 @@ class CoordinatorStatistics:
     events_in: int
     events_published: int
     events_out_ids: int
-    filtered: Mapping[str, int]
+    events_filtered: Mapping[str, int]
     dropped_events: int
     quarantines: Mapping[str, int]
     attachments: int
@@ -64,7 +64,7 @@ class CoordinatorCounters:
     events_in: int = 0
     events_published: int = 0
     events_out_ids: int = 0
-    filtered: dict[str, int] = attrs.Factory(dict)
+    events_filtered: dict[str, int] = attrs.Factory(dict)
     dropped_events: int = 0
     quarantines: dict[str, int] = attrs.Factory(dict)
     attachments: int = 0
@@ -81,7 +81,7 @@ class CoordinatorCounters:
 
     def count_filtered(self, reason: str, n: int = 1) -> None:
         if n:
-            self.filtered[reason] = self.filtered.get(reason, 0) + n
+            self.events_filtered[reason] = self.events_filtered.get(reason, 0) + n
 
     def statistics(self, *, ingress_queue_depth: int = 0, ingress_bytes: int = 0) -> CoordinatorStatistics:
         # asdict copies the labelled counters, so the snapshot never changes afterwards.

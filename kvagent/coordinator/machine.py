@@ -25,7 +25,7 @@ from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCurso
 from kvagent.coordinator.dedup import DedupFilter
 from kvagent.coordinator.fastpath import apply_plain_chunk, is_plain_chunk
 from kvagent.coordinator.lease import OutboundIdLease
-from kvagent.coordinator.signals import SourceProgress, SourceSignalHandling
+from kvagent.coordinator.signals import LISTENER_TERMINATED, SlotTrust, SourceProgress
 from kvagent.model.errors import CoordinatorError
 from kvagent.model.events import (
     CLEARED,
@@ -68,13 +68,18 @@ class LocalIndex(Protocol):
     def current_event_id(self) -> int: ...
 
 
-class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
+class SlotCoordinator:
     """Sans-IO coordinator of one stable DP slot; see the module docstring.
 
     ``first_outbound_id`` is where a restarted agent's ids continue; ``lease_end`` (None: no lease) is the
     first id it may not stamp until :meth:`set_lease_end` moves it (the Trio shell waits for that, using
     :meth:`ids_needed`, before it hands over work that could cross it).
+
+    Its parts: ``lease`` (:class:`~kvagent.coordinator.lease.OutboundIdLease`, the outbound ids) and
+    ``trust`` (:class:`~kvagent.coordinator.signals.SlotTrust`, what its applied state can be trusted for).
     """
+
+    ids_needed = staticmethod(OutboundIdLease.ids_needed)
 
     def __init__(
         self,
@@ -89,35 +94,20 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         first_outbound_id: int = 1,
         lease_end: int | None = None,
     ) -> None:
-        if not 1 <= first_outbound_id < U64_MAX:
-            raise ValueError(f"first_outbound_id must be in [1, U64_MAX), got {first_outbound_id}")
+        self.lease = OutboundIdLease(first_outbound_id, lease_end)
         self.identity = identity
         self.slot_rank = slot_rank
         self.index = index
         self.sink = sink
         self._on_status = on_status
-        self.strict_cache_owner = strict_cache_owner
+        self.trust = SlotTrust(strict_cache_owner)
         self.counters = CoordinatorCounters()
         self._request_withdrawal = request_withdrawal
         self._attachment: Attachment | None = None
         self._ingress_generation: int | None = None
-        self._next_outbound_id = first_outbound_id
-        self._lease_end = lease_end
-        # _take_outbound_id's single bound: the lease end, or U64_MAX (never an id) without a lease.
-        self._id_limit = U64_MAX if lease_end is None else min(lease_end, U64_MAX)
         self._next_attachment_generation = 1
         self._continuity = SourceContinuity(self.counters)
         self._dedup = DedupFilter()
-        # The three failure flags are never cleared for the life of the agent (3.1).
-        self._worker_domain_failed = False
-        self._cache_owner_domain_failed = False
-        self._source_failed = False
-        # strict_cache_owner: an unrepaired source loss makes CacheOwner untrusted until the next attach, or
-        # until the source is READY again after a Worker reset that followed the loss.
-        self._cache_owner_untrusted = False
-        self._reset_since_loss = False
-        self._cache_owner_resyncing = False
-        self._source_progress: SourceProgress | None = None
         self._batching_ingress = False
         self._status_dirty = False
         # The batch-level path for plain chunks (coordinator/fastpath.py); False: every chunk takes the general
@@ -134,15 +124,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
 
     @property
     def outbound_cursor(self) -> int:
-        return self._next_outbound_id - 1
-
-    @property
-    def worker_domain_failed(self) -> bool:
-        return self._worker_domain_failed
-
-    @property
-    def source_failed(self) -> bool:
-        return self._source_failed
+        return self.lease.last_taken
 
     @property
     def cursor(self) -> SourceCursorTracker:
@@ -159,6 +141,29 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
     def bind_ingress_queue_depth(self, probe: Callable[[], int]) -> None:
         self._ingress_queue_depth = probe
 
+    # -- the outbound id lease (lease.py) ----------------------------------------------------------
+
+    @property
+    def lease_end(self) -> int | None:
+        return self.lease.lease_end
+
+    def set_lease_end(self, lease_end: int) -> None:
+        """The persisted lease now reaches ``lease_end`` (it never moves back)."""
+        self.lease.set_lease_end(lease_end)
+
+    def ids_available(self) -> int | None:
+        """Ids that may still be stamped under the lease (None: no lease)."""
+        return self.lease.ids_available()
+
+    def source_progress(self) -> SourceProgress | None:
+        """(generation, engine seq, digest) of the last batch applied with complete history, or None.
+
+        Updated when the final chunk of a batch is handled (also when dedup left nothing to publish);
+        None after any Worker barrier (attach, detach, reset, in-place restart) or a degradation, until a
+        batch completes again while not degraded.
+        """
+        return self.trust.progress
+
     # -- control commands (3.3) --------------------------------------------------------------------
 
     def attach(self, attachment: Attachment, *, resume: tuple[int, int] | None = None) -> Attachment:
@@ -169,7 +174,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         same point, proves the same engine or sends the reset itself); the source shows DISCONNECTED and
         CacheOwner is unready until the source is READY.
         """
-        if self._worker_domain_failed:
+        if self.trust.worker_failed:
             raise CoordinatorError("Worker domain is retired after a local/publish failure", code="internal")
         if self._attachment is not None:
             raise CoordinatorError("KV state agent already has an attachment", code="conflict")
@@ -192,14 +197,10 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         else:
             barrier_cursor = self.outbound_cursor
             attachment = attrs.evolve(attachment, source_state=SourceState.DISCONNECTED)
-            self._source_progress = (generation, *resume)
         attachment = attrs.evolve(attachment, ready=True, ready_at_outbound_cursor=barrier_cursor)
         self._ingress_generation = generation
-        # A fresh cursor does not prove CacheOwner continuity: CacheOwner stays advisory.
         self._continuity.reset()
-        self._cache_owner_untrusted = False
-        self._reset_since_loss = False
-        self._cache_owner_resyncing = resume is not None
+        self.trust.attached(generation, resume)
         self._attachment = attachment
         self.counters.attachments += 1
         self._publish_status()
@@ -209,7 +210,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         try:
             return self._apply_and_publish_reset(attachment.worker)
         except CoordinatorError as error:
-            self._worker_domain_failed = True
+            self.trust.fail_worker()
             self._quarantine(attachment.generation, "attach reset transaction failed")
             raise CoordinatorError(
                 "failed to establish Worker reset barrier before attach", code="internal"
@@ -231,7 +232,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         self._dedup.seed(ResidencyDomain.WORKER, worker_blocks)
         # The restored CacheOwner state is the persisted one: unready until a resumed attach is proven (a
         # fresh attach makes it advisory again, as any fresh attach does).
-        self._cache_owner_resyncing = True
+        self.trust.restored()
         self._publish_status()
 
     def begin_detach(self, generation: int) -> None:
@@ -254,7 +255,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         try:
             cursor = self._apply_and_publish_reset(attachment.worker)
         except CoordinatorError as error:
-            self._worker_domain_failed = True
+            self.trust.fail_worker()
             self._publish_status()
             raise CoordinatorError(
                 "failed to publish final Worker detach barrier", code="internal"
@@ -280,12 +281,99 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         self._continuity.reset()
         self._publish_status()
 
+    # -- the listener's verdicts about its source (issue #14) ---------------------------------------
+
+    def report_source_loss(self, generation: int, lost_batches: int) -> None:
+        """The listener could not repair ``lost_batches`` raw batches of ``generation`` (a control command;
+        a listener sends ``SourceSignal(lost_batches=...)`` in order with its chunks instead)."""
+        current = self._attachment is not None and self._attachment.generation == generation
+        self._count_source_loss(generation, lost_batches, current=current)
+
+    def handle_signal(self, signal: SourceSignal) -> None:
+        """Act on one verdict about the source of ``signal.generation``, after every chunk admitted before it.
+
+        Ignored (counted) unless the generation is the open attachment. In order: ``reset`` publishes a Worker
+        reset barrier and forgets the source cursor and the Worker dedup; ``lost_batches`` are counted (with
+        strict CacheOwner, CacheOwner is untrusted); ``state`` becomes the attachment's source state;
+        ``quarantine`` ends the attachment.
+        """
+        generation = signal.generation
+        attachment = self._attachment
+        if (
+            attachment is None
+            or attachment.generation != generation
+            or not attachment.ready
+            or self._ingress_generation != generation
+        ):
+            self.counters.signals_ignored += 1
+            log.info("source_signal_ignored", generation=generation, reason=signal.reason)
+            return
+        if signal.reset:
+            self._reset_source(attachment.worker, signal)
+        if signal.lost_batches:
+            self._count_source_loss(generation, signal.lost_batches, current=True)
+        if signal.state is not None:
+            self._set_source_state(signal.state, signal)
+        self._publish_status()
+        if signal.quarantine:
+            self.quarantine(generation, signal.reason or LISTENER_TERMINATED)
+
+    def _reset_source(self, worker: WorkerWithDpRank, signal: SourceSignal) -> None:
+        """Routers drop what may be stale at the barrier; the stream after it rebuilds the Worker state."""
+        self.counters.source_resets += 1
+        log.warning("source_reset", generation=signal.generation, reason=signal.reason)
+        try:
+            barrier_cursor = self._apply_and_publish_reset(worker)
+        except CoordinatorError as error:
+            raise CoordinatorError(
+                "failed to publish Worker source reset barrier", code="internal"
+            ) from error
+        self._continuity.reset()
+        self._dedup.reset_domain(worker.dp_rank, ResidencyDomain.WORKER)
+        self.trust.source_reset()
+        attachment = self._require_attachment()
+        if (signal.state or attachment.source_state) is SourceState.READY:
+            # The stream from the barrier on carries the engine's complete history.
+            self._attachment = attrs.evolve(attachment, ready_at_outbound_cursor=barrier_cursor)
+            if attachment.source_state is SourceState.READY:
+                self._withdraw(attachment.generation)  # the ad names the old cursor; it is registered anew
+
+    def _count_source_loss(self, generation: int, lost_batches: int, *, current: bool) -> None:
+        self.counters.source_losses += lost_batches
+        log.warning("source_batches_lost", generation=generation, lost_batches=lost_batches)
+        if self.trust.batches_lost(lost_batches, current=current):
+            self._publish_status()
+
+    def _set_source_state(self, state: SourceState, signal: SourceSignal) -> None:
+        attachment = self._require_attachment()
+        self.trust.source_state_reported(state)
+        previous = attachment.source_state
+        if state is previous:
+            return
+        if state is SourceState.DEGRADED:
+            self.counters.degradations += 1
+        elif state is SourceState.DISCONNECTED:
+            self.counters.disconnects += 1
+        else:
+            self.counters.resyncs += 1
+        self._attachment = attrs.evolve(attachment, source_state=state)
+        log.warning(
+            "attachment_source_state",
+            generation=attachment.generation,
+            state=state.value,
+            previous=previous.value,
+            reason=signal.reason,
+        )
+        if previous is SourceState.READY:
+            # The attachment advertisement exists only while the attachment is ready.
+            self._withdraw(attachment.generation)
+
     # -- ingress (3.4) -----------------------------------------------------------------------------
 
     def handle_ingress(self, chunk: IngressChunk) -> None:
         self.counters.ingress_chunks += 1
         generation = chunk.generation
-        if self._ingress_generation != generation or self._worker_domain_failed or self._source_failed:
+        if self._ingress_generation != generation or self.trust.ingress_failed:
             raise CoordinatorError(
                 f"ingress is closed for attachment generation {generation}", code="not_ready"
             )
@@ -307,10 +395,10 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         self._apply_and_publish(self._without_failed_cache_owner(chunk.events))
         attachment = self._attachment
         if chunk.final and attachment is not None and attachment.source_state is not SourceState.DEGRADED:
-            self._source_progress = (generation, chunk.source_cursor, chunk.source_digest)
+            self.trust.batch_completed(generation, chunk.source_cursor, chunk.source_digest)
 
     def _without_failed_cache_owner(self, events: Sequence[PlacementEvent]) -> Sequence[PlacementEvent]:
-        if not self._cache_owner_domain_failed:
+        if not self.trust.cache_owner_failed:
             return events
         kept = [event for event in events if event.domain is not ResidencyDomain.CACHE_OWNER]
         self.counters.count_filtered("cache_owner_failed", len(events) - len(kept))
@@ -395,14 +483,12 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         return True
 
     def _fail_source(self, generation: int, reason: str) -> None:
-        self._source_failed = True
-        self._worker_domain_failed = True
-        self._cache_owner_domain_failed = True
+        self.trust.fail_source()
         self._quarantine(generation, reason)
         self._withdraw(generation)
 
     def _fail_cache_owner(self, generation: int, reason: str) -> None:
-        self._cache_owner_domain_failed = True
+        self.trust.fail_cache_owner()
         self._ingress_generation = None
         self._quarantine(generation, reason)
         self._withdraw(generation)
@@ -412,7 +498,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         if domain is ResidencyDomain.CACHE_OWNER:
             self._fail_cache_owner(generation, reason)
             return
-        self._worker_domain_failed = True
+        self.trust.fail_worker()
         self._ingress_generation = None
         self._quarantine(generation, reason)
         self._withdraw(generation)
@@ -429,9 +515,9 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         """Publish a Worker-domain Cleared for ``worker`` as its own chunk; returns its outbound id."""
         barrier = PlacementEvent(CLEARED, StorageTier.DEVICE, ResidencyDomain.WORKER, worker.dp_rank)
         # The Worker state no longer follows any engine batch: nothing to resume from until the next one.
-        self._source_progress = None
+        self.trust.worker_barrier()
         self._apply_and_publish([barrier])
-        return self._next_outbound_id - 1
+        return self.lease.last_taken
 
     def _apply_and_publish(self, placement_events: Sequence[PlacementEvent]) -> None:
         attachment = self._attachment
@@ -439,11 +525,11 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
             raise CoordinatorError("KV state agent has no framework attachment", code="not_ready")
         output: list[RouterEvent] = []
         cleared_domains: list[ResidencyDomain] = []
-        first_id = self._next_outbound_id
+        first_id = self.lease.next_id
         try:
             failed_barrier = self._apply_locally(attachment, placement_events, output, cleared_domains)
         finally:
-            self.counters.events_out_ids += self._next_outbound_id - first_id
+            self.counters.events_out_ids += self.lease.next_id - first_id
         if output:
             self._publish(output, cleared_domains, attachment.generation)
         if self._batching_ingress:
@@ -477,8 +563,8 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
                 placement_events,
                 worker_id=worker_id,
                 owner=owner,
-                first_id=self._next_outbound_id,
-                id_limit=self._id_limit,
+                first_id=self.lease.next_id,
+                id_limit=self.lease.id_limit,
                 dedup=dedup,
                 apply=apply,
                 apply_run=getattr(self.index, "apply_run", None),
@@ -537,18 +623,17 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         return failed_barrier
 
     def _ids_taken(self, next_id: int) -> None:
-        self._next_outbound_id = next_id
+        self.lease.next_id = next_id
 
     def _take_outbound_id(self, generation: int) -> int:
         """The next outbound cursor: strictly increasing, never reused, never U64_MAX."""
-        event_id = self._next_outbound_id
-        if event_id >= self._id_limit:
-            if event_id < U64_MAX:
+        event_id = self.lease.take()
+        if event_id is None:
+            if not self.lease.exhausted_for_good():
                 # Never reached through the Trio shell, which waits for the lease to cover the work first.
                 raise CoordinatorError("outbound id lease exhausted", code="internal")
             self._fail_source(generation, "state-agent outbound cursor exhausted")
             raise CoordinatorError("state-agent outbound cursor exhausted", code="internal")
-        self._next_outbound_id = event_id + 1
         return event_id
 
     def _publish(
@@ -598,12 +683,8 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
             AgentStatus(
                 identity=self.identity,
                 attachment=None if attachment is None else attachment.status(),
-                cache_owner_ready=not (
-                    self._cache_owner_domain_failed
-                    or self._cache_owner_untrusted
-                    or self._cache_owner_resyncing
-                ),
-                outbound_cursor=self._next_outbound_id - 1,
+                cache_owner_ready=self.trust.cache_owner_ready,
+                outbound_cursor=self.lease.last_taken,
             )
         )
 

@@ -15,9 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
+from kvagent.model.ids import MAX_JSON_SAFE_ID
 
 __all__ = [
-    "MAX_JSON_SAFE_ID",
     "Discovery",
     "DiscoveryConflict",
     "DiscoveryError",
@@ -25,7 +25,6 @@ __all__ = [
     "check_topic",
 ]
 
-MAX_JSON_SAFE_ID = (1 << 53) - 1
 # Topics become directory names (file backend) and key segments (etcd), so keep them to a safe alphabet.
 _TOPIC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

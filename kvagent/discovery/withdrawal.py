@@ -17,6 +17,8 @@ from kvagent.model.events import KV_STATE_ATTACHMENTS_TOPIC
 from kvagent.model.ids import attachment_record_id
 
 __all__ = [
+    "INITIAL_BACKOFF",
+    "MAX_BACKOFF",
     "AttachmentRecordHolder",
     "WithdrawalStatistics",
     "run_withdrawal_supervisor",
@@ -25,7 +27,7 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-INITIAL_BACKOFF = 0.1
+INITIAL_BACKOFF = 0.1  # backoff after a failed discovery call (withdrawal, advertisement), doubling up to:
 MAX_BACKOFF = 5.0
 
 
@@ -36,13 +38,13 @@ class WithdrawalStatistics:
     Attributes:
       withdrawals: generations whose attachment ad the supervisor unregistered.
       retries: failed withdrawal attempts (supervisor and required withdrawals) that were retried.
-      stale_noops: supervisor requests fenced off: no ad held, or it belongs to another generation.
+      stale_withdrawals: supervisor requests fenced off: no ad held, or it belongs to another generation.
       required_withdrawals: successful :func:`unregister_required` withdrawals.
     """
 
     withdrawals: int
     retries: int
-    stale_noops: int
+    stale_withdrawals: int
     required_withdrawals: int
 
 
@@ -55,14 +57,14 @@ class AttachmentRecordHolder:
         # Plain counters bumped by the withdrawal paths (count_*); statistics() snapshots them.
         self._withdrawals = 0
         self._retries = 0
-        self._stale_noops = 0
+        self._stale_withdrawals = 0
         self._required_withdrawals = 0
 
     def statistics(self) -> WithdrawalStatistics:
         return WithdrawalStatistics(
             withdrawals=self._withdrawals,
             retries=self._retries,
-            stale_noops=self._stale_noops,
+            stale_withdrawals=self._stale_withdrawals,
             required_withdrawals=self._required_withdrawals,
         )
 
@@ -91,7 +93,7 @@ class AttachmentRecordHolder:
         self._required_withdrawals += 1
 
     def count_stale_noop(self) -> None:
-        self._stale_noops += 1
+        self._stale_withdrawals += 1
 
     def count_withdrawal(self) -> None:
         self._withdrawals += 1

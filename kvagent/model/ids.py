@@ -21,6 +21,7 @@ import blake3
 from kvagent.model.errors import IdentityError
 
 __all__ = [
+    "MAX_JSON_SAFE_ID",
     "derive_worker_id",
     "CacheOwnerId",
     "CacheSemanticsId",
@@ -42,7 +43,7 @@ __all__ = [
 MAX_IDENTITY_ENTRIES = 32
 MAX_IDENTITY_KEY_BYTES = 128
 MAX_IDENTITY_VALUE_BYTES = 1024
-JSON_SAFE_MASK = (1 << 53) - 1
+MAX_JSON_SAFE_ID = (1 << 53) - 1  # the largest integer JSON readers keep exactly (also a mask)
 
 STABLE_DP_SLOT_TAG = b"kvagent/stable-dp-slot/explicit/v1"
 CACHE_SEMANTICS_TAGS = {
@@ -336,7 +337,7 @@ def derive_worker_id(slot: str, endpoint: str) -> int:
 
 def _record_id(tag: bytes, *values: int) -> int:
     digest = blake3.blake3(tag + b"".join(struct.pack(">Q", v) for v in values)).digest()
-    record_id = int.from_bytes(digest[:8], "big") & JSON_SAFE_MASK
+    record_id = int.from_bytes(digest[:8], "big") & MAX_JSON_SAFE_ID
     return record_id or 1
 
 
@@ -346,4 +347,4 @@ def attachment_record_id(publisher_id: int, generation: int) -> int:
 
 def new_publisher_id() -> int:
     """A fresh, JSON-safe (< 2^53), non-zero publisher id for one agent incarnation."""
-    return (secrets.randbits(53) & JSON_SAFE_MASK) or 1
+    return (secrets.randbits(53) & MAX_JSON_SAFE_ID) or 1

@@ -103,13 +103,13 @@ class PersistenceStatistics:
     persisted_id: int
     appends: int
     snapshots: int
-    bytes: int
+    disk_bytes: int
     failures: int
     lag_events: int
     lease_end: int
 
     def status(self) -> PersistenceStatus:
-        return PersistenceStatus(self.state.value, self.persisted_id, self.lag_events, self.bytes)
+        return PersistenceStatus(self.state.value, self.persisted_id, self.lag_events, self.disk_bytes)
 
 
 MIRROR_RETRY = 0.05
@@ -157,7 +157,7 @@ class PersistenceWriter:
         self._appends = 0
         self._snapshots = 0
         self._failures = 0
-        self._bytes = 0
+        self._disk_bytes = 0
         self._lock = trio.Lock()  # one thread at a time on the slot's connection
         # The events applied since the last write, collected by an index subscription (the index's ring is
         # far too short to be read back at burst rates).
@@ -176,7 +176,7 @@ class PersistenceWriter:
             persisted_id=self._persisted_id,
             appends=self._appends,
             snapshots=self._snapshots,
-            bytes=self._bytes,
+            disk_bytes=self._disk_bytes,
             failures=self._failures,
             lag_events=max(0, self._index.current_event_id() - self._persisted_id),
             lease_end=self._lease_end,
@@ -208,7 +208,7 @@ class PersistenceWriter:
         self._follow()
         if self._index.current_event_id() != self._persisted_id:
             self._needs_snapshot = True  # applied before we followed: only a snapshot holds those
-        self._bytes = await trio.to_thread.run_sync(self._store.disk_bytes)
+        self._disk_bytes = await trio.to_thread.run_sync(self._store.disk_bytes)
         task_status.started()
         await self._loop()
 
@@ -276,7 +276,7 @@ class PersistenceWriter:
                 self._suffix += len(tail)
             self._persisted_id = max(self._persisted_id, current)
             self._persisted_progress = progress
-            self._bytes = await trio.to_thread.run_sync(self._store.disk_bytes)
+            self._disk_bytes = await trio.to_thread.run_sync(self._store.disk_bytes)
 
     def _snapshot_due(self, current: int) -> bool:
         if self._needs_snapshot:

@@ -90,7 +90,7 @@ class RepublishStatistics:
     ranges_served: int
     snapshots_open: int = 0
     deferred_batches: int = 0  # published batches waiting for open snapshots before reaching the mirror
-    resyncs_published: int = 0  # whole-state resyncs published as live batches (see publish_resync)
+    resyncs_published: int = 0  # whole-state resyncs published as live batches (begin_resync, finish_resync)
     resync_batches: int = 0  # the batches (and seqs) they took
     resync_bytes: int = 0  # their payload bytes
 
@@ -370,10 +370,6 @@ class RepublishState:
             return published
         finally:
             build.close()
-
-    def publish_resync(self) -> list[tuple[int, bytes]]:
-        """:meth:`begin_resync` and :meth:`finish_resync` in one step."""
-        return self.finish_resync(self.begin_resync())
 
     def _append_ring(self, seq: int, payload: bytes) -> None:
         ring = self._ring

@@ -18,9 +18,10 @@ import trio
 
 import kvagent.discovery.etcd
 from kvagent.discovery import FileDiscovery, MemoryDiscovery, check_discovery_url, open_discovery
-from kvagent.discovery.base import MAX_JSON_SAFE_ID, Discovery, DiscoveryRecord
+from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.memory import InjectedFailure
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
+from kvagent.model.ids import MAX_JSON_SAFE_ID
 
 TOPIC = "kv-state-sources-v2"
 OTHER_TOPIC = "kv-state-attachments-v2"

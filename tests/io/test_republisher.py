@@ -696,7 +696,7 @@ def test_a_resync_build_closed_early_releases_the_mirror() -> None:
     assert state.mirror_current and {b for _, b, _, _ in state.snapshot_blocks()} == {1}
     with pytest.raises(RuntimeError, match="closed"):
         state.finish_resync(build)
-    assert state.publish_resync()[0][0] == 2  # a later resync goes on normally
+    assert state.finish_resync(state.begin_resync())[0][0] == 2  # a later resync goes on normally
 
 
 async def test_a_resync_waits_for_an_open_replay_snapshot_then_goes_out(

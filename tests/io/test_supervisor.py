@@ -116,7 +116,7 @@ async def test_withdrawal_of_the_current_generation_removes_its_record(
     assert set(discovery.records) == {(KV_STATE_SOURCES_TOPIC, PUBLISHER)}  # the source ad is untouched
     assert (
         holder.statistics().withdrawals,
-        holder.statistics().stale_noops,
+        holder.statistics().stale_withdrawals,
         holder.statistics().retries,
     ) == (1, 0, 0)
 
@@ -131,7 +131,7 @@ async def test_a_stale_generation_never_removes_a_newer_record(
     assert holder.record == ad(2)
     assert set(discovery.records) == {ad(2).key}
     assert [a.operation for a in discovery.attempts] == ["register"]  # not even an unregister attempt
-    assert holder.statistics().stale_noops == 1
+    assert holder.statistics().stale_withdrawals == 1
     assert holder.statistics().withdrawals == 0
 
 
@@ -147,7 +147,7 @@ async def test_the_fence_also_checks_the_topic_and_an_empty_holder(
             holder.set(None)
             requests.send_nowait(1)
     assert discovery.records == {impostor.key: impostor}
-    assert holder.statistics().stale_noops == 2
+    assert holder.statistics().stale_withdrawals == 2
 
 
 async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends(
@@ -159,7 +159,7 @@ async def test_queued_requests_are_handled_in_order_before_the_supervisor_ends(
             for generation in (1, 2, 3, 3):
                 requests.send_nowait(generation)
     assert discovery.records == {}
-    assert (holder.statistics().stale_noops, holder.statistics().withdrawals) == (3, 1)
+    assert (holder.statistics().stale_withdrawals, holder.statistics().withdrawals) == (3, 1)
 
 
 async def test_failed_withdrawals_are_retried_with_backoff(

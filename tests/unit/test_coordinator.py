@@ -186,8 +186,8 @@ def test_detach_drain_applies_only_cache_owner_and_discards_other_generations() 
     ]
     assert slot.core.complete_detach(1, queued) == 4
     assert [(e.event_id, e.residency_domain) for e in slot.sink.events] == [(1, W), (2, C), (3, C), (4, W)]
-    assert slot.core.counters.filtered["detach_worker_dropped"] == 1
-    assert slot.core.counters.filtered["stale_generation"] == 1
+    assert slot.core.counters.events_filtered["detach_worker_dropped"] == 1
+    assert slot.core.counters.events_filtered["stale_generation"] == 1
     assert slot.current().attachment is None
 
 
@@ -217,7 +217,7 @@ def test_oversized_envelope_fails_the_source() -> None:
         slot.core.handle_ingress(chunk(1, 1, [store(W, None, 99, 9)] * 129))
     assert slot.withdrawals == [1]
     assert slot.core.counters.quarantines == {"oversized ingress envelope": 1}
-    assert slot.core.source_failed and slot.core.worker_domain_failed
+    assert slot.core.trust.source_failed and slot.core.trust.worker_failed
     big = PlacementEvent(Removed(tuple(range(8193))), HP, W, 3)
     other = Slot()
     other.core.attach(attachment_for(FIRST))
@@ -261,7 +261,7 @@ def test_cache_owner_fault_filters_cache_owner_forever_but_allows_a_new_attach()
         )
     )
     assert [(e.event_id, e.residency_domain) for e in slot.sink.events][-1] == (5, W)
-    assert slot.core.counters.filtered["cache_owner_failed"] == 2
+    assert slot.core.counters.events_filtered["cache_owner_failed"] == 2
     assert slot.owner_dump_events() == []
     assert not slot.current().cache_owner_ready
 
@@ -303,7 +303,7 @@ def test_barrier_publication_failure_at_attach() -> None:
     assert slot.sink.calls == 1
     assert slot.index.current_event_id() == 1
     assert slot.current().outbound_cursor == 1
-    assert slot.core.worker_domain_failed
+    assert slot.core.trust.worker_failed
 
 
 def test_final_barrier_failure_keeps_the_attachment_and_retires_the_worker_domain() -> None:
@@ -315,7 +315,7 @@ def test_final_barrier_failure_keeps_the_attachment_and_retires_the_worker_domai
         slot.core.complete_detach(1, [])
     assert slot.withdrawals == [1]
     assert slot.current().attachment is not None
-    assert slot.core.worker_domain_failed
+    assert slot.core.trust.worker_failed
     assert slot.current().outbound_cursor == 2
 
 
@@ -327,7 +327,7 @@ def test_cache_owner_clear_publication_failure_fails_cache_owner_closed() -> Non
         slot.core.handle_ingress(chunk(1, 1, [PlacementEvent(CLEARED, DEVICE, C, 3)]))
     assert slot.withdrawals == [1]
     assert not slot.current().cache_owner_ready
-    assert not slot.core.worker_domain_failed
+    assert not slot.core.trust.worker_failed
     assert slot.core.counters.quarantines == {"reset barrier publication failed": 1}
 
 
@@ -358,7 +358,7 @@ def test_swallowed_removes_consume_no_id_but_refresh_status() -> None:
 def test_outbound_cursor_exhaustion_fails_the_source() -> None:
     slot = Slot()
     slot.core.attach(attachment_for(FIRST))
-    slot.core._next_outbound_id = (1 << 64) - 1
+    slot.core.lease.next_id = (1 << 64) - 1
     with pytest.raises(CoordinatorError, match="^state-agent outbound cursor exhausted$"):
         slot.core.handle_ingress(chunk(1, 1, [store(W, None, 1, 1)]))
     assert slot.core.counters.quarantines == {"state-agent outbound cursor exhausted": 1}
@@ -393,7 +393,7 @@ def test_duplicate_raw_batch_is_dropped_without_applying() -> None:
     slot.core.handle_ingress(chunk(1, 5, [store(W, None, 101, 11)]))
     slot.core.handle_ingress(chunk(1, 5, [store(W, None, 101, 11)]))
     assert slot.ids() == [1, 2]
-    assert slot.core.counters.filtered["duplicate_source_chunk"] == 1
+    assert slot.core.counters.events_filtered["duplicate_source_chunk"] == 1
     assert slot.core.counters.dropped_events == 0
     # A multi-chunk duplicate is dropped chunk by chunk.
     slot.core.handle_ingress(chunk(1, 6, [store(W, None, 1, 1)], final=False))
@@ -404,7 +404,7 @@ def test_duplicate_raw_batch_is_dropped_without_applying() -> None:
     slot.core.handle_ingress(chunk(1, 7, [store(W, None, 5, 5)]))
     assert slot.ids() == [1, 2, 3, 4, 5]
     assert slot.core.counters.dropped_events == 0
-    assert slot.core.counters.filtered["duplicate_source_chunk"] == 3
+    assert slot.core.counters.events_filtered["duplicate_source_chunk"] == 3
     assert slot.core.counters.restarts == 0
 
 
@@ -480,8 +480,8 @@ def test_statistics_is_a_frozen_snapshot_of_the_counters() -> None:
     slot.core.counters.count_filtered("stale_generation")
     slot.core.counters.quarantines["operator quarantine"] += 1
     # Later counting changes neither the snapshot's scalars nor its labelled counters.
-    assert before.filtered == {} and before.quarantines == {"operator quarantine": 1}
-    assert slot.core.statistics().filtered == {"stale_generation": 1}
+    assert before.events_filtered == {} and before.quarantines == {"operator quarantine": 1}
+    assert slot.core.statistics().events_filtered == {"stale_generation": 1}
 
 
 # -- one event larger than a chunk (issue #14) ------------------------------------------------------

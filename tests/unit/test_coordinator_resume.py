@@ -214,7 +214,7 @@ def test_ids_at_or_above_the_lease_end_are_never_stamped() -> None:
     with pytest.raises(CoordinatorError, match="lease exhausted"):
         restored.core.handle_ingress(chunk(2, 13, [store(W, None, 303, 3)]))
     assert max(event.event_id for event in restored.sink.events) == 101
-    assert not restored.core.worker_domain_failed and not restored.core.source_failed
+    assert not restored.core.trust.worker_failed and not restored.core.trust.source_failed
     restored.core.set_lease_end(101)
     assert restored.core.lease_end == 102, "the lease never moves back"
     restored.core.set_lease_end(200)

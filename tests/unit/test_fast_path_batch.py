@@ -213,7 +213,7 @@ def test_plain_chunks_take_the_fast_path_and_agree() -> None:
     published = lockstep.fast.sink.events
     assert [type(event.data) for event in published[1:]] == [Stored, Stored, Removed]
     counters = lockstep.fast.core.counters.statistics(ingress_queue_depth=0, ingress_bytes=0)
-    assert counters.filtered == {}  # the partial remove was trimmed, not swallowed
+    assert counters.events_filtered == {}  # the partial remove was trimmed, not swallowed
     lockstep.feed([PlacementEvent(Removed((99,)), DEVICE, W, SLOT_RANK)])  # unknown hash: passed through
 
 

@@ -25,7 +25,7 @@ COORDINATOR = CoordinatorStatistics(
     events_in=10,
     events_published=11,
     events_out_ids=12,
-    filtered={"attention_group": 3},
+    events_filtered={"attention_group": 3},
     dropped_events=4,
     quarantines={"rank mismatch": 1},
     attachments=2,
@@ -79,7 +79,7 @@ class _Slot:
             coordinator=COORDINATOR,
             listener=LISTENER if self.attached else None,
             withdrawal=WithdrawalStatistics(
-                withdrawals=20, retries=21, stale_noops=22, required_withdrawals=23
+                withdrawals=20, retries=21, stale_withdrawals=22, required_withdrawals=23
             ),
         )
 

@@ -30,7 +30,6 @@ from kvagent.vllm.decode import (
 from kvagent.vllm.normalize import AttachmentNormalizer
 from kvagent.wire.vllm_events import (
     END_SEQ,
-    SNAPSHOT_REQUEST,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -256,7 +255,3 @@ def test_snapshot_payloads_hold_at_most_max_blocks() -> None:
 def test_snapshot_rejects_a_zero_payload_bound() -> None:
     with pytest.raises(ValueError, match="max_blocks"):
         list(encode_snapshot_batches([], ts=1.0, dp_rank=0, block_size=2, max_blocks=0))
-
-
-def test_constants() -> None:
-    assert END_SEQ == b"\xff" * 8 and len(SNAPSHOT_REQUEST) == 8
