@@ -10,8 +10,18 @@ ones it holds, and closes and re-opens the SUB, which also discards libzmq's que
 queue for it), so a listener that cannot keep up reads fresh batches again instead of ever older ones.
 The loss becomes a gap like any other, repaired from the replay socket or reported. Memory never grows.
 With ``shed_after`` > 0 the reader first stops reading for up to that long (a burst then waits in libzmq's
-queue, whose RCVHWM is fitted to the largest message seen so it holds about a quarter of the bound, and
-in the engine's send HWM) and sheds only if the processor has not made room by then.
+queue and in the engine's send HWM) and sheds only if the processor has not made room by then.
+
+libzmq's queue is bounded in messages (RCVHWM). Each SUB is opened with an RCVHWM fitted to the largest
+message seen so far, so that it holds about a quarter of the bound; it is never changed on a connected
+socket: libzmq (4.3) applies a changed RCVHWM to the live pipe, whose writer then waits for a read report
+at a multiple of the new low-water mark that the reader may already have passed, and the subscription is
+wedged for good (every later batch dropped at the engine's PUB, and nothing arriving to show a gap:
+issue #28). A re-fit takes effect at the next re-open (a shed).
+
+A shed (and its re-open) loses batches the gate never sees: those in flight between the old SUB and the new
+one. ``shed_held`` tells ``SourceSync``, which shows the source not ready until a batch received after the
+shed has been applied in order, so a loss at the very end of a flood is never ready-while-wrong.
 
 The SUB's monitor socket (``get_monitor_socket``) tells when the engine's connection drops
 (``EVENT_DISCONNECTED``) and comes back (``EVENT_HANDSHAKE_SUCCEEDED``). A small task owns the monitor
@@ -336,8 +346,7 @@ class LiveReader:
             put(frames, nbytes)
             self.messages += 1
             if nbytes > self._largest_message:
-                self._largest_message = nbytes
-                self._fit_rcvhwm(sub)
+                self._largest_message = nbytes  # fits the RCVHWM of the next SUB opened (never this one)
             if count % _CHECK_CLOCK_EVERY == 0 and clock() >= slice_end:
                 return _Drained.SLICE_OVER
         raise AssertionError("unreachable")
@@ -361,13 +370,6 @@ class LiveReader:
         fitted = max(_MIN_RCVHWM, (self.bytes_bound // 4) // self._largest_message)
         return fitted if self.rcvhwm == 0 else min(self.rcvhwm, fitted)
 
-    def _fit_rcvhwm(self, sub: TrioSocket) -> None:
-        # libzmq applies a changed RCVHWM to the pipes already connected (since 4.2), not only to new ones.
-        hwm = self._rcvhwm()
-        if hwm != self._current_rcvhwm:
-            self._current_rcvhwm = hwm
-            sub.socket.setsockopt(zmq.RCVHWM, hwm)
-
     def _shed(self) -> None:
         freed = self.inbox.drop_live() + self._shed_held()
         self.sheds += 1
@@ -379,6 +381,7 @@ class LiveReader:
         self._subscription = None
         if old is not None:
             old.close()
+        self._current_rcvhwm = self._rcvhwm()  # set before connecting: see the module docstring
         self._subscription = _Subscription(self.context, self.endpoint, self.topic, self._current_rcvhwm)
         self.inbox.wake()
 
