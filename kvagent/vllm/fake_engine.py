@@ -332,6 +332,21 @@ class FakeVllmEngine:
         self.published += 1
         return seq
 
+    def publish_burst(self, steps: Iterable[Sequence[Event]]) -> list[int]:
+        """Publish several engine steps at once, without yielding: a burst as an engine in its own process
+        sends it, faster than any subscriber on this event loop reads. Returns the seqs used."""
+        seqs = []
+        for events in steps:
+            seq = self.next_seq
+            self.next_seq += 1
+            self.truth.apply(events)
+            payload = self.encode_batch(events)
+            self._send_live([self.topic, seq.to_bytes(8, "big"), payload])
+            self.buffer.append((seq, payload))
+            self.published += 1
+            seqs.append(seq)
+        return seqs
+
     async def publish_frames(self, frames: Sequence[bytes]) -> None:
         """Send raw frames on the live socket (malformed messages; nothing is buffered)."""
         await trio.lowlevel.checkpoint()

@@ -45,7 +45,7 @@ from kvagent.vllm.decode import decode_payload, split_live_frames
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.reader import SLICE_SECONDS, Inbox, LinkItem, LiveItem, LiveReader, ReplayEndItem, ReplyItem
 from kvagent.vllm.replay import ReplayClient, ReplayTimeouts
-from kvagent.vllm.sequence import Apply, CancelReplay, RequestReplay, Signal, SourceSync, SyncStatistics
+from kvagent.vllm.sequence import Action, Apply, CancelReplay, RequestReplay, Signal, SourceSync, SyncStatistics
 
 __all__ = [
     "LISTENER_TERMINATED",
@@ -349,9 +349,12 @@ class _Processor:
     # -- actions --------------------------------------------------------------------------------------
 
     async def _execute(self) -> None:
-        actions = self.sync.take_actions()
-        if not actions:
-            return
+        # Until none are left: while this awaits room, the reader's shed can add actions (its Signal), which
+        # must not wait for the next item to arrive (there may be none: the end of a flood).
+        while actions := self.sync.take_actions():
+            await self._execute_actions(actions)
+
+    async def _execute_actions(self, actions: list[Action[_Batch]]) -> None:
         self.pending_bytes += sum(len(action.message[1]) for action in actions if type(action) is Apply)
         for action in actions:
             kind = type(action)

@@ -141,7 +141,8 @@ class SourceSync(SourceSyncBase[M]):
         self._disconnected = True
         self._c.disconnects += 1
         if self._restore is None:
-            self._restore = self._state
+            # A READY held back after a shed is what the reconnect restores (and _signal holds back again).
+            self._restore = READY if self._ready_when_proven else self._state
         self._state = DISCONNECTED
         self._actions.append(Signal(state=DISCONNECTED, reason="engine disconnected"))
         if self._replay is not None:
@@ -181,7 +182,12 @@ class SourceSync(SourceSyncBase[M]):
         self._settle(now)
 
     def shed(self, now: float) -> int:
-        """Drop every held live batch (byte pressure); they become a gap repaired later. Returns bytes."""
+        """Drop every held live batch (byte pressure); they become a gap repaired later. Returns bytes.
+
+        The shell also dropped its queued live batches and re-opened its SUB, losing those in flight: a loss
+        no later input may ever show (the end of a flood). So the history is unproven, and the source not
+        ready, until a live batch received after the shed has been applied in order (issue #28).
+        """
         freed = self.held_bytes
         self._c.shed_batches += len(self._held) + len(self._deferred)
         self._c.shed_bytes += freed
@@ -189,12 +195,21 @@ class SourceSync(SourceSyncBase[M]):
         self._deferred.clear()
         self.held_bytes = 0
         self._hold_since = None
+        self._c.sheds += 1
+        self._unproven, self._proof_seq = True, None
+        if self._disconnected:
+            pass  # the reconnect shows what _restore holds, and _signal keeps READY back until the proof
+        elif self._state is READY:
+            self._signal(DEGRADED, reason="live batches shed: history unproven until a later batch applies in order")
+            self._ready_when_proven = True
         self._settle(now)
         return freed
 
     # -- live batches ------------------------------------------------------------------------------------
 
     def _live(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        if self._unproven and self._proof_seq is None:
+            self._proof_seq = seq  # received on the SUB opened after the shed
         if self._deferring:
             self._defer(seq, digest, nbytes, message)
             return
@@ -394,6 +409,14 @@ class SourceSync(SourceSyncBase[M]):
             self._lose_history(self._last_run_start(), "replay unavailable")
             self._drain_held(now)
 
+    def _proven(self, now: float) -> None:
+        """A live batch received after the last shed is applied, with everything before it: the history
+        is complete again (what the re-open lost was repaired, or counted lost by a reset)."""
+        self._unproven, self._proof_seq = False, None
+        if self._ready_when_proven:
+            self._ready_when_proven = False
+            self._signal(READY, reason="live batches in order after a shed")
+
     def _repair_done(self, now: float) -> None:
         self._attempts = 0
         if self._restore is not None and not self._disconnected:
@@ -479,6 +502,8 @@ class SourceSync(SourceSyncBase[M]):
                 self._drain_held(now)
         if not self._held:
             self._hold_since = None
+        if self._unproven and self._proof_seq is not None and self._applied >= self._proof_seq:
+            self._proven(now)
         waiting = self._held and self._replay is None and not self._deferring and not self._unanchored
         waiting = waiting and not (self._has_replay and self._disconnected)
         self.deadline = None if not waiting or self._hold_since is None else self._hold_since + self._wait
@@ -490,5 +515,6 @@ class SourceSync(SourceSyncBase[M]):
             or self._unanchored
             or self._await_identity
             or self._disconnected
+            or self._unproven
             or self._applied < 0  # the first apply goes the slow way (it records _ever_applied)
         )

@@ -56,6 +56,7 @@ class SyncCounters:
     replay_stray: int = 0
     shed_batches: int = 0
     shed_bytes: int = 0
+    sheds: int = 0
 
 
 class SourceSyncBase(Generic[M]):
@@ -119,6 +120,13 @@ class SourceSyncBase(Generic[M]):
         self._attempts = 0
         self._refeed_after_reply = False
         self._request_id = 0  # changes with every request and cancel
+        # After a shed (the listener dropped what it held and re-opened its SUB, losing what was in flight):
+        # the history is unproven until a live batch received since then has been applied in order
+        # (``_proof_seq``: the first such batch's seq). Meanwhile READY shows as DEGRADED, and becomes READY
+        # at the proof if nothing else degraded the source (``_ready_when_proven``).
+        self._unproven = False
+        self._proof_seq: int | None = None
+        self._ready_when_proven = False
         self._c = SyncCounters()
         # A restarted agent's resume point (seq, digest of its payload): what it applied before it stopped.
         self._resuming = resume is not None
@@ -225,7 +233,16 @@ class SourceSyncBase(Generic[M]):
         self._ring_seq = [-1] * self._capacity
 
     def _signal(self, state: SourceState | None, *, reset: bool = False, lost: int = 0, reason: str = "") -> None:
-        """Emit a Signal. While disconnected a new state is remembered for after the reconnect instead."""
+        """Emit a Signal. While disconnected a new state is remembered for after the reconnect instead.
+
+        While the history is unproven after a shed, READY is shown as DEGRADED until the proof."""
+        if state is DEGRADED or reset or lost:
+            self._ready_when_proven = False
+        if reset:
+            self._proof_seq = None  # the seqs start anew: the next live batch is the proof to wait for
+        if state is READY and self._unproven:
+            state, reason = DEGRADED, f"{reason}; unproven after a shed"
+            self._ready_when_proven = True
         if state is not None:
             if self._disconnected:
                 self._restore, state = state, None

@@ -19,7 +19,7 @@ from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.events import StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
-from kvagent.vllm.listener import ListenerOptions, ListenerStatistics
+from kvagent.vllm.listener import ListenerCounters, ListenerOptions, ListenerStatistics
 from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import OWNER
 
@@ -102,6 +102,12 @@ class TrustRig:
         """Worker reset barriers published for the listener's verdicts (not the attach barrier, not a
         Cleared the engine itself sent with AllBlocksCleared)."""
         return self.agent.statistics().coordinator.source_resets
+
+    def listener_counters(self) -> ListenerCounters:
+        """The running listener's live counters (its reader and SourceSync), for waits on them."""
+        counters = self.agent._latest_listener_counters
+        assert counters is not None
+        return counters
 
     def listener(self) -> ListenerStatistics:
         stats = self.agent.statistics().listener

@@ -425,6 +425,10 @@ def test_rule8_shed_drops_held_batches_which_become_a_repaired_gap() -> None:
     assert sync.held_bytes == 3 * NBYTES
     assert sync.shed(1.0) == 3 * NBYTES
     assert (sync.held_bytes, sync.deadline) == (0, None)
+    # What the re-opened SUB lost no later batch may ever show: not ready until one applies in order.
+    assert sync.take_actions() == [
+        Signal(state=DEGRADED, reason="live batches shed: history unproven until a later batch applies in order")
+    ]
     assert live(sync, 14, now=1.1) == []
     sync.on_timer(1.2)
     assert sync.take_actions() == [RequestReplay(9)]
