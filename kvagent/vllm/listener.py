@@ -45,7 +45,15 @@ from kvagent.vllm.decode import decode_payload, split_live_frames
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.reader import SLICE_SECONDS, Inbox, LinkItem, LiveItem, LiveReader, ReplayEndItem, ReplyItem
 from kvagent.vllm.replay import ReplayClient, ReplayTimeouts
-from kvagent.vllm.sequence import Action, Apply, CancelReplay, RequestReplay, Signal, SourceSync, SyncStatistics
+from kvagent.vllm.sequence import (
+    Action,
+    Apply,
+    CancelReplay,
+    RequestReplay,
+    Signal,
+    SourceSync,
+    SyncStatistics,
+)
 
 __all__ = [
     "LISTENER_TERMINATED",

@@ -89,29 +89,68 @@ class SourceSync(SourceSyncBase[M]):
         self._settle(now)
 
     def on_replay_reply(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
-        """One data reply of the outstanding request, in the order received."""
+        """One data reply of the outstanding request, in the order received.
+
+        An answer may come out of seq order (an engine whose live batches were swapped buffered them in
+        the order it sent them): a reply ahead of the one awaited is kept (at most ``reorder_window`` of
+        them) until its predecessor comes. Only when more are ahead, or the answer ends without the awaited
+        seq, is it a hole (re-asked) or, for the first seq of the answer, a verdict about the engine.
+        """
         if self._replay is None or seq < self._replay_start:
             self._c.replay_stray += 1
             return
+        request = self._request_id
         if self._first_pending:
-            self._first_pending = False
-            request = self._request_id
-            self._first_reply(seq, digest, now)
-            if self._request_id != request:  # abandoned (a new engine), or nothing left to repair
+            if seq != self._replay_start:
+                self._keep_ahead(seq, digest, nbytes, message)
+                if len(self._ahead) <= self._window:
+                    self._settle(now)  # the start may come next: a reorder within the answer
+                    return
+                seq, digest, nbytes, message = self._take_ahead(min(self._ahead))
+            if not self._resolve_first(seq, digest, now):
                 self._settle(now)
                 return
-        expected = self._applied + 1
-        if seq > expected:  # a hole mid-answer: the ROUTER's send HWM dropped replies
-            self._c.replay_holes += 1
-            self._cancel()
-            self._retry(ReplayPurpose.REPAIR, now)
-        elif seq == expected:
-            self._apply_reply(seq, digest, message, now)
-        # seq < expected: the anchor itself, or a batch already applied from a live copy.
+        self._reply(request, seq, digest, nbytes, message, now)
         if self._refeed_after_reply:
             self._refeed_after_reply = False
             self._refeed(now)
         self._settle(now)
+
+    def _resolve_first(self, seq: int, digest: int, now: float) -> bool:
+        """Interpret the answer's first seq; False if that abandoned the request (a new engine, or done)."""
+        self._first_pending = False
+        request = self._request_id
+        self._first_reply(seq, digest, now)
+        return self._request_id == request
+
+    def _reply(self, request: int, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        expected = self._applied + 1
+        if seq > expected:
+            self._keep_ahead(seq, digest, nbytes, message)
+            if len(self._ahead) > self._window:  # a hole mid-answer: the ROUTER's send HWM dropped replies
+                self._hole(now)
+            return
+        if seq == expected:
+            self._apply_reply(seq, digest, message, now)
+        # seq < expected: the anchor itself, or a batch already applied from a live copy.
+        self._drain_ahead(request, now)
+
+    def _drain_ahead(self, request: int, now: float) -> None:
+        """Apply the replies kept ahead that are now next (while the same request is outstanding)."""
+        ahead = self._ahead
+        while ahead and self._request_id == request:
+            for stale in [kept for kept in ahead if kept <= self._applied]:
+                self._take_ahead(stale)
+            nxt = self._applied + 1
+            if nxt not in ahead:
+                return
+            _, digest, _, message = self._take_ahead(nxt)
+            self._apply_reply(nxt, digest, message, now)
+
+    def _hole(self, now: float) -> None:
+        self._c.replay_holes += 1
+        self._cancel()
+        self._retry(ReplayPurpose.REPAIR, now)
 
     def on_replay_end(self, complete: bool, now: float) -> None:
         """The outstanding request ended: its end marker (``complete``), or a timeout or error."""
@@ -119,8 +158,30 @@ class SourceSync(SourceSyncBase[M]):
         if purpose is None:
             self._c.replay_stray += 1
             return
+        request = self._request_id
+        if self._first_pending and self._ahead:
+            # The requested start never came: the answer's lowest seq is its first. The request has ended
+            # for the shell, so nothing decided now cancels it (no CancelReplay).
+            self._ended = True
+            try:
+                seq, digest, nbytes, message = self._take_ahead(min(self._ahead))
+                if self._resolve_first(seq, digest, now):
+                    self._reply(request, seq, digest, nbytes, message, now)
+                if self._refeed_after_reply:
+                    self._refeed_after_reply = False
+                    self._refeed(now)
+            finally:
+                self._ended = False
+            if self._request_id != request:  # abandoned, finished or asked anew meanwhile
+                self._settle(now)
+                return
+        hole = bool(self._ahead)  # replies after a seq the answer never carried
+        self._clear_ahead()
         self._replay = None
-        if complete and self._first_pending:
+        if hole:
+            self._c.replay_holes += 1
+            self._retry(ReplayPurpose.REPAIR, now)
+        elif complete and self._first_pending:
             self._empty_answer(purpose, now)
         elif complete and not self._held and not self._progress:
             self._repair_done(now)  # only the anchor came back: nothing newer to repair
@@ -189,10 +250,12 @@ class SourceSync(SourceSyncBase[M]):
         ready, until a live batch received after the shed has been applied in order (issue #28).
         """
         freed = self.held_bytes
-        self._c.shed_batches += len(self._held) + len(self._deferred)
+        self._c.shed_batches += len(self._held) + len(self._deferred)  # (replies kept ahead: below)
         self._c.shed_bytes += freed
+        self._c.shed_batches += len(self._ahead)
         self._held.clear()
         self._deferred.clear()
+        self._ahead.clear()
         self.held_bytes = 0
         self._hold_since = None
         self._c.sheds += 1

@@ -104,6 +104,10 @@ class SourceSyncBase(Generic[M]):
         # Live batches received while the engine's identity is in question, in arrival order.
         self._deferred: collections.deque[tuple[int, int, int, M]] = collections.deque()
         self._deferring = False
+        # Replies of the outstanding answer received ahead of the seq awaited (an answer out of seq order):
+        # seq -> (seq, digest, nbytes, message); their bytes count in held_bytes.
+        self._ahead: dict[int, tuple[int, int, int, M]] = {}
+        self._ended = False  # on_replay_end is settling the kept replies of an answer that has ended
         self._unanchored = True
         self._loss_base = 0  # while unanchored: the first seq whose absence counts as lost
         self._ever_applied = False
@@ -157,7 +161,7 @@ class SourceSyncBase(Generic[M]):
             applied_seq=self._applied,
             applied=self._applied_count,
             repaired=self._repaired,
-            held=len(self._held) + len(self._deferred),
+            held=len(self._held) + len(self._deferred) + len(self._ahead),
             held_bytes=self.held_bytes,
             **attrs.asdict(c),
         )
@@ -165,6 +169,21 @@ class SourceSyncBase(Generic[M]):
     def _defer(self, seq: int, digest: int, nbytes: int, message: M) -> None:
         self._deferred.append((seq, digest, nbytes, message))
         self.held_bytes += nbytes
+
+    def _keep_ahead(self, seq: int, digest: int, nbytes: int, message: M) -> None:
+        if seq not in self._ahead:
+            self._ahead[seq] = (seq, digest, nbytes, message)
+            self.held_bytes += nbytes
+
+    def _take_ahead(self, seq: int) -> tuple[int, int, int, M]:
+        item = self._ahead.pop(seq)
+        self.held_bytes -= item[2]
+        return item
+
+    def _clear_ahead(self) -> None:
+        for item in self._ahead.values():
+            self.held_bytes -= item[2]
+        self._ahead.clear()
 
     def _drain_held(self, now: float) -> None:
         held = self._held
@@ -192,6 +211,7 @@ class SourceSyncBase(Generic[M]):
         start = 0 if purpose in (ReplayPurpose.BOOTSTRAP, ReplayPurpose.NEW_ENGINE) else self._applied
         if purpose is ReplayPurpose.REPAIR:
             start += 1
+        self._clear_ahead()
         self._replay, self._replay_start, self._strict = purpose, start, strict
         self._first_pending, self._progress = True, False
         self._request_id += 1
@@ -199,11 +219,13 @@ class SourceSyncBase(Generic[M]):
         self._actions.append(RequestReplay(start))
 
     def _cancel(self) -> None:
+        self._clear_ahead()
         if self._replay is not None:
             self._replay = None
             self._request_id += 1
-            self._c.replay_cancels += 1
-            self._actions.append(CancelReplay())
+            if not self._ended:  # an answer that has ended needs no cancel (and must get none)
+                self._c.replay_cancels += 1
+                self._actions.append(CancelReplay())
 
     def _drop_stale(self) -> None:
         self._cancel()
