@@ -4,8 +4,8 @@ The reader drains the SUB until ``zmq.Again`` (in slices of about a millisecond,
 turn during a flood) into the :class:`Inbox`, which also carries the replay client's replies and the
 engine connection's ups and downs. Everything it holds is counted in payload bytes. When the bytes the
 listener holds — the inbox, the live batches ``SourceSync`` holds back, the batches the processor has
-taken but not yet admitted — pass the bound (half the ingress budget: the coordinator's queue has the
-other half), the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
+taken but not yet admitted — pass the listener's share of the :class:`~kvagent.vllm.budget.IngestBudget`,
+the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
 ones it holds, and closes and re-opens the SUB, which also discards libzmq's queue (and the engine's send
 queue for it), so a listener that cannot keep up reads fresh batches again instead of ever older ones.
 The loss becomes a gap like any other, repaired from the replay socket or reported. Memory never grows.
@@ -13,7 +13,7 @@ With ``shed_after`` > 0 the reader first stops reading for up to that long (a bu
 queue and in the engine's send HWM) and sheds only if the processor has not made room by then.
 
 libzmq's queue is bounded in messages (RCVHWM). Each SUB is opened with an RCVHWM fitted to the largest
-message seen so far, so that it holds about a quarter of the bound; it is never changed on a connected
+message seen so far (:meth:`IngestBudget.rcvhwm`); it is never changed on a connected
 socket: libzmq (4.3) applies a changed RCVHWM to the live pipe, whose writer then waits for a read report
 at a multiple of the new low-water mark that the reader may already have passed, and the subscription is
 wedged for good (every later batch dropped at the engine's PUB, and nothing arriving to show a gap:
@@ -52,6 +52,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import ListenerError
+from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.replay import ReplayReply
 
 __all__ = [
@@ -70,7 +71,6 @@ log = structlog.get_logger(__name__)
 
 SLICE_SECONDS = 0.001
 _CHECK_CLOCK_EVERY = 16  # messages between clock reads while draining
-_MIN_RCVHWM = 4
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
 
@@ -236,7 +236,7 @@ class LiveReader:
         topic: bytes,
         rcvhwm: int,
         inbox: Inbox,
-        bytes_bound: int,
+        budget: IngestBudget,
         held_bytes: Callable[[], int],
         shed_held: Callable[[], int],
         shed_after: float = 0.0,
@@ -248,7 +248,8 @@ class LiveReader:
         self.topic = topic
         self.rcvhwm = rcvhwm
         self.inbox = inbox
-        self.bytes_bound = bytes_bound
+        self.budget = budget
+        self.bytes_bound = budget.listener_bytes
         self.shed_after = shed_after
         self.connect_warning_after = connect_warning_after
         self.coalesce_window = coalesce_window
@@ -364,11 +365,8 @@ class LiveReader:
                 await self.inbox.wait_for_space()
 
     def _rcvhwm(self) -> int:
-        """libzmq's queue in messages, so that it holds about a quarter of the bound in the largest seen."""
-        if self._largest_message == 0:
-            return self.rcvhwm
-        fitted = max(_MIN_RCVHWM, (self.bytes_bound // 4) // self._largest_message)
-        return fitted if self.rcvhwm == 0 else min(self.rcvhwm, fitted)
+        """libzmq's queue in messages, so that it holds about its share of the budget in the largest seen."""
+        return self.budget.rcvhwm(self.rcvhwm, self._largest_message)
 
     def _shed(self) -> None:
         freed = self.inbox.drop_live() + self._shed_held()
