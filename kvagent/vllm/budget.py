@@ -11,7 +11,8 @@ here and nowhere else:
 - **replies**: a quarter of the listener's half, for replay replies in flight in the inbox (the replay
   client waits for room), so a shed can always free the rest.
 - **libzmq**: a quarter of the listener's half is what the SUB's own queue may hold in the largest messages
-  seen, which fits the RCVHWM the reader opens each SUB with.
+  seen (and never fitted to less than an eighth of ``max_payload_bytes``), which sets the RCVHWM the
+  reader opens each SUB with.
 
 Each half must hold a couple of the largest batches, or every such batch would shed: the total is at least
 four times ``max_payload_bytes``. Sans-IO.
@@ -61,10 +62,16 @@ class IngestBudget:
         """What the SUB's own queue should hold at most, in the largest messages seen."""
         return self.listener_bytes // 4
 
+    @property
+    def smallest_fitted_message(self) -> int:
+        """The message size the RCVHWM is fitted to before larger ones are seen: an eighth of the largest
+        allowed. The first SUB is opened before any message arrives, and a connected SUB's RCVHWM cannot be
+        changed safely (reader.py), so libzmq's queue is bounded from the start: with the defaults, 8
+        messages, 8 MiB of 1 MiB ones (a flood of small ones waits in the kernel and the engine's queue)."""
+        return max(1, self.max_payload_bytes // 8)
+
     def rcvhwm(self, configured: int, largest_message: int) -> int:
-        """The RCVHWM to open a SUB with: ``configured`` (0: libzmq's "no limit") until a message was seen,
-        then at most what holds :attr:`libzmq_bytes` of the largest one (and at least :data:`MIN_RCVHWM`)."""
-        if largest_message <= 0:
-            return configured
-        fitted = max(MIN_RCVHWM, self.libzmq_bytes // largest_message)
+        """The RCVHWM to open a SUB with: what holds :attr:`libzmq_bytes` of the largest message seen (or of
+        :attr:`smallest_fitted_message`), at least :data:`MIN_RCVHWM`, at most ``configured`` (0: no bound)."""
+        fitted = max(MIN_RCVHWM, self.libzmq_bytes // max(largest_message, self.smallest_fitted_message))
         return fitted if configured == 0 else min(configured, fitted)

@@ -275,7 +275,8 @@ class LiveReader:
 
     def open(self) -> None:
         """Connect the first SUB (before the listener reports itself started)."""
-        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self.rcvhwm)
+        self._current_rcvhwm = self._rcvhwm()
+        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self._current_rcvhwm)
 
     def close(self) -> None:
         self._monitor_scope.cancel()

@@ -122,12 +122,16 @@ class TrustRig:
             if events:
                 await self.engine.publish_batch(events, **faults)
 
-    async def settle(self) -> None:
-        """Publish a sentinel live and wait until the agent applied it (and so judged all before it)."""
+    async def settle(self, sentinels: int = 1) -> None:
+        """Publish sentinels live and wait until the agent applied the last (and so judged all before it).
+
+        Two when a sentinel may be dropped: without replay, a restart seen as the seq going back is reset
+        and the batch that showed it is not applied (it may be a stale late one); the next one is."""
         self.engine.flush_live()
-        sentinel = SENTINEL_BASE + len(self.sentinels)
-        self.sentinels.append(sentinel)
-        await self.engine.publish_batch([block_stored([sentinel], None, [7] * BLOCK, BLOCK)])
+        for _ in range(sentinels):
+            sentinel = SENTINEL_BASE + len(self.sentinels)
+            self.sentinels.append(sentinel)
+            await self.engine.publish_batch([block_stored([sentinel], None, [7] * BLOCK, BLOCK)])
         await wait_for_event(self.agent, is_store_of(sentinel))
 
     async def wait_state(self, state: str) -> None:
