@@ -11,7 +11,7 @@ here and nowhere else:
 - **replies**: a quarter of the listener's half, for replay replies in flight in the inbox (the replay
   client waits for room), so a shed can always free the rest.
 - **libzmq**: a quarter of the listener's half is what the SUB's own queue may hold in the largest messages
-  seen (and never fitted to less than an eighth of ``max_payload_bytes``), which sets the RCVHWM the
+  seen (and never fitted to less than 1/32 of ``max_payload_bytes``), which sets the RCVHWM the
   reader opens each SUB with.
 
 Each half must hold a couple of the largest batches, or every such batch would shed: the total is at least
@@ -64,11 +64,12 @@ class IngestBudget:
 
     @property
     def smallest_fitted_message(self) -> int:
-        """The message size the RCVHWM is fitted to before larger ones are seen: an eighth of the largest
-        allowed. The first SUB is opened before any message arrives, and a connected SUB's RCVHWM cannot be
-        changed safely (reader.py), so libzmq's queue is bounded from the start: with the defaults, 8
-        messages, 8 MiB of 1 MiB ones (a flood of small ones waits in the kernel and the engine's queue)."""
-        return max(1, self.max_payload_bytes // 8)
+        """The message size the RCVHWM is fitted to before larger ones are seen: 1/32 of the largest allowed.
+        The first SUB is opened before any message arrives, and a connected SUB's RCVHWM cannot be changed
+        safely (reader.py), so libzmq's queue is bounded from the start: with the defaults 32 messages, 8
+        MiB of 256 KiB ones (32 MiB of 1 MiB ones until the first shed re-fits it; a burst of small ones
+        waits in the kernel's buffers and the engine's send queue)."""
+        return max(1, self.max_payload_bytes // 32)
 
     def rcvhwm(self, configured: int, largest_message: int) -> int:
         """The RCVHWM to open a SUB with: what holds :attr:`libzmq_bytes` of the largest message seen (or of

@@ -26,14 +26,15 @@ def test_a_budget_too_small_for_the_largest_batch_is_refused() -> None:
 
 def test_the_rcvhwm_holds_libzmqs_share_in_the_largest_message_seen() -> None:
     budget = IngestBudget(total=64 * MiB, max_payload_bytes=8 * MiB)
-    assert budget.libzmq_bytes == 8 * MiB and budget.smallest_fitted_message == MiB
-    assert budget.rcvhwm(1000, 0) == 8  # before any message: fitted to an eighth of the largest allowed
-    assert budget.rcvhwm(1000, 10_000) == 8  # small messages: never fitted to less than that
-    assert budget.rcvhwm(1000, 2 * MiB) == MIN_RCVHWM  # 8 MiB / 2 MiB
+    assert budget.libzmq_bytes == 8 * MiB and budget.smallest_fitted_message == 256 << 10
+    assert budget.rcvhwm(1000, 0) == 32  # before any message: fitted to 1/32 of the largest allowed
+    assert budget.rcvhwm(1000, 10_000) == 32  # small messages: never fitted to less than that
+    assert budget.rcvhwm(1000, MiB) == 8  # 8 MiB / 1 MiB
+    assert budget.rcvhwm(1000, 4 * MiB) == MIN_RCVHWM
     assert budget.rcvhwm(2, 2 * MiB) == 2  # never above the configured bound
     small = IngestBudget(total=256 * MiB, max_payload_bytes=MiB)
-    assert small.rcvhwm(1000, 100) == 256  # 32 MiB / 128 KiB
-    assert small.rcvhwm(0, 100) == 256  # 0: no configured bound
+    assert small.rcvhwm(1000, 100) == 1000  # 32 MiB / 32 KiB = 1024, bounded by the configured 1000
+    assert small.rcvhwm(0, 100) == 1024  # 0: no configured bound
 
 
 def test_listener_options_derive_their_budget_from_the_one_setting() -> None:
