@@ -92,6 +92,7 @@ class FakeVllmEngine:
         swap_rate: float = 0.0,
         duplicate_rate: float = 0.0,
         fault_seed: int = 0,
+        buffer_in_send_order: bool = False,
     ) -> None:
         self.configured_endpoint = endpoint
         self.configured_replay_endpoint = replay_endpoint
@@ -105,6 +106,9 @@ class FakeVllmEngine:
         # the fake lets one whole buffer through so simulated cold attaches are complete.
         self.replay_hwm = replay_hwm if replay_hwm is not None else buffer_steps + 2
         self.swap_rate = swap_rate
+        # A swapped batch enters the replay buffer when it is sent (after its successor), as in a publisher
+        # that buffers what it sends: replay answers then carry the same swaps.
+        self.buffer_in_send_order = buffer_in_send_order
         self.duplicate_rate = duplicate_rate
         self._faults = random.Random(fault_seed)
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
@@ -118,6 +122,7 @@ class FakeVllmEngine:
         self.duplicated = 0
         self.incarnation = 0  # bumped by every restart: a new engine
         self._held_back: list[bytes] | None = None  # a live message that goes out after its successor
+        self._held_back_lost = False
         self._last_stamp = 0.0
         self._pub: TrioSocket | None = None
         self._sockets: list[TrioSocket] = []
@@ -277,20 +282,32 @@ class FakeVllmEngine:
         pub.try_send_multipart(frames)  # a PUB drops at its HWM; so does this
         self._drain_subscriptions()
 
-    def _send_live(self, frames: list[bytes] | None, *, swap: bool = False, duplicate: bool = False) -> None:
-        """Send one live message (None: nothing to send), after which any held-back one goes out."""
-        held, self._held_back = self._held_back, None
+    def _send_live(
+        self, frames: list[bytes] | None, *, swap: bool = False, duplicate: bool = False, lost: bool = False
+    ) -> None:
+        """Send one live message (None: nothing to send), after which any held-back one goes out.
+
+        ``lost``: sent, so buffered in send order (``buffer_in_send_order``), but lost on the way."""
+        held, held_lost = self._held_back, self._held_back_lost
+        self._held_back, self._held_back_lost = None, False
         if frames is not None:
             if held is None and (swap or self._draw(self.swap_rate)):
                 self.swapped += 1
-                self._held_back = frames
+                self._held_back, self._held_back_lost = frames, lost
                 return
-            self._send(frames)
-            if duplicate or self._draw(self.duplicate_rate):
-                self.duplicated += 1
-                self._send(frames)
+            self._deliver(frames, lost=lost, duplicate=duplicate)
         if held is not None:
-            self._send(held)
+            self._deliver(held, lost=held_lost, duplicate=False)
+
+    def _deliver(self, frames: list[bytes], *, lost: bool, duplicate: bool) -> None:
+        if self.buffer_in_send_order:
+            self.buffer.append((int.from_bytes(frames[1], "big"), frames[2]))
+        if lost:
+            return
+        self._send(frames)
+        if duplicate or self._draw(self.duplicate_rate):
+            self.duplicated += 1
+            self._send(frames)
 
     def _draw(self, rate: float) -> bool:
         return rate > 0.0 and self._faults.random() < rate
@@ -326,11 +343,30 @@ class FakeVllmEngine:
         if unbuffered:
             return seq
         payload = self.encode_batch(events)
-        frames = None if drop_live else [self.topic, seq.to_bytes(8, "big"), payload]
-        self._send_live(frames, swap=swap_with_next, duplicate=duplicate)
-        self.buffer.append((seq, payload))
+        frames = [self.topic, seq.to_bytes(8, "big"), payload]
+        if self.buffer_in_send_order:  # buffered when sent, even if then lost on the way (drop_live)
+            self._send_live(frames, swap=swap_with_next, duplicate=duplicate, lost=drop_live)
+        else:
+            self._send_live(None if drop_live else frames, swap=swap_with_next, duplicate=duplicate)
+            self.buffer.append((seq, payload))
         self.published += 1
         return seq
+
+    def publish_burst(self, steps: Iterable[Sequence[Event]]) -> list[int]:
+        """Publish several engine steps at once, without yielding: a burst as an engine in its own process
+        sends it, faster than any subscriber on this event loop reads. Returns the seqs used."""
+        seqs = []
+        for events in steps:
+            seq = self.next_seq
+            self.next_seq += 1
+            self.truth.apply(events)
+            payload = self.encode_batch(events)
+            self._send_live([self.topic, seq.to_bytes(8, "big"), payload])
+            if not self.buffer_in_send_order:
+                self.buffer.append((seq, payload))
+            self.published += 1
+            seqs.append(seq)
+        return seqs
 
     async def publish_frames(self, frames: Sequence[bytes]) -> None:
         """Send raw frames on the live socket (malformed messages; nothing is buffered)."""

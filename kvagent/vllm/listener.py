@@ -4,7 +4,8 @@ Three tasks per attachment generation, each owning its socket:
 
 - the **reader** (:class:`~kvagent.vllm.reader.LiveReader`) drains the SUB into the byte-counted inbox,
   watches the SUB's monitor for the engine's connection dropping and coming back, and sheds (drops what
-  is queued and re-opens the SUB) rather than hold more than half the ingress byte budget;
+  is queued and re-opens the SUB) rather than hold more than its share of the ingest budget
+  (:class:`~kvagent.vllm.budget.IngestBudget`);
 - the **replay client** (:class:`~kvagent.vllm.replay.ReplayClient`, with a replay endpoint) streams the
   replies of one request at a time into the inbox;
 - the **processor** (here) takes the inbox in order and feeds :class:`~kvagent.vllm.sequence.SourceSync`,
@@ -12,7 +13,7 @@ Three tasks per attachment generation, each owning its socket:
   rank, normalizes and admits the chunks (each batch's payload bytes charged to them); ``Signal`` admits a
   :class:`~kvagent.model.events.SourceSignal` in order with the chunks (ready / degraded / disconnected,
   Worker reset, counted loss); ``RequestReplay`` / ``CancelReplay`` go to the replay client. Before every
-  batch it waits while the coordinator's queue holds more than the other half of the budget.
+  batch it waits while the coordinator's queue holds more than its share of the budget.
 
 A payload is decoded only when SourceSync lets it apply, so what the listener holds is raw bytes, counted
 exactly. Batches are handled in slices of about a millisecond, so the coordinator and recovery requests on
@@ -41,11 +42,20 @@ from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, SourceSignal
 from kvagent.model.status import Attachment
+from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.decode import decode_payload, split_live_frames
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.reader import SLICE_SECONDS, Inbox, LinkItem, LiveItem, LiveReader, ReplayEndItem, ReplyItem
 from kvagent.vllm.replay import ReplayClient, ReplayTimeouts
-from kvagent.vllm.sequence import Apply, CancelReplay, RequestReplay, Signal, SourceSync, SyncStatistics
+from kvagent.vllm.sequence import (
+    Action,
+    Apply,
+    CancelReplay,
+    RequestReplay,
+    Signal,
+    SourceSync,
+    SyncStatistics,
+)
 
 __all__ = [
     "LISTENER_TERMINATED",
@@ -75,14 +85,14 @@ _positive_seconds = attrs.validators.gt(0.0)
 class ListenerOptions:
     """How one listener reads its engine.
 
-    ``ingress_bytes`` bounds the raw payload bytes between the SUB and the coordinator: half for what the
-    listener holds (its inbox, the batches SourceSync holds back), half for the coordinator's queue.
+    ``ingress_bytes`` bounds the raw payload bytes between the SUB and the coordinator; :attr:`budget`
+    (an :class:`~kvagent.vllm.budget.IngestBudget`) splits it between the listener and the coordinator's
+    queue.
     ``rcvhwm`` bounds libzmq's own queue in messages; the reader keeps it short anyway, and at ~10 KB per
     typical vLLM batch 1000 messages are well under the budget (0 is libzmq's "no limit").
     """
 
     rcvhwm: int = attrs.field(default=1000, validator=attrs.validators.ge(0))
-    batch_messages: int = attrs.field(default=256, validator=_positive)  # unused since the inbox; kept for configs
     # A replay attempt: the wait for its first reply, the wait between replies, and its whole duration.
     replay_timeout: float = attrs.field(default=5.0, validator=_positive_seconds)
     replay_idle_timeout: float = attrs.field(default=0.5, validator=_positive_seconds)
@@ -92,7 +102,7 @@ class ListenerOptions:
     cold_bootstrap: bool = True
     max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
     ingress_bytes: int = attrs.field(default=64 * MiB, validator=_positive)
-    # Over its half of the budget the reader sheds; with shed_after > 0 it first stops reading for up to that
+    # Over its share of the budget the reader sheds; with shed_after > 0 it first stops reading for up to that
     # long (libzmq's queue and the engine's send HWM hold a burst meanwhile; math.inf: never shed).
     shed_after: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     # No engine handshake on the SUB within this many seconds: one WARNING naming the endpoint (reader.py).
@@ -104,11 +114,12 @@ class ListenerOptions:
     coalesce_window: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
 
     def __attrs_post_init__(self) -> None:
-        if self.ingress_bytes < 4 * self.max_payload_bytes:
-            # Each half must hold a couple of the largest batches, or every such batch would shed.
-            raise ValueError(
-                f"ingress_bytes ({self.ingress_bytes}) must be at least 4 x max_payload_bytes ({self.max_payload_bytes})"
-            )
+        IngestBudget(self.ingress_bytes, self.max_payload_bytes)  # raises unless each share holds 2 batches
+
+    @property
+    def budget(self) -> IngestBudget:
+        """``ingress_bytes`` and how it is split (kvagent/vllm/budget.py owns the arithmetic)."""
+        return IngestBudget(self.ingress_bytes, self.max_payload_bytes)
 
     @property
     def replay_timeouts(self) -> ReplayTimeouts:
@@ -258,7 +269,7 @@ class _Processor:
         self.inbox = inbox
         self.sync = sync
         self.replay = replay
-        self.coordinator_bound = options.ingress_bytes // 2
+        self.coordinator_bound = options.budget.coordinator_bytes
         self.pending_bytes = 0  # payload bytes of Apply actions taken from SourceSync, not yet admitted
         self.normalizer = AttachmentNormalizer(
             kv_block_size=kv_block_size,
@@ -349,9 +360,12 @@ class _Processor:
     # -- actions --------------------------------------------------------------------------------------
 
     async def _execute(self) -> None:
-        actions = self.sync.take_actions()
-        if not actions:
-            return
+        # Until none are left: while this awaits room, the reader's shed can add actions (its Signal), which
+        # must not wait for the next item to arrive (there may be none: the end of a flood).
+        while actions := self.sync.take_actions():
+            await self._execute_actions(actions)
+
+    async def _execute_actions(self, actions: list[Action[_Batch]]) -> None:
         self.pending_bytes += sum(len(action.message[1]) for action in actions if type(action) is Apply)
         for action in actions:
             kind = type(action)
@@ -440,9 +454,8 @@ def _build(
     resume: tuple[int, int] | None = None,
 ) -> tuple[LiveReader, ReplayClient | None, _Processor]:
     source = attachment.source
-    listener_bound = options.ingress_bytes // 2
-    # Replies in flight get an eighth of the listener's half, so a shed can always free the rest.
-    inbox = Inbox(reply_bytes_bound=listener_bound // 4)
+    budget = options.budget
+    inbox = Inbox(reply_bytes_bound=budget.reply_bytes)
     sync: SourceSync[_Batch] = SourceSync(
         has_replay=source.replay_endpoint is not None,
         reorder_window=options.reorder_window,
@@ -482,7 +495,7 @@ def _build(
         topic=source.topic.encode(),
         rcvhwm=options.rcvhwm,
         inbox=inbox,
-        bytes_bound=listener_bound,
+        budget=budget,
         held_bytes=lambda: sync.held_bytes + processor.pending_bytes,
         shed_held=shed_held,
         shed_after=options.shed_after,

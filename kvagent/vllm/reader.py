@@ -4,14 +4,24 @@ The reader drains the SUB until ``zmq.Again`` (in slices of about a millisecond,
 turn during a flood) into the :class:`Inbox`, which also carries the replay client's replies and the
 engine connection's ups and downs. Everything it holds is counted in payload bytes. When the bytes the
 listener holds — the inbox, the live batches ``SourceSync`` holds back, the batches the processor has
-taken but not yet admitted — pass the bound (half the ingress budget: the coordinator's queue has the
-other half), the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
+taken but not yet admitted — pass the listener's share of the :class:`~kvagent.vllm.budget.IngestBudget`,
+the reader **sheds**: it drops the queued live batches, tells ``SourceSync`` to drop the
 ones it holds, and closes and re-opens the SUB, which also discards libzmq's queue (and the engine's send
 queue for it), so a listener that cannot keep up reads fresh batches again instead of ever older ones.
 The loss becomes a gap like any other, repaired from the replay socket or reported. Memory never grows.
 With ``shed_after`` > 0 the reader first stops reading for up to that long (a burst then waits in libzmq's
-queue, whose RCVHWM is fitted to the largest message seen so it holds about a quarter of the bound, and
-in the engine's send HWM) and sheds only if the processor has not made room by then.
+queue and in the engine's send HWM) and sheds only if the processor has not made room by then.
+
+libzmq's queue is bounded in messages (RCVHWM). Each SUB is opened with an RCVHWM fitted to the largest
+message seen so far (:meth:`IngestBudget.rcvhwm`); it is never changed on a connected
+socket: libzmq (4.3) applies a changed RCVHWM to the live pipe, whose writer then waits for a read report
+at a multiple of the new low-water mark that the reader may already have passed, and the subscription is
+wedged for good (every later batch dropped at the engine's PUB, and nothing arriving to show a gap:
+issue #28). A re-fit takes effect at the next re-open (a shed).
+
+A shed (and its re-open) loses batches the gate never sees: those in flight between the old SUB and the new
+one. ``shed_held`` tells ``SourceSync``, which shows the source not ready until a batch received after the
+shed has been applied in order, so a loss at the very end of a flood is never ready-while-wrong.
 
 The SUB's monitor socket (``get_monitor_socket``) tells when the engine's connection drops
 (``EVENT_DISCONNECTED``) and comes back (``EVENT_HANDSHAKE_SUCCEEDED``). A small task owns the monitor
@@ -42,6 +52,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import ListenerError
+from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.replay import ReplayReply
 
 __all__ = [
@@ -60,7 +71,6 @@ log = structlog.get_logger(__name__)
 
 SLICE_SECONDS = 0.001
 _CHECK_CLOCK_EVERY = 16  # messages between clock reads while draining
-_MIN_RCVHWM = 4
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
 
@@ -226,7 +236,7 @@ class LiveReader:
         topic: bytes,
         rcvhwm: int,
         inbox: Inbox,
-        bytes_bound: int,
+        budget: IngestBudget,
         held_bytes: Callable[[], int],
         shed_held: Callable[[], int],
         shed_after: float = 0.0,
@@ -238,7 +248,8 @@ class LiveReader:
         self.topic = topic
         self.rcvhwm = rcvhwm
         self.inbox = inbox
-        self.bytes_bound = bytes_bound
+        self.budget = budget
+        self.bytes_bound = budget.listener_bytes
         self.shed_after = shed_after
         self.connect_warning_after = connect_warning_after
         self.coalesce_window = coalesce_window
@@ -264,7 +275,8 @@ class LiveReader:
 
     def open(self) -> None:
         """Connect the first SUB (before the listener reports itself started)."""
-        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self.rcvhwm)
+        self._current_rcvhwm = self._rcvhwm()
+        self._subscription = _Subscription(self.context, self.endpoint, self.topic, self._current_rcvhwm)
 
     def close(self) -> None:
         self._monitor_scope.cancel()
@@ -336,8 +348,7 @@ class LiveReader:
             put(frames, nbytes)
             self.messages += 1
             if nbytes > self._largest_message:
-                self._largest_message = nbytes
-                self._fit_rcvhwm(sub)
+                self._largest_message = nbytes  # fits the RCVHWM of the next SUB opened (never this one)
             if count % _CHECK_CLOCK_EVERY == 0 and clock() >= slice_end:
                 return _Drained.SLICE_OVER
         raise AssertionError("unreachable")
@@ -355,18 +366,8 @@ class LiveReader:
                 await self.inbox.wait_for_space()
 
     def _rcvhwm(self) -> int:
-        """libzmq's queue in messages, so that it holds about a quarter of the bound in the largest seen."""
-        if self._largest_message == 0:
-            return self.rcvhwm
-        fitted = max(_MIN_RCVHWM, (self.bytes_bound // 4) // self._largest_message)
-        return fitted if self.rcvhwm == 0 else min(self.rcvhwm, fitted)
-
-    def _fit_rcvhwm(self, sub: TrioSocket) -> None:
-        # libzmq applies a changed RCVHWM to the pipes already connected (since 4.2), not only to new ones.
-        hwm = self._rcvhwm()
-        if hwm != self._current_rcvhwm:
-            self._current_rcvhwm = hwm
-            sub.socket.setsockopt(zmq.RCVHWM, hwm)
+        """libzmq's queue in messages, so that it holds about its share of the budget in the largest seen."""
+        return self.budget.rcvhwm(self.rcvhwm, self._largest_message)
 
     def _shed(self) -> None:
         freed = self.inbox.drop_live() + self._shed_held()
@@ -379,6 +380,7 @@ class LiveReader:
         self._subscription = None
         if old is not None:
             old.close()
+        self._current_rcvhwm = self._rcvhwm()  # set before connecting: see the module docstring
         self._subscription = _Subscription(self.context, self.endpoint, self.topic, self._current_rcvhwm)
         self.inbox.wake()
 

@@ -89,29 +89,68 @@ class SourceSync(SourceSyncBase[M]):
         self._settle(now)
 
     def on_replay_reply(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
-        """One data reply of the outstanding request, in the order received."""
+        """One data reply of the outstanding request, in the order received.
+
+        An answer may come out of seq order (an engine whose live batches were swapped buffered them in
+        the order it sent them): a reply ahead of the one awaited is kept (at most ``reorder_window`` of
+        them) until its predecessor comes. Only when more are ahead, or the answer ends without the awaited
+        seq, is it a hole (re-asked) or, for the first seq of the answer, a verdict about the engine.
+        """
         if self._replay is None or seq < self._replay_start:
             self._c.replay_stray += 1
             return
+        request = self._request_id
         if self._first_pending:
-            self._first_pending = False
-            request = self._request_id
-            self._first_reply(seq, digest, now)
-            if self._request_id != request:  # abandoned (a new engine), or nothing left to repair
+            if seq != self._replay_start:
+                self._keep_ahead(seq, digest, nbytes, message)
+                if len(self._ahead) <= self._window:
+                    self._settle(now)  # the start may come next: a reorder within the answer
+                    return
+                seq, digest, nbytes, message = self._take_ahead(min(self._ahead))
+            if not self._resolve_first(seq, digest, now):
                 self._settle(now)
                 return
-        expected = self._applied + 1
-        if seq > expected:  # a hole mid-answer: the ROUTER's send HWM dropped replies
-            self._c.replay_holes += 1
-            self._cancel()
-            self._retry(ReplayPurpose.REPAIR, now)
-        elif seq == expected:
-            self._apply_reply(seq, digest, message, now)
-        # seq < expected: the anchor itself, or a batch already applied from a live copy.
+        self._reply(request, seq, digest, nbytes, message, now)
         if self._refeed_after_reply:
             self._refeed_after_reply = False
             self._refeed(now)
         self._settle(now)
+
+    def _resolve_first(self, seq: int, digest: int, now: float) -> bool:
+        """Interpret the answer's first seq; False if that abandoned the request (a new engine, or done)."""
+        self._first_pending = False
+        request = self._request_id
+        self._first_reply(seq, digest, now)
+        return self._request_id == request
+
+    def _reply(self, request: int, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        expected = self._applied + 1
+        if seq > expected:
+            self._keep_ahead(seq, digest, nbytes, message)
+            if len(self._ahead) > self._window:  # a hole mid-answer: the ROUTER's send HWM dropped replies
+                self._hole(now)
+            return
+        if seq == expected:
+            self._apply_reply(seq, digest, message, now)
+        # seq < expected: the anchor itself, or a batch already applied from a live copy.
+        self._drain_ahead(request, now)
+
+    def _drain_ahead(self, request: int, now: float) -> None:
+        """Apply the replies kept ahead that are now next (while the same request is outstanding)."""
+        ahead = self._ahead
+        while ahead and self._request_id == request:
+            for stale in [kept for kept in ahead if kept <= self._applied]:
+                self._take_ahead(stale)
+            nxt = self._applied + 1
+            if nxt not in ahead:
+                return
+            _, digest, _, message = self._take_ahead(nxt)
+            self._apply_reply(nxt, digest, message, now)
+
+    def _hole(self, now: float) -> None:
+        self._c.replay_holes += 1
+        self._cancel()
+        self._retry(ReplayPurpose.REPAIR, now)
 
     def on_replay_end(self, complete: bool, now: float) -> None:
         """The outstanding request ended: its end marker (``complete``), or a timeout or error."""
@@ -119,8 +158,30 @@ class SourceSync(SourceSyncBase[M]):
         if purpose is None:
             self._c.replay_stray += 1
             return
+        request = self._request_id
+        if self._first_pending and self._ahead:
+            # The requested start never came: the answer's lowest seq is its first. The request has ended
+            # for the shell, so nothing decided now cancels it (no CancelReplay).
+            self._ended = True
+            try:
+                seq, digest, nbytes, message = self._take_ahead(min(self._ahead))
+                if self._resolve_first(seq, digest, now):
+                    self._reply(request, seq, digest, nbytes, message, now)
+                if self._refeed_after_reply:
+                    self._refeed_after_reply = False
+                    self._refeed(now)
+            finally:
+                self._ended = False
+            if self._request_id != request:  # abandoned, finished or asked anew meanwhile
+                self._settle(now)
+                return
+        hole = bool(self._ahead)  # replies after a seq the answer never carried
+        self._clear_ahead()
         self._replay = None
-        if complete and self._first_pending:
+        if hole:
+            self._c.replay_holes += 1
+            self._retry(ReplayPurpose.REPAIR, now)
+        elif complete and self._first_pending:
             self._empty_answer(purpose, now)
         elif complete and not self._held and not self._progress:
             self._repair_done(now)  # only the anchor came back: nothing newer to repair
@@ -141,7 +202,8 @@ class SourceSync(SourceSyncBase[M]):
         self._disconnected = True
         self._c.disconnects += 1
         if self._restore is None:
-            self._restore = self._state
+            # A READY held back after a shed is what the reconnect restores (and _signal holds back again).
+            self._restore = READY if self._ready_when_proven else self._state
         self._state = DISCONNECTED
         self._actions.append(Signal(state=DISCONNECTED, reason="engine disconnected"))
         if self._replay is not None:
@@ -181,20 +243,36 @@ class SourceSync(SourceSyncBase[M]):
         self._settle(now)
 
     def shed(self, now: float) -> int:
-        """Drop every held live batch (byte pressure); they become a gap repaired later. Returns bytes."""
+        """Drop every held live batch (byte pressure); they become a gap repaired later. Returns bytes.
+
+        The shell also dropped its queued live batches and re-opened its SUB, losing those in flight: a loss
+        no later input may ever show (the end of a flood). So the history is unproven, and the source not
+        ready, until a live batch received after the shed has been applied in order (issue #28).
+        """
         freed = self.held_bytes
-        self._c.shed_batches += len(self._held) + len(self._deferred)
+        self._c.shed_batches += len(self._held) + len(self._deferred)  # (replies kept ahead: below)
         self._c.shed_bytes += freed
+        self._c.shed_batches += len(self._ahead)
         self._held.clear()
         self._deferred.clear()
+        self._ahead.clear()
         self.held_bytes = 0
         self._hold_since = None
+        self._c.sheds += 1
+        self._unproven, self._proof_seq = True, None
+        if self._disconnected:
+            pass  # the reconnect shows what _restore holds, and _signal keeps READY back until the proof
+        elif self._state is READY:
+            self._signal(DEGRADED, reason="live batches shed: history unproven until a later batch applies in order")
+            self._ready_when_proven = True
         self._settle(now)
         return freed
 
     # -- live batches ------------------------------------------------------------------------------------
 
     def _live(self, seq: int, digest: int, nbytes: int, message: M, now: float) -> None:
+        if self._unproven and self._proof_seq is None:
+            self._proof_seq = seq  # received on the SUB opened after the shed
         if self._deferring:
             self._defer(seq, digest, nbytes, message)
             return
@@ -394,6 +472,14 @@ class SourceSync(SourceSyncBase[M]):
             self._lose_history(self._last_run_start(), "replay unavailable")
             self._drain_held(now)
 
+    def _proven(self, now: float) -> None:
+        """A live batch received after the last shed is applied, with everything before it: the history
+        is complete again (what the re-open lost was repaired, or counted lost by a reset)."""
+        self._unproven, self._proof_seq = False, None
+        if self._ready_when_proven:
+            self._ready_when_proven = False
+            self._signal(READY, reason="live batches in order after a shed")
+
     def _repair_done(self, now: float) -> None:
         self._attempts = 0
         if self._restore is not None and not self._disconnected:
@@ -479,6 +565,8 @@ class SourceSync(SourceSyncBase[M]):
                 self._drain_held(now)
         if not self._held:
             self._hold_since = None
+        if self._unproven and self._proof_seq is not None and self._applied >= self._proof_seq:
+            self._proven(now)
         waiting = self._held and self._replay is None and not self._deferring and not self._unanchored
         waiting = waiting and not (self._has_replay and self._disconnected)
         self.deadline = None if not waiting or self._hold_since is None else self._hold_since + self._wait
@@ -490,5 +578,6 @@ class SourceSync(SourceSyncBase[M]):
             or self._unanchored
             or self._await_identity
             or self._disconnected
+            or self._unproven
             or self._applied < 0  # the first apply goes the slow way (it records _ever_applied)
         )

@@ -84,6 +84,8 @@ class SyncStatistics:
         replay_attempts_without_progress: answers that applied nothing (timeouts, empty, errors).
         replay_stray: replies or ends with no request outstanding or below its start (ignored).
         shed_batches, shed_bytes: held batches dropped by :meth:`SourceSync.shed`.
+        sheds: calls of :meth:`SourceSync.shed` (each leaves the history unproven until a later live batch
+            applies in order).
     """
 
     state: SourceState
@@ -112,3 +114,4 @@ class SyncStatistics:
     replay_stray: int
     shed_batches: int
     shed_bytes: int
+    sheds: int

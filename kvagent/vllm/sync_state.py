@@ -56,6 +56,7 @@ class SyncCounters:
     replay_stray: int = 0
     shed_batches: int = 0
     shed_bytes: int = 0
+    sheds: int = 0
 
 
 class SourceSyncBase(Generic[M]):
@@ -103,6 +104,10 @@ class SourceSyncBase(Generic[M]):
         # Live batches received while the engine's identity is in question, in arrival order.
         self._deferred: collections.deque[tuple[int, int, int, M]] = collections.deque()
         self._deferring = False
+        # Replies of the outstanding answer received ahead of the seq awaited (an answer out of seq order):
+        # seq -> (seq, digest, nbytes, message); their bytes count in held_bytes.
+        self._ahead: dict[int, tuple[int, int, int, M]] = {}
+        self._ended = False  # on_replay_end is settling the kept replies of an answer that has ended
         self._unanchored = True
         self._loss_base = 0  # while unanchored: the first seq whose absence counts as lost
         self._ever_applied = False
@@ -119,6 +124,13 @@ class SourceSyncBase(Generic[M]):
         self._attempts = 0
         self._refeed_after_reply = False
         self._request_id = 0  # changes with every request and cancel
+        # After a shed (the listener dropped what it held and re-opened its SUB, losing what was in flight):
+        # the history is unproven until a live batch received since then has been applied in order
+        # (``_proof_seq``: the first such batch's seq). Meanwhile READY shows as DEGRADED, and becomes READY
+        # at the proof if nothing else degraded the source (``_ready_when_proven``).
+        self._unproven = False
+        self._proof_seq: int | None = None
+        self._ready_when_proven = False
         self._c = SyncCounters()
         # A restarted agent's resume point (seq, digest of its payload): what it applied before it stopped.
         self._resuming = resume is not None
@@ -149,7 +161,7 @@ class SourceSyncBase(Generic[M]):
             applied_seq=self._applied,
             applied=self._applied_count,
             repaired=self._repaired,
-            held=len(self._held) + len(self._deferred),
+            held=len(self._held) + len(self._deferred) + len(self._ahead),
             held_bytes=self.held_bytes,
             **attrs.asdict(c),
         )
@@ -157,6 +169,21 @@ class SourceSyncBase(Generic[M]):
     def _defer(self, seq: int, digest: int, nbytes: int, message: M) -> None:
         self._deferred.append((seq, digest, nbytes, message))
         self.held_bytes += nbytes
+
+    def _keep_ahead(self, seq: int, digest: int, nbytes: int, message: M) -> None:
+        if seq not in self._ahead:
+            self._ahead[seq] = (seq, digest, nbytes, message)
+            self.held_bytes += nbytes
+
+    def _take_ahead(self, seq: int) -> tuple[int, int, int, M]:
+        item = self._ahead.pop(seq)
+        self.held_bytes -= item[2]
+        return item
+
+    def _clear_ahead(self) -> None:
+        for item in self._ahead.values():
+            self.held_bytes -= item[2]
+        self._ahead.clear()
 
     def _drain_held(self, now: float) -> None:
         held = self._held
@@ -184,6 +211,7 @@ class SourceSyncBase(Generic[M]):
         start = 0 if purpose in (ReplayPurpose.BOOTSTRAP, ReplayPurpose.NEW_ENGINE) else self._applied
         if purpose is ReplayPurpose.REPAIR:
             start += 1
+        self._clear_ahead()
         self._replay, self._replay_start, self._strict = purpose, start, strict
         self._first_pending, self._progress = True, False
         self._request_id += 1
@@ -191,11 +219,13 @@ class SourceSyncBase(Generic[M]):
         self._actions.append(RequestReplay(start))
 
     def _cancel(self) -> None:
+        self._clear_ahead()
         if self._replay is not None:
             self._replay = None
             self._request_id += 1
-            self._c.replay_cancels += 1
-            self._actions.append(CancelReplay())
+            if not self._ended:  # an answer that has ended needs no cancel (and must get none)
+                self._c.replay_cancels += 1
+                self._actions.append(CancelReplay())
 
     def _drop_stale(self) -> None:
         self._cancel()
@@ -225,7 +255,16 @@ class SourceSyncBase(Generic[M]):
         self._ring_seq = [-1] * self._capacity
 
     def _signal(self, state: SourceState | None, *, reset: bool = False, lost: int = 0, reason: str = "") -> None:
-        """Emit a Signal. While disconnected a new state is remembered for after the reconnect instead."""
+        """Emit a Signal. While disconnected a new state is remembered for after the reconnect instead.
+
+        While the history is unproven after a shed, READY is shown as DEGRADED until the proof."""
+        if state is DEGRADED or reset or lost:
+            self._ready_when_proven = False
+        if reset:
+            self._proof_seq = None  # the seqs start anew: the next live batch is the proof to wait for
+        if state is READY and self._unproven:
+            state, reason = DEGRADED, f"{reason}; unproven after a shed"
+            self._ready_when_proven = True
         if state is not None:
             if self._disconnected:
                 self._restore, state = state, None

@@ -23,6 +23,7 @@ from kvagent.agent.config import AttachmentConfig
 from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.testing import RecordingSink
+from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.listener import ListenerOptions
 from kvagent.vllm.reader import Inbox, LiveReader, unreachable_endpoint_hint
 from tests.support.agent import TIMEOUT, XpubEngine, attach
@@ -62,7 +63,7 @@ async def running_reader(
         topic=b"",
         rcvhwm=1000,
         inbox=Inbox(reply_bytes_bound=1 << 20),
-        bytes_bound=1 << 24,
+        budget=IngestBudget(total=1 << 25, max_payload_bytes=1 << 20),
         held_bytes=lambda: 0,
         shed_held=lambda: 0,
         connect_warning_after=warn_after,

@@ -301,7 +301,7 @@ async def test_held_live_batches_are_never_held_past_the_byte_bound() -> None:
         await h.start_listener(replay_endpoint=router.endpoint, options=options)
         await h.publish_live([0, 1, 5])
         await router.wait_for_requests(1)  # the repair waits on a silent server: later batches are held
-        bound = options.ingress_bytes // 2
+        bound = options.budget.listener_bytes
         most = 0
         # Published until the listener sheds (ZMQ delivers in its own thread, so how many batches it has
         # received by a given moment varies); the held bytes are checked after every batch.

@@ -9,6 +9,7 @@ import trio
 import trio.testing
 import zmq
 
+from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from kvagent.vllm.reader import Inbox, InboxItem, LinkItem, LiveItem, LiveReader
 
@@ -84,7 +85,8 @@ async def reading(
         topic=engine.topic,
         rcvhwm=1000,
         inbox=inbox,
-        bytes_bound=bound,
+        # The listener's share is ``bound``: the total is twice it; the largest batch a quarter of it.
+        budget=IngestBudget(total=2 * bound, max_payload_bytes=bound // 2),
         held_bytes=lambda: held.bytes,
         shed_held=held.shed,
         shed_after=shed_after,

@@ -19,7 +19,7 @@ from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.events import StorageTier, WorkerWithDpRank
 from kvagent.testing import RecordingSink
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
-from kvagent.vllm.listener import ListenerOptions, ListenerStatistics
+from kvagent.vllm.listener import ListenerCounters, ListenerOptions, ListenerStatistics
 from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import OWNER
 
@@ -103,6 +103,12 @@ class TrustRig:
         Cleared the engine itself sent with AllBlocksCleared)."""
         return self.agent.statistics().coordinator.source_resets
 
+    def listener_counters(self) -> ListenerCounters:
+        """The running listener's live counters (its reader and SourceSync), for waits on them."""
+        counters = self.agent._latest_listener_counters
+        assert counters is not None
+        return counters
+
     def listener(self) -> ListenerStatistics:
         stats = self.agent.statistics().listener
         assert stats is not None
@@ -116,12 +122,16 @@ class TrustRig:
             if events:
                 await self.engine.publish_batch(events, **faults)
 
-    async def settle(self) -> None:
-        """Publish a sentinel live and wait until the agent applied it (and so judged all before it)."""
+    async def settle(self, sentinels: int = 1) -> None:
+        """Publish sentinels live and wait until the agent applied the last (and so judged all before it).
+
+        Two when a sentinel may be dropped: without replay, a restart seen as the seq going back is reset
+        and the batch that showed it is not applied (it may be a stale late one); the next one is."""
         self.engine.flush_live()
-        sentinel = SENTINEL_BASE + len(self.sentinels)
-        self.sentinels.append(sentinel)
-        await self.engine.publish_batch([block_stored([sentinel], None, [7] * BLOCK, BLOCK)])
+        for _ in range(sentinels):
+            sentinel = SENTINEL_BASE + len(self.sentinels)
+            self.sentinels.append(sentinel)
+            await self.engine.publish_batch([block_stored([sentinel], None, [7] * BLOCK, BLOCK)])
         await wait_for_event(self.agent, is_store_of(sentinel))
 
     async def wait_state(self, state: str) -> None:

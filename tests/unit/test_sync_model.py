@@ -36,7 +36,8 @@ FAULTS = ("drop", "duplicate", "swap", "delay")
 def held_bytes_recount(sync: SourceSync[SimBatch]) -> int:
     """White-box: the bytes of the batches the sync holds, counted from its containers."""
     held = sum(nbytes for _digest, nbytes, _message in sync._held.values())
-    return held + sum(item[2] for item in sync._deferred)
+    ahead = sum(item[2] for item in sync._ahead.values())  # replies kept ahead of an answer's awaited seq
+    return held + ahead + sum(item[2] for item in sync._deferred)
 
 
 class SyncMachine(RuleBasedStateMachine):
