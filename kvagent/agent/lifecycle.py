@@ -36,6 +36,7 @@ from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import DurableSlot
 from kvagent.agent.staleness import run_then_cancel, watch_silence
 from kvagent.coordinator.machine import SHUTDOWN_QUARANTINE
+from kvagent.coordinator.signals import LISTENER_TERMINATED
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.discovery.withdrawal import AttachmentRecordHolder, unregister_required
@@ -534,7 +535,7 @@ class SlotLifecycle:
             # must not take the whole slot down.
             log.exception("listener_crashed", generation=attachment.generation)
             with trio.move_on_after(self._config.shutdown_step_timeout, shield=True):
-                await self._coordinator.quarantine(attachment.generation, "framework listener terminated")
+                await self._coordinator.quarantine(attachment.generation, LISTENER_TERMINATED)
         finally:
             task.finished.set()
 

@@ -38,6 +38,7 @@ import trio
 import zmq
 from xxhash import xxh3_64_intdigest
 
+from kvagent.coordinator.signals import LISTENER_TERMINATED
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, SourceSignal
@@ -69,7 +70,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-LISTENER_TERMINATED = "framework listener terminated"
 DECODE_FAILED = "failed to decode framework KV event batch"
 MiB = 1 << 20
 

@@ -155,7 +155,9 @@ async def test_sigterm_mid_operation_exits_zero_and_withdraws_ads(
                     await fake_engine.send_payload(batch([gpu_store([5000 + i, 9000 + i])]))
                 await fake_engine.send_payload(batch([gpu_store([0xFEED])]))
                 await follow_until(c, 0xFEED, None)
-            async with client(agent.url, "waiting") as c:
+            # This client reads none of its answers; the server answers every request it took before it
+            # closes with 1001, and trio-websocket's reader must have room for them to see that close.
+            async with client(agent.url, "waiting", message_queue_size=8) as c:
                 if moment == "attach":
                     await c.send("detach", generation=1, token=agent.token)
                     await c.send(

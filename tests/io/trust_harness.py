@@ -105,7 +105,7 @@ class TrustRig:
 
     def listener_counters(self) -> ListenerCounters:
         """The running listener's live counters (its reader and SourceSync), for waits on them."""
-        counters = self.agent._latest_listener_counters
+        counters = self.agent.lifecycle.latest_listener_counters
         assert counters is not None
         return counters
 
