@@ -23,14 +23,16 @@ def _named_in_tree() -> set[str]:
     package = ""
     for line in _tree_block():
         head, _, rest = line.strip().partition(" ")
-        if head.endswith("/"):
+        if len(line) - len(line.lstrip()) > 2:  # a continuation line of the package above
+            names = line
+        elif head.endswith("/"):
             package = head
             names = rest
         elif head.endswith(".py"):
             named.add(head)
             continue
-        else:  # a continuation line of the package above
-            names = line
+        else:
+            continue
         named.update(package + name for name in re.findall(r"[\w]+\.(?:py|pyx)", names))
     return named
 
