@@ -306,3 +306,37 @@ def encode_dump_json(
             end_at += 1
             event_id += 1
     return event_id
+
+
+def parents_first(
+    const uint64_t[:] hashes,
+    const uint64_t[:] parents,
+    const uint8_t[:] flags,
+    dict slots,
+    Py_ssize_t span,
+):
+    """kvagent.index.store.BlockStore.rows_parent_first over its columns: True when every row with a
+    resident parent (flag 1) sits after its parent's row.  ``slots`` maps a resident hash to its base row;
+    the parent's row is at most ``span - 1`` rows after its base (dead rows, flag 2, are skipped)."""
+    cdef Py_ssize_t rows = flags.shape[0], row, base, probe, last
+    cdef uint64_t parent
+    cdef object found
+    for row in range(rows):
+        if flags[row] != 1:
+            continue
+        parent = parents[row]
+        if row > 0 and flags[row - 1] != 2 and hashes[row - 1] == parent:
+            continue  # the chain stored in one go: the parent is the previous row
+        found = slots.get(parent)
+        if found is None:
+            continue  # not resident
+        base = found
+        if base + span - 1 < row:
+            continue  # every row the parent can be in is earlier
+        last = min(base + span, rows)
+        for probe in range(base, last):
+            if hashes[probe] == parent and flags[probe] != 2:
+                if probe >= row:
+                    return False
+                break
+    return True
