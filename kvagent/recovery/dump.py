@@ -152,9 +152,9 @@ class _SegmentWire:
     def run(self, first: int, end: int) -> EncodedRun:
         ends = self.ends
         start = ends[first - 1] if first else 0
-        return EncodedRun(
-            bytes(self.blob[start : ends[end - 1]]), array("I", map(sub, ends[first:end], repeat(start))), 0
-        )
+        with memoryview(self.blob) as view:  # one copy (a bytearray slice and bytes() would be two)
+            blob = bytes(view[start : ends[end - 1]])
+        return EncodedRun(blob, array("I", map(sub, ends[first:end], repeat(start))), 0)
 
 
 _TEMPLATES = wire_columns.event_templates()

@@ -375,12 +375,14 @@ def _run_frames(
 ) -> Iterator[str | bytes]:
     """:func:`event_frames` over runs: the same frame budget (each event counts its length plus one), the
     events of a frame found by bisection over the run's ends, each frame one slice per run it spans."""
-    chunks: list[bytes | bytearray | str] = []  # slices of runs, each a comma-separated list in JSON
+    chunks: list[memoryview | str] = []  # slices of runs, each a comma-separated list in JSON
     count = 0  # events in ``chunks``
     room = budget
     sent_any = False
     for run in encoded.runs():
         blob, ends, separator = run
+        # Slices of a bytes-like run are views: the frame's join is then the only copy.
+        view = blob if isinstance(blob, str) else memoryview(blob)
         total = len(ends)
         position = 0
         while position < total:
@@ -400,7 +402,7 @@ def _run_frames(
                     continue
                 raise _too_large(ends[position] - start + 1, limit)
             stop = position + fit
-            chunks.append(blob[start : ends[stop - 1]])
+            chunks.append(view[start : ends[stop - 1]])
             count += fit
             room -= ends[stop - 1] - start + step * fit + separator
             position = stop
@@ -411,7 +413,7 @@ def _run_frames(
 def _assemble_chunks(
     encoding: Encoding,
     header: Mapping[str, object],
-    chunks: Sequence[bytes | bytearray | str],
+    chunks: Sequence[memoryview | str],
     count: int,
     more: bool | None,
 ) -> str | bytes:
@@ -421,7 +423,7 @@ def _assemble_chunks(
         tail = "" if more is None else (',"more":true' if more else ',"more":false')
         return f'{head[:-1]},"events":[{",".join(chunks)}]{tail}}}'  # type: ignore[arg-type]
     packer = msgpack.Packer(use_bin_type=True)
-    pieces: list[bytes | bytearray] = [packer.pack_map_header(len(header) + (1 if more is None else 2))]
+    pieces: list[bytes | memoryview] = [packer.pack_map_header(len(header) + (1 if more is None else 2))]
     for key, value in header.items():
         pieces.append(packer.pack(key))
         pieces.append(packer.pack(value))
