@@ -240,18 +240,19 @@ def run(result: FigureResult, *, quick: bool) -> None:
 # --- issue #25: recovery p99 against the ring's size, through a real ``kvagent serve`` ------------------
 
 SERVE_RINGS = (20_000, 200_000, 2_000_000)
-PREFILL_RATE = 20_000  # events/s while the ring fills before the clients start (below serve's burst rate)
-PREFILL_EVENTS = 200_000  # the 200k ring full, the 2M ring a tenth (filling 2M would take 100 s a run)
+PREFILL_EVENTS = 200_000  # applied before the clients start: the 200k ring full, the 2M ring a tenth
+# (filling 2M at 10k events/s would take 200 s a run)
 
 
 def serve_ring_run(publisher: Any, ring: int, seconds: float, workdir: Any, prefill: int) -> dict[str, Any]:
-    """``bench.fig_serving.one_run`` with ``--ring-capacity ring`` after ``prefill`` events of paced ingest:
-    64 lite clients asking for the last 200 events 5x/s while 10k events/s are ingested."""
+    """``bench.fig_serving.one_run`` with ``--ring-capacity ring``: one paced stream of 10k events/s from the
+    start; once ``prefill`` events are applied, 64 lite clients ask for the last 200 events 5x/s each."""
+    import tempfile
+
     from bench import fig_serving
     from bench.trace import EVENTS_PER_BATCH
 
-    import tempfile
-
+    rate = fig_serving.INGEST_RATE
     publisher.request_subscriber_wait()
     # A state directory of its own (persistence on, as deployed; never another run's or another user's).
     state = tempfile.mkdtemp(dir=workdir)
@@ -261,13 +262,10 @@ def serve_ring_run(publisher: Any, ring: int, seconds: float, workdir: Any, pref
     try:
         publisher.wait_subscribed(fig_serving.SERVER_START_TIMEOUT)
         base = fig_serving._cursor(server.url)
-        sent_total = 0
-        if prefill:
-            publisher.paced(PREFILL_RATE, prefill / PREFILL_RATE)
-            sent, _, _ = publisher.wait_sent()
-            sent_total += sent
-            fig_serving._wait_cursor(server.url, base + sent_total * EVENTS_PER_BATCH)
-        publisher.paced(fig_serving.INGEST_RATE, seconds + fig_serving.WARMUP + 3)
+        # One stream (the publisher numbers every paced call from seq 0: a second call would look like an
+        # engine restart), long enough for the prefill, the clients' warm-up and window, and a margin.
+        publisher.paced(rate, prefill / rate + seconds + fig_serving.WARMUP + 3)
+        fig_serving._wait_cursor(server.url, base + prefill)
         cpu_before = fig_serving._cpu_seconds(server.process.pid)
         publisher_before = fig_serving._cpu_seconds(publisher.pid or 0)
         busy_before = fig_serving._machine_busy_seconds()
@@ -275,17 +273,16 @@ def serve_ring_run(publisher: Any, ring: int, seconds: float, workdir: Any, pref
         tally = fig_serving._run_clients(server.url, CLIENTS, seconds, True)
         elapsed = time.monotonic() - started
         server_cpu = (fig_serving._cpu_seconds(server.process.pid) - cpu_before) / elapsed
-        sent, _, _ = publisher.wait_sent()
-        sent_total += sent
-        target = base + sent_total * EVENTS_PER_BATCH
-        cursor = fig_serving._wait_cursor(server.url, target)
         busy = (fig_serving._machine_busy_seconds() - busy_before) / elapsed
         busy -= (fig_serving._cpu_seconds(publisher.pid or 0) - publisher_before) / elapsed
+        sent, _, _ = publisher.wait_sent()
+        target = base + sent * EVENTS_PER_BATCH
+        cursor = fig_serving._wait_cursor(server.url, target)
     finally:
         server.stop()
     tally.update(
         clients=CLIENTS,
-        events_sent=sent_total * EVENTS_PER_BATCH,
+        events_sent=sent * EVENTS_PER_BATCH,
         publish_rate=0.0,
         events_lost=max(0, target - cursor),
         server_cpu_share=server_cpu,
@@ -313,7 +310,6 @@ def run_serve_rings(
     result.params.update(
         serve_rings=list(rings),
         prefill_events=prefill,
-        prefill_rate=PREFILL_RATE,
         serve_seconds=seconds,
         serve_repetitions=repetitions,
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from itertools import repeat
 from typing import Any, NamedTuple, TypeAlias, overload
 
 from kvagent.model.events import (
@@ -107,51 +106,60 @@ class RingSegment:
         self.tokens = array("Q")
         self.extras: dict[int, Extra] = {}
         self.route_table: list[Route] = []
-        self.route_codes: dict[Route, int] = {}
+        # (worker_id, tier, domain, dp_rank, id(state_source), session_id) -> index in route_table
+        self.route_codes: dict[tuple[object, ...], int] = {}
         # The recovery layer's encoded events of this segment (opaque here; dropped with the segment).
         self.wire: object = None
 
     def __len__(self) -> int:
         return len(self.kinds)
 
-    def route_code(self, route: Route) -> int:
-        code = self.route_codes.get(route)
-        if code is None:
-            code = self.route_codes[route] = len(self.route_table)
-            self.route_table.append(route)
-        return code
-
     def append(self, event: RouterEvent) -> None:
         """Buffer one applied event (its data already validated by the index)."""
-        route = Route(
+        source = event.state_source
+        # Keyed by the source's identity: hashing a CacheOwnerId per event costs more than the rest of the
+        # append, and the route table holds the object, so its id cannot be reused while the segment lives.
+        key = (
             event.worker_id,
             event.storage_tier,
             event.residency_domain,
             event.dp_rank,
-            event.state_source,
+            id(source),
             event.session_id,
         )
-        code = self.route_codes.get(route)
+        code = self.route_codes.get(key)
         if code is None:
-            code = self.route_code(route)
+            code = self.route_codes[key] = len(self.route_table)
+            self.route_table.append(
+                Route(
+                    event.worker_id,
+                    event.storage_tier,
+                    event.residency_domain,
+                    event.dp_rank,
+                    source,
+                    event.session_id,
+                )
+            )
         data = event.data
         cls = type(data)
         if cls is Stored:
             parent = data.parent_hash  # type: ignore[union-attr]
-            self.kinds.append(KIND_STORED if parent is None else KIND_STORED_CHILD)
-            self.parents.append(0 if parent is None else parent)
-            hashes = data.block_hashes
-            self.hashes.extend(hashes)
+            if parent is None:
+                self.kinds.append(KIND_STORED)
+                self.parents.append(0)
+            else:
+                self.kinds.append(KIND_STORED_CHILD)
+                self.parents.append(parent)
+            self.hashes.extend(data.block_hashes)
             self.tokens.extend(data.tokens_hashes)  # type: ignore[union-attr]
-            start, infos = data.start_position, data.mm_extra_infos  # type: ignore[union-attr]
-            if start is not None or infos is not None:
-                self.extras[len(self.ids)] = (start, infos)
+            if data.mm_extra_infos is not None or data.start_position is not None:  # type: ignore[union-attr]
+                self.extras[len(self.ids)] = (data.start_position, data.mm_extra_infos)  # type: ignore[union-attr]
         elif cls is Removed:
             self.kinds.append(KIND_REMOVED)
             self.parents.append(0)
             hashes = data.block_hashes
             self.hashes.extend(hashes)
-            self.tokens.extend(repeat(0, len(hashes)))
+            self.tokens.frombytes(bytes(8 * len(hashes)))  # zeros: tokens share the offsets of hashes
         else:
             self.kinds.append(KIND_CLEARED)
             self.parents.append(0)
