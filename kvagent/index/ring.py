@@ -200,17 +200,6 @@ class RingRange(NamedTuple):
         for segment, first, end in self.pieces:
             yield from segment.ids[first:end]
 
-    def routes(self) -> Iterator[Route]:
-        """The distinct routes of the range (a handful: every event of a slot shares a few)."""
-        seen: set[Route] = set()
-        for segment, first, end in self.pieces:
-            table = segment.route_table
-            for code in set(segment.routes[first:end]) if len(table) > 1 else range(len(table)):
-                route = table[code]
-                if route not in seen:
-                    seen.add(route)
-                    yield route
-
     def select(self, keep: Callable[[Route], bool]) -> RingRange | None:
         """The events whose route ``keep`` accepts, as a range, or None when the kept events are not one
         run per segment (the caller then takes them one by one)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import operator
-import os
 import re
 from array import array
 from collections.abc import Callable, Iterator
@@ -53,9 +52,7 @@ _LIVE_RUN = re.compile(b"[^%c]+" % FLAG_DEAD)
 
 
 def _native_parents_first() -> Callable[..., bool] | None:
-    """The compiled order check (kvagent/_native/_columns.pyx) when built; ``KVAGENT_NATIVE=0`` refuses it."""
-    if os.environ.get("KVAGENT_NATIVE") == "0":
-        return None
+    """The compiled order check (kvagent/_native/_columns.pyx) when built, else None (the Python check)."""
     try:
         # Imported by name: kvagent._native is an optional build product (no package in the import layers).
         check: Callable[..., bool] = importlib.import_module("kvagent._native._columns").parents_first

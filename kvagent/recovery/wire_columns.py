@@ -16,7 +16,6 @@ a ``start_position`` are never given to these functions: the callers encode them
 from __future__ import annotations
 
 import importlib
-import os
 import struct
 from array import array
 from collections.abc import Callable
@@ -287,12 +286,8 @@ _LIVE = bytes(1 if value in (0, 1) else 0 for value in range(256))
 
 
 def _load() -> ModuleType:
-    """The compiled encoders (kvagent/_native/_columns.pyx) when built, else this module.
-
-    ``KVAGENT_NATIVE=0`` in the environment forces this module (the tests run both).
-    """
-    if os.environ.get("KVAGENT_NATIVE") == "0":
-        return importlib.import_module(__name__)
+    """The compiled encoders (kvagent/_native/_columns.pyx) when built, else this module (the tests run
+    both by setting :data:`impl`)."""
     try:
         # Imported by name: kvagent._native is an optional build product (no package in the import layers).
         return importlib.import_module("kvagent._native._columns")

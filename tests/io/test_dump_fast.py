@@ -98,6 +98,12 @@ def test_columns_equal_the_reference_order(ops: list[Any], tiny_compaction: bool
     reference = list(store.replay_order())
     columns = store.columns()
     assert store.rows_parent_first() == _reference_parent_first(store)
+    native = kvagent.index.store._PARENTS_FIRST
+    kvagent.index.store._PARENTS_FIRST = None  # the pure-Python check agrees too (the compiled one when built)
+    try:
+        assert store.rows_parent_first() == _reference_parent_first(store)
+    finally:
+        kvagent.index.store._PARENTS_FIRST = native
     assert columns.live == len(store) == len(reference)
     if store.rows_parent_first():
         # The fast copy is exactly the reference order (dict order needs no reordering).
