@@ -340,3 +340,86 @@ def parents_first(
                     return False
                 break
     return True
+
+
+# --- the ring's append (kvagent/index/ring.py: RingSegment.append, the same columns) -----------------------
+
+from cpython.array cimport resize_smart
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.long cimport PyLong_AsUnsignedLongLong
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+from kvagent.model.events import Removed as _Removed, Stored as _Stored
+
+
+cdef inline void push_u64(array.array column, uint64_t value) except *:
+    cdef Py_ssize_t size = len(column)
+    resize_smart(column, size + 1)
+    column.data.as_ulonglongs[size] = value
+
+
+cdef inline void push_u64s(array.array column, tuple values) except *:
+    cdef Py_ssize_t size = len(column), count = PyTuple_GET_SIZE(values), index
+    resize_smart(column, size + count)
+    for index in range(count):
+        column.data.as_ulonglongs[size + index] = PyLong_AsUnsignedLongLong(<object>PyTuple_GET_ITEM(values, index))
+
+
+cdef inline void push_zeros(array.array column, Py_ssize_t count) except *:
+    cdef Py_ssize_t size = len(column), index
+    resize_smart(column, size + count)
+    for index in range(count):
+        column.data.as_ulonglongs[size + index] = 0
+
+
+cdef inline void push_byte(bytearray column, uint8_t value) except *:
+    cdef Py_ssize_t size = PyByteArray_GET_SIZE(column)
+    PyByteArray_Resize(column, size + 1)
+    PyByteArray_AS_STRING(column)[size] = <char>value
+
+
+def ring_append(object segment, object event):
+    """RingSegment.append(event) in one compiled step (the columns and the route table of ring.py)."""
+    cdef object source = event.state_source
+    cdef tuple key = (event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank, id(source),
+                      event.session_id)
+    cdef dict codes = segment.route_codes
+    code = codes.get(key)
+    if code is None:
+        code = segment.add_route(event, key)
+    cdef array.array ids = segment.ids, routes = segment.routes, parents = segment.parents
+    cdef array.array offsets = segment.offsets, hashes = segment.hashes, tokens = segment.tokens
+    cdef bytearray kinds = segment.kinds
+    cdef object data = event.data
+    cdef object cls = type(data)
+    cdef object parent
+    cdef tuple block_hashes
+    cdef Py_ssize_t size, position = len(ids)
+    if cls is _Stored:
+        parent = data.parent_hash
+        if parent is None:
+            push_byte(kinds, 0)
+            push_u64(parents, 0)
+        else:
+            push_byte(kinds, 1)
+            push_u64(parents, PyLong_AsUnsignedLongLong(parent))
+        push_u64s(hashes, data.block_hashes)
+        push_u64s(tokens, data.tokens_hashes)
+        if data.mm_extra_infos is not None or data.start_position is not None:
+            segment.extras[position] = (data.start_position, data.mm_extra_infos)
+    elif cls is _Removed:
+        push_byte(kinds, 2)
+        push_u64(parents, 0)
+        block_hashes = data.block_hashes
+        push_u64s(hashes, block_hashes)
+        push_zeros(tokens, PyTuple_GET_SIZE(block_hashes))
+    else:
+        push_byte(kinds, 3)
+        push_u64(parents, 0)
+    push_u64(ids, PyLong_AsUnsignedLongLong(event.event_id))
+    size = len(routes)
+    resize_smart(routes, size + 1)
+    routes.data.as_ushorts[size] = <uint16_t>code
+    size = len(offsets)
+    resize_smart(offsets, size + 1)
+    offsets.data.as_uints[size] = <uint32_t>len(hashes)

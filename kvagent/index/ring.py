@@ -24,6 +24,7 @@ layer keeps the segment's encoded events, built lazily from the columns and reus
 from __future__ import annotations
 
 import bisect
+import importlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeAlias, overload
@@ -114,8 +115,21 @@ class RingSegment:
     def __len__(self) -> int:
         return len(self.kinds)
 
+    def add_route(self, event: RouterEvent, key: tuple[object, ...]) -> int:
+        """The code of a route not in the table yet (``key`` as :meth:`append` builds it)."""
+        code = self.route_codes[key] = len(self.route_table)
+        source, session = event.state_source, event.session_id
+        self.route_table.append(
+            Route(event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank, source, session)
+        )
+        return code
+
     def append(self, event: RouterEvent) -> None:
-        """Buffer one applied event (its data already validated by the index)."""
+        """Buffer one applied event (its data already validated by the index).
+
+        kvagent/_native/_columns.pyx has the same append compiled (``ring_append``); the ring uses it when
+        the extension is built.
+        """
         source = event.state_source
         # Keyed by the source's identity: hashing a CacheOwnerId per event costs more than the rest of the
         # append, and the route table holds the object, so its id cannot be reused while the segment lives.
@@ -129,17 +143,7 @@ class RingSegment:
         )
         code = self.route_codes.get(key)
         if code is None:
-            code = self.route_codes[key] = len(self.route_table)
-            self.route_table.append(
-                Route(
-                    event.worker_id,
-                    event.storage_tier,
-                    event.residency_domain,
-                    event.dp_rank,
-                    source,
-                    event.session_id,
-                )
-            )
+            code = self.add_route(event, key)
         data = event.data
         cls = type(data)
         if cls is Stored:
@@ -222,6 +226,21 @@ class RingRange(NamedTuple):
 _EMPTY_RANGE = RingRange((), 0)
 
 
+def _native_append() -> Callable[[RingSegment, RouterEvent], None] | None:
+    """``ring_append`` of kvagent/_native/_columns.pyx when built, else None (RingSegment.append)."""
+    try:
+        # Imported by name: kvagent._native is an optional build product (no package in the import layers).
+        append: Callable[[RingSegment, RouterEvent], None] = importlib.import_module(
+            "kvagent._native._columns"
+        ).ring_append
+    except (ImportError, AttributeError):
+        return None
+    return append
+
+
+_NATIVE_APPEND = _native_append()
+
+
 class RingEvents(Sequence[RouterEvent]):
     """A range of the ring as a read-only sequence of RouterEvents, decoded on first use (then kept).
 
@@ -273,7 +292,7 @@ class RingEvents(Sequence[RouterEvent]):
 class EventRing:
     """The last ``capacity`` applied events, as column segments (see the module docstring)."""
 
-    __slots__ = ("_count", "_firsts", "_head", "_segment_events", "_segments", "capacity")
+    __slots__ = ("_count", "_firsts", "_head", "_segment_events", "_segments", "_tail", "capacity")
 
     def __init__(self, capacity: int, segment_events: int | None = None) -> None:
         if capacity <= 0:
@@ -281,6 +300,7 @@ class EventRing:
         self.capacity = capacity
         self._segment_events = segment_events or max(1, min(MAX_SEGMENT_EVENTS, capacity))
         self._segments: list[RingSegment] = []
+        self._tail: RingSegment | None = None  # the newest segment, the one appends go to
         self._firsts: list[int] = []  # each segment's first id (its physical first event), for bisect
         self._head = 0  # first live position of the oldest segment
         self._count = 0
@@ -301,14 +321,17 @@ class EventRing:
         return self._segments[0].ids[self._head]
 
     def append(self, event: RouterEvent) -> None:
-        segments = self._segments
-        if not segments or len(segments[-1]) >= self._segment_events:
-            segment = RingSegment(self._segment_events)
-            segments.append(segment)
+        # Once per applied event: no Python-level call but the append itself (len of the kinds column,
+        # not RingSegment.__len__).
+        segment = self._tail
+        if segment is None or len(segment.kinds) >= self._segment_events:
+            segment = self._tail = RingSegment(self._segment_events)
+            self._segments.append(segment)
             self._firsts.append(event.event_id)
+        if _NATIVE_APPEND is None:
+            segment.append(event)
         else:
-            segment = segments[-1]
-        segment.append(event)
+            _NATIVE_APPEND(segment, event)
         self._count += 1
         if self._count > self.capacity:
             self._evict_one()
@@ -316,7 +339,7 @@ class EventRing:
     def _evict_one(self) -> None:
         self._count -= 1
         self._head += 1
-        if self._head >= len(self._segments[0]):
+        if self._head >= len(self._segments[0].kinds):
             del self._segments[0], self._firsts[0]
             self._head = 0
 

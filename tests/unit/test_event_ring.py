@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvagent.index.ring
 from kvagent.index.recovery_index import EventsAnswer, RecoveryIndex
 from kvagent.index.ring import EventRing, RingEvents
 from kvagent.model.events import (
@@ -86,10 +87,21 @@ def _starts(events: list[RouterEvent]) -> Iterator[int]:
     yield from range(max(0, events[0].event_id - 2), events[-1].event_id + 3)
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.fixture(params=["native", "python"])
+def appends(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the compiled ring append (skipped when not built) and with RingSegment.append."""
+    if request.param == "native":
+        if kvagent.index.ring._NATIVE_APPEND is None:
+            pytest.skip("kvagent._native._columns is not built")
+    else:
+        monkeypatch.setattr(kvagent.index.ring, "_NATIVE_APPEND", None)
+    return str(request.param)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_streams(), st.integers(1, 9), st.integers(1, 5))
 def test_the_ring_answers_every_range_as_a_list_does(
-    events: list[RouterEvent], capacity: int, segment: int
+    appends: str, events: list[RouterEvent], capacity: int, segment: int
 ) -> None:
     ring = EventRing(capacity, segment)
     model: list[RouterEvent] = []
