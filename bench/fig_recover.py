@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from bench.harness import FigureResult, Row, percentile
+from bench.harness import FigureResult, Row, median, percentile
 from bench.slot_fixture import BenchSlot, build_index
 
 NAME = "recover"
@@ -97,7 +97,9 @@ async def _client_process_main(url: str, op: str, seconds: float, paced: bool) -
                     started = time.perf_counter()
                     # The answer as received: events left encoded (lazy_events) and dumps in the compact columns
                     # format; decoding is the router's own work (about 4.5 us per event as wire maps).
-                    answer = await client.recover(max(1, cursor - BACKLOG), dump_format="columns", lazy_events=True)
+                    answer = await client.recover(
+                        max(1, cursor - BACKLOG), dump_format="columns", lazy_events=True
+                    )
                     kind = answer.kind
                     if trio.current_time() >= warm:
                         sizes.append(_answer_events(answer))
@@ -169,9 +171,14 @@ async def _clients(
 def run(result: FigureResult, *, quick: bool) -> None:
     """Default ring (1024 events = 20 ms at 50k ev/s) and a 64k ring, which keeps every request buffered."""
     seconds = 3.0 if quick else 8.0
-    result.params.update(clients=CLIENTS, apply_rate=APPLY_RATE, seconds=seconds, resident_blocks_at_start=100_000,
-                         backlog=BACKLOG,
-                         rings=list(RINGS))
+    result.params.update(
+        clients=CLIENTS,
+        apply_rate=APPLY_RATE,
+        seconds=seconds,
+        resident_blocks_at_start=100_000,
+        backlog=BACKLOG,
+        rings=list(RINGS),
+    )
     ms = 1000.0
     cycle = _load_cycle(60_000)
     for ring in RINGS:
@@ -183,21 +190,207 @@ def run(result: FigureResult, *, quick: bool) -> None:
             )
             rec, kinds, applied, elapsed, sizes = trio.run(_clients, index, "recover", seconds, paced, cycle)
             result.extra[f"ring_{ring}_{'paced' if paced else 'closed'}"] = dict(
-                recover_answer_kinds=kinds, status_answer_kinds=base_kinds,
-                applied_rate_recover=applied / elapsed, applied_rate_status=base_applied / base_elapsed,
-                requests_recover=len(rec), requests_status=len(base),
+                recover_answer_kinds=kinds,
+                status_answer_kinds=base_kinds,
+                applied_rate_recover=applied / elapsed,
+                applied_rate_status=base_applied / base_elapsed,
+                requests_recover=len(rec),
+                requests_status=len(base),
                 mean_events_per_answer=sum(sizes) / len(sizes) if sizes else None,
             )
             dumps = kinds.get("tree_dump", 0)
             mean_size = sum(sizes) / len(sizes) if sizes else 0
-            note = (f"{len(rec) / elapsed:.0f} req/s; {dumps} of {len(rec)} answers were tree dumps; "
-                    f"mean {mean_size:.0f} events/answer")
+            note = (
+                f"{len(rec) / elapsed:.0f} req/s; {dumps} of {len(rec)} answers were tree dumps; "
+                f"mean {mean_size:.0f} events/answer"
+            )
             result.rows += [
-                Row(f"recover p50 (ring {ring}, {mode})", percentile(rec, 50) * ms, "ms", "status op p50",
-                    percentile(base, 50) * ms, higher_is_better=False, note=note),
-                Row(f"recover p99 (ring {ring}, {mode})", percentile(rec, 99) * ms, "ms", "status op p99",
-                    percentile(base, 99) * ms, target="<= 5 ms", higher_is_better=False, note=note),
-                Row(f"applied rate (ring {ring}, {mode})", applied / elapsed, "events/s", "during status loop",
-                    base_applied / base_elapsed, note="load actually achieved"),
+                Row(
+                    f"recover p50 (ring {ring}, {mode})",
+                    percentile(rec, 50) * ms,
+                    "ms",
+                    "status op p50",
+                    percentile(base, 50) * ms,
+                    higher_is_better=False,
+                    note=note,
+                ),
+                Row(
+                    f"recover p99 (ring {ring}, {mode})",
+                    percentile(rec, 99) * ms,
+                    "ms",
+                    "status op p99",
+                    percentile(base, 99) * ms,
+                    target="<= 5 ms",
+                    higher_is_better=False,
+                    note=note,
+                ),
+                Row(
+                    f"applied rate (ring {ring}, {mode})",
+                    applied / elapsed,
+                    "events/s",
+                    "during status loop",
+                    base_applied / base_elapsed,
+                    note="load actually achieved",
+                ),
             ]
         del index
+    run_serve_rings(result, quick=quick)
+
+
+# --- issue #25: recovery p99 against the ring's size, through a real ``kvagent serve`` ------------------
+
+SERVE_RINGS = (20_000, 200_000, 2_000_000)
+PREFILL_EVENTS = 200_000  # applied before the clients start: the 200k ring full, the 2M ring a tenth
+# (filling 2M at 10k events/s would take 200 s a run)
+
+
+def serve_ring_run(publisher: Any, ring: int, seconds: float, workdir: Any, prefill: int) -> dict[str, Any]:
+    """``bench.fig_serving.one_run`` with ``--ring-capacity ring``: one paced stream of 10k events/s from the
+    start; once ``prefill`` events are applied, 64 lite clients ask for the last 200 events 5x/s each."""
+    import tempfile
+
+    from bench import fig_serving
+    from bench.trace import EVENTS_PER_BATCH
+
+    rate = fig_serving.INGEST_RATE
+    publisher.request_subscriber_wait()
+    # A state directory of its own (persistence on, as deployed; never another run's or another user's).
+    state = tempfile.mkdtemp(dir=workdir)
+    server = fig_serving._Server(
+        publisher.endpoint, workdir, ["--ring-capacity", str(ring), "--state-dir", state]
+    )
+    try:
+        publisher.wait_subscribed(fig_serving.SERVER_START_TIMEOUT)
+        base = fig_serving._cursor(server.url)
+        # One stream (the publisher numbers every paced call from seq 0: a second call would look like an
+        # engine restart), long enough for the prefill, the clients' warm-up and window, and a margin.
+        publisher.paced(rate, prefill / rate + seconds + fig_serving.WARMUP + 3)
+        fig_serving._wait_cursor(server.url, base + prefill)
+        cpu_before = fig_serving._cpu_seconds(server.process.pid)
+        publisher_before = fig_serving._cpu_seconds(publisher.pid or 0)
+        busy_before = fig_serving._machine_busy_seconds()
+        started = time.monotonic()
+        tally = fig_serving._run_clients(server.url, CLIENTS, seconds, True)
+        elapsed = time.monotonic() - started
+        server_cpu = (fig_serving._cpu_seconds(server.process.pid) - cpu_before) / elapsed
+        busy = (fig_serving._machine_busy_seconds() - busy_before) / elapsed
+        busy -= (fig_serving._cpu_seconds(publisher.pid or 0) - publisher_before) / elapsed
+        sent, _, _ = publisher.wait_sent()
+        target = base + sent * EVENTS_PER_BATCH
+        cursor = fig_serving._wait_cursor(server.url, target)
+    finally:
+        server.stop()
+    tally.update(
+        clients=CLIENTS,
+        events_sent=sent * EVENTS_PER_BATCH,
+        publish_rate=0.0,
+        events_lost=max(0, target - cursor),
+        server_cpu_share=server_cpu,
+        other_cpu_cores=max(0.0, busy - server_cpu - tally["client_cpu_seconds"] / elapsed),
+        client_cpu_share=tally["client_cpu_seconds"] / seconds,
+    )
+    return tally
+
+
+def run_serve_rings(
+    result: FigureResult, *, quick: bool, rings: tuple[int, ...] = SERVE_RINGS, repetitions: int | None = None
+) -> None:
+    """p99 of 64 paced recover clients against ``--ring-capacity`` (issue #25's targets)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from bench import fig_serving
+    from bench.publisher import Publisher
+    from bench.trace import EVENTS_PER_BATCH
+
+    seconds = 4.0 if quick else 8.0
+    repetitions = repetitions or (1 if quick else 3)
+    prefill = 0 if quick else PREFILL_EVENTS
+    result.params.update(
+        serve_rings=list(rings),
+        prefill_events=prefill,
+        serve_seconds=seconds,
+        serve_repetitions=repetitions,
+    )
+    batches = int((prefill + fig_serving.INGEST_RATE * (seconds + fig_serving.WARMUP + 4)) / EVENTS_PER_BATCH)
+    p99_by_ring: dict[int, float] = {}
+    with Publisher(batches) as publisher, tempfile.TemporaryDirectory() as tmp:
+        runs_by_ring: dict[int, list[dict[str, Any]]] = {ring: [] for ring in rings}
+        for _ in range(repetitions):  # interleaved, so drifting foreign load hits every ring alike
+            for ring in rings:
+                summary = fig_serving.summarize(serve_ring_run(publisher, ring, seconds, Path(tmp), prefill))
+                runs_by_ring[ring].append(summary)
+                print(f"   ring {ring}: {json.dumps(summary)}", flush=True)
+        for ring, runs in runs_by_ring.items():
+            result.extra[f"serve_ring_{ring}"] = runs
+            p99s = [run["p99_ms"] for run in runs if run["p99_ms"] is not None]
+            p99_by_ring[ring] = median(p99s) if p99s else float("nan")
+            unanswered = max(run["hanging"] + run["closed"] + run["refused"] for run in runs)
+            lost = max(run["events_lost"] for run in runs)
+            note = (
+                f"median of {len(runs)}; unanswered/refused {unanswered} (max), lost {lost} events; "
+                f"server CPU {100 * median([run['server_cpu_share'] for run in runs]):.0f}%, "
+                f"other processes {median([run['other_cpu_cores'] for run in runs]):.2f} cores"
+            )
+            result.rows += [
+                Row(
+                    f"serve recover p50 (ring {ring})",
+                    median([run["p50_ms"] for run in runs]),
+                    "ms",
+                    higher_is_better=False,
+                    samples=[run["p50_ms"] for run in runs],
+                ),
+                Row(
+                    f"serve recover p99 (ring {ring})",
+                    p99_by_ring[ring],
+                    "ms",
+                    higher_is_better=False,
+                    target="<= 20 ms" if ring == 200_000 else "",
+                    samples=p99s,
+                    note=note,
+                ),
+            ]
+    if rings[0] in p99_by_ring and rings[-1] in p99_by_ring:
+        result.rows.append(
+            Row(
+                f"serve p99 ring {rings[-1]} / ring {rings[0]}",
+                p99_by_ring[rings[-1]] / p99_by_ring[rings[0]],
+                "x",
+                higher_is_better=False,
+                target="<= 1.2",
+            )
+        )
+
+
+def main() -> int:
+    import argparse
+    import sys
+
+    from bench.harness import run_figure, table
+
+    parser = argparse.ArgumentParser(prog="python -m bench.fig_recover", description=__doc__)
+    parser.add_argument(
+        "--serve-rings", type=str, help="only the kvagent-serve ring sweep, e.g. 20000,200000"
+    )
+    parser.add_argument("--repetitions", type=int)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.serve_rings:
+        rings = tuple(int(ring) for ring in args.serve_rings.split(","))
+        result = run_figure(
+            NAME + "-serve",
+            TITLE,
+            lambda figure: run_serve_rings(
+                figure, quick=args.quick, rings=rings, repetitions=args.repetitions
+            ),
+        )
+    else:
+        result = run_figure(NAME, TITLE, lambda figure: run(figure, quick=args.quick))
+    print(table([result]))
+    sys.stdout.flush()
+    return 1 if result.error else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, TypeAlias
 
 import attrs
@@ -27,9 +28,13 @@ __all__ = [
 
 @attrs.frozen(slots=True)
 class EventsAnswer:
-    """The buffered events from the requested start through the newest."""
+    """The buffered events from the requested start through the newest.
 
-    events: tuple[RouterEvent, ...]
+    From the index, ``events`` is a :class:`~kvagent.index.ring.RingEvents`: the ring's columns, decoded
+    into RouterEvents only when read; encoders take its ``ring_range`` instead.
+    """
+
+    events: Sequence[RouterEvent]
     last_event_id: int
 
 

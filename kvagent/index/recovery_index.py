@@ -8,9 +8,6 @@ Filtering answers per requester (5.3) is the recovery server's job, not the inde
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -27,6 +24,7 @@ from kvagent.index.answers import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
+from kvagent.index.ring import EventRing, RingEvents, RingRange
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
@@ -102,7 +100,8 @@ class RecoveryIndex:
             raise ValueError(f"ring_capacity must be positive, got {ring_capacity}")
         self.kv_block_size = kv_block_size
         self.ring_capacity = ring_capacity
-        self._ring: deque[RouterEvent] = deque(maxlen=ring_capacity)
+        # The outbound ring as columns (index/ring.py): no Python object per buffered event.
+        self._ring = EventRing(ring_capacity)
         self._stores: dict[StoreKey, BlockStore] = {}
         # The (worker_id, dp_rank) of the newest event that touched each CacheOwner: dump entries carry it.
         self._cache_owner_workers: dict[CacheOwnerId, tuple[int, int]] = {}
@@ -137,7 +136,7 @@ class RecoveryIndex:
             raise IndexApplyError("CacheOwner residency cannot target the Device tier")
         ring = self._ring
         if ring or self._gap_end:
-            newest = ring[-1].event_id if ring else 0
+            newest = ring.newest_id() if ring else 0
             if newest < self._gap_end:
                 newest = self._gap_end
             if event_id <= newest:
@@ -172,7 +171,7 @@ class RecoveryIndex:
         if keys is None:
             return None
         ring = self._ring
-        newest = ring[-1].event_id if ring else 0
+        newest = ring.newest_id() if ring else 0
         if newest < self._gap_end:
             newest = self._gap_end
         failures: list[tuple[int, Exception]] = []
@@ -203,7 +202,7 @@ class RecoveryIndex:
             return None
         ring = self._ring
         if ring or self._gap_end:
-            newest = ring[-1].event_id if ring else 0
+            newest = ring.newest_id() if ring else 0
             if events[0].event_id <= max(newest, self._gap_end):
                 return None
         keys: list[StoreKey] = []
@@ -315,12 +314,14 @@ class RecoveryIndex:
 
     def current_event_id(self) -> int:
         ring = self._ring
-        if ring and ring[-1].event_id > self._gap_end:
-            return ring[-1].event_id
+        if ring:
+            newest = ring.newest_id()
+            if newest > self._gap_end:
+                return newest
         return self._gap_end
 
     def oldest_buffered_id(self) -> int | None:
-        return self._ring[0].event_id if self._ring else None
+        return self._ring.oldest_id()
 
     def events_in_range(self, start: int | None, end: int | None) -> RangeAnswer:
         """4.4, checked in order: InvalidRange, TreeDump, TooNew, Events (start through newest)."""
@@ -336,7 +337,7 @@ class RecoveryIndex:
         newest = self.current_event_id()
         if start > newest:
             return TooNewAnswer(start, end, newest)
-        return EventsAnswer(self.ring_tail(start), newest)
+        return EventsAnswer(RingEvents(self._ring.tail(start)), newest)
 
     def answers_with_dump(self, start: int | None, end: int | None) -> bool:
         """Whether a range from ``start`` is answered with a tree dump (heavy work), without building it."""
@@ -346,12 +347,12 @@ class RecoveryIndex:
         """Every event from ``start`` on is in the ring (ids of the gap count as present and empty)."""
         if start is None:
             return False
-        ring = self._ring
-        if ring and start >= ring[0].event_id:
+        oldest = self._ring.oldest_id()
+        if oldest is not None and start >= oldest:
             return True
         if not self._gap_floor < start <= self._gap_end + 1:
             return False
-        return not ring or ring[0].event_id <= self._gap_end + 1
+        return oldest is None or oldest <= self._gap_end + 1
 
     def range_or_snapshot(self, start: int | None, end: int | None) -> RangeAnswer | DumpSnapshot:
         """:meth:`events_in_range`, except that a tree dump comes as an unencoded :class:`DumpSnapshot`.
@@ -371,16 +372,17 @@ class RecoveryIndex:
         return self.events_in_range(start, end)
 
     def ring_tail(self, start: int) -> tuple[RouterEvent, ...]:
-        """The buffered events with id >= ``start``, oldest first.
+        """The buffered events with id >= ``start``, oldest first (decoded from the ring's columns)."""
+        return RingEvents(self._ring.tail(start)).decoded()
 
-        Walks from the newest end: a deque slice from the front costs the whole ring, and recovering
-        clients ask for a short tail of a long ring.
-        """
-        ring = self._ring
-        first = bisect.bisect_left(ring, start, key=_event_id)
-        tail = list(itertools.islice(reversed(ring), len(ring) - first))
-        tail.reverse()
-        return tuple(tail)
+    def ring_range(self, start: int) -> RingRange:
+        """The buffered events with id >= ``start`` as column pieces (a snapshot: later applies and
+        evictions leave it as it is); encoders read it without building events."""
+        return self._ring.tail(start)
+
+    def ring_between(self, first_id: int, last_id: int) -> RingRange | None:
+        """The buffered events with ids first_id..last_id, when all of them (consecutive ids) are buffered."""
+        return self._ring.between(first_id, last_id)
 
     # --- restore (issue #17) ----------------------------------------------------------------------
 
@@ -475,7 +477,7 @@ class RecoveryIndex:
             raise ValueError(f"event id {event_id} is not a u64")
         ring = self._ring
         # Contiguous with the gap already known (a restore with no suffix): one gap from its floor.
-        self._gap_floor = self._gap_floor if not ring or ring[-1].event_id <= self._gap_end else current
+        self._gap_floor = self._gap_floor if not ring or ring.newest_id() <= self._gap_end else current
         self._gap_end = event_id
         self._dump_cache = self._snapshot_cache = None
 
@@ -558,7 +560,3 @@ class RecoveryIndex:
             else:
                 worker_id, dp_rank = self._cache_owner_workers[owner]
                 yield worker_id, tier, ResidencyDomain.CACHE_OWNER, dp_rank, owner, store
-
-
-def _event_id(event: RouterEvent) -> int:
-    return event.event_id

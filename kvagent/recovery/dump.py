@@ -22,13 +22,18 @@ import json
 import sys
 import weakref
 from array import array
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import repeat
+from operator import sub
 from typing import cast
 
 import attrs
 import msgpack
 
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot, RecoveryIndex
+from kvagent.index.ring import RingEvents, RingRange, RingSegment
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, FLAG_ROOT
 from kvagent.model.errors import KvAgentError, RecoveryClientError
 from kvagent.model.events import (
@@ -42,11 +47,18 @@ from kvagent.model.events import (
 )
 from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import AgentStatus
-from kvagent.recovery.protocol import CACHE_OWNER_SCOPE, MAX_FRAME_BYTES, Fence, encode_frame
+from kvagent.recovery import wire_columns
+from kvagent.recovery.protocol import (
+    CACHE_OWNER_SCOPE,
+    MAX_FRAME_BYTES,
+    EncodedRun,
+    EncodedRuns,
+    Fence,
+    encode_frame,
+)
+from kvagent.recovery.wire_columns import route_templates
 from kvagent.wire.router_event import (
-    BlockRows,
     Encoding,
-    OneBlockRows,
     encode_event,
     mm_extra_info_from_wire,
     mm_extra_info_to_wire,
@@ -86,25 +98,124 @@ def parse_dump_format(request: Mapping[str, object]) -> str:
 # --- the encoded ring ------------------------------------------------------------------------------
 
 
-class EncodedRing:
-    """Per-index cache of encoded ring events: event id → encoded bytes, per encoding.
+class _SegmentWire:
+    """A ring segment's events encoded as msgpack, built lazily from its columns (positions < ``upto``)."""
 
-    An index refuses non-increasing ids, so within one index an id names one event forever and the cache
-    needs no invalidation, only bounding: once it holds more than twice the ring, entries older than the
-    ring's oldest event are dropped (amortised O(1) per insert).  A consecutive run of ids (the usual
-    ring tail) is looked up at C speed with ``map(dict.get, range(...))``.
+    __slots__ = ("blob", "ends", "heads", "tails")
+
+    def __init__(self) -> None:
+        self.blob = bytearray()
+        self.ends = array("I")
+        self.heads: list[bytes] = []
+        self.tails: list[bytes] = []
+
+    def encode_through(self, segment: RingSegment, end: int) -> None:
+        """Encode the segment's events up to position ``end`` (exclusive), those not encoded yet."""
+        first = len(self.ends)
+        if first >= end:
+            return
+        table = segment.route_table
+        while len(self.heads) < len(table):
+            head, tail = route_templates(table[len(self.heads)])
+            self.heads.append(head)
+            self.tails.append(tail)
+        extras = (
+            sorted(position for position in segment.extras if first <= position < end)
+            if segment.extras
+            else ()
+        )
+        for position in (*extras, end):
+            if first < position:
+                wire_columns.impl.encode_ring_events(
+                    self.blob,
+                    self.ends,
+                    self.heads,
+                    self.tails,
+                    _TEMPLATES,
+                    segment.ids,
+                    segment.routes,
+                    segment.kinds,
+                    segment.parents,
+                    segment.offsets,
+                    segment.hashes,
+                    segment.tokens,
+                    first,
+                    position,
+                )
+            if position < end:  # multimodal info or a start position: the reference encoder
+                part = encode_event(Encoding.MSGPACK, segment.event(position))
+                assert isinstance(part, bytes)
+                self.blob += part
+                self.ends.append(len(self.blob))
+            first = position + 1
+
+    def run(self, first: int, end: int) -> EncodedRun:
+        ends = self.ends
+        start = ends[first - 1] if first else 0
+        with memoryview(self.blob) as view:  # one copy (a bytearray slice and bytes() would be two)
+            blob = bytes(view[start : ends[end - 1]])
+        return EncodedRun(blob, array("I", map(sub, ends[first:end], repeat(start))), 0)
+
+
+_TEMPLATES = wire_columns.event_templates()
+
+
+class EncodedRing:
+    """Per-index cache of encoded ring events, shared by every answer and every follower.
+
+    msgpack: each ring segment's events are encoded once, lazily, from its columns (compiled encoder when
+    built), and a range answer is a slice of that encoding; the encodings of the ``wire_segments`` segments
+    encoded last are kept (the answers ask for the newest events again and again), older ones are dropped
+    and rebuilt if asked for again.  An event that is no longer buffered (a follower's live event the ring
+    evicted meanwhile) is encoded on its own.
+
+    JSON (the text frames, not the hot path): event id → encoded text, as before: an index refuses
+    non-increasing ids, so an id names one event forever; once the cache holds more than twice the ring,
+    entries older than the ring's oldest event are dropped (amortised O(1) per insert).
     """
 
-    def __init__(self, index: RecoveryIndex) -> None:
+    def __init__(self, index: RecoveryIndex, wire_segments: int = 16) -> None:
         self._index = weakref.ref(index)
         self._limit = 2 * index.ring_capacity + 1024
-        self._caches: dict[Encoding, dict[int, str | bytes]] = {Encoding.JSON: {}, Encoding.MSGPACK: {}}
+        self._json: dict[int, str | bytes] = {}
+        self._wire_segments = max(2, wire_segments)
+        self._encoded: deque[RingSegment] = deque()  # segments holding a _SegmentWire, oldest first
 
-    def encode(self, encoding: Encoding, events: Sequence[RouterEvent]) -> list[str | bytes]:
-        """The encodings of ``events``, in order."""
-        cache = self._caches[encoding]
+    def encode(self, encoding: Encoding, events: Sequence[RouterEvent]) -> list[str | bytes] | EncodedRuns:
+        """The encodings of ``events``, in order: runs of buffered msgpack, else a list of single events."""
         if not events:
             return []
+        if encoding is Encoding.MSGPACK:
+            ring_range = events.ring_range if isinstance(events, RingEvents) else self._buffered(events)
+            if ring_range is not None:
+                return EncodedRuns(self.runs(ring_range))
+            return [encode_event(encoding, event) for event in events]
+        return self._encode_json(events)
+
+    def runs(self, ring_range: RingRange) -> list[EncodedRun]:
+        """The msgpack of a ring range, one run per segment piece."""
+        runs = []
+        for segment, first, end in ring_range.pieces:
+            wire = segment.wire
+            if not isinstance(wire, _SegmentWire):
+                wire = segment.wire = _SegmentWire()
+                self._encoded.append(segment)
+                if len(self._encoded) > self._wire_segments:
+                    self._encoded.popleft().wire = None
+            wire.encode_through(segment, end)
+            runs.append(wire.run(first, end))
+        return runs
+
+    def _buffered(self, events: Sequence[RouterEvent]) -> RingRange | None:
+        """The ring range holding exactly ``events`` (consecutive ids, all still buffered), else None."""
+        index = self._index()
+        first, last = events[0].event_id, events[-1].event_id
+        if index is None or last - first + 1 != len(events):
+            return None
+        return index.ring_between(first, last)
+
+    def _encode_json(self, events: Sequence[RouterEvent]) -> list[str | bytes]:
+        cache = self._json
         first, last = events[0].event_id, events[-1].event_id
         if last - first + 1 == len(events):
             parts = list(map(cache.get, range(first, last + 1)))
@@ -114,7 +225,7 @@ class EncodedRing:
             for position, part in enumerate(parts):
                 if part is None:
                     event = events[position]
-                    parts[position] = cache[event.event_id] = encode_event(encoding, event)
+                    parts[position] = cache[event.event_id] = encode_event(Encoding.JSON, event)
         if len(cache) > self._limit:
             self._prune(cache)
         return cast("list[str | bytes]", parts)  # every None was filled above
@@ -128,6 +239,15 @@ class EncodedRing:
         stale = [event_id for event_id in cache if event_id < oldest]
         for event_id in stale:
             del cache[event_id]
+
+    def statistics(self) -> dict[str, int]:
+        """What the cache holds (tests, diagnostics): segments with an encoding, their bytes, JSON entries."""
+        wires = [segment.wire for segment in self._encoded if isinstance(segment.wire, _SegmentWire)]
+        return {
+            "wire_segments": len(wires),
+            "wire_bytes": sum(len(wire.blob) for wire in wires),
+            "json_events": len(self._json),
+        }
 
 
 _ENCODED_RINGS: weakref.WeakKeyDictionary[RecoveryIndex, EncodedRing] = weakref.WeakKeyDictionary()
@@ -165,11 +285,14 @@ def filter_snapshot(
 
 
 def legacy_dump_parts(
-    encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int = 4096
-) -> Iterator[str | bytes]:
-    """Each dump event encoded as in an ``events`` list (ids from 0), lazily, ``chunk_rows`` at a time."""
-    for parts in _dump_part_runs(encoding, groups, chunk_rows):
-        yield from parts
+    encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int = 16384
+) -> EncodedRuns:
+    """Each dump event encoded as in an ``events`` list (ids from 0), lazily, ``chunk_rows`` rows at a time.
+
+    The runs come from the column encoders (compiled when built; kvagent/recovery/wire_columns.py), a
+    buffer per chunk; iterating the result yields the single events.
+    """
+    return EncodedRuns(_dump_runs(encoding, groups, chunk_rows))
 
 
 def dump_document(
@@ -189,8 +312,8 @@ def dump_document(
         head = json.dumps(dict(header), separators=(",", ":"))
         yield (head[:-1] + (',"events":[' if len(header) else '"events":[')).encode()
         separator = ""
-        for parts in _dump_part_runs(encoding, groups, chunk_rows):
-            yield (separator + ",".join(cast("list[str]", parts))).encode()
+        for run in _dump_runs(encoding, groups, chunk_rows):
+            yield (separator + cast("str", run.blob)).encode()
             separator = ","
         yield b"]}"
         return
@@ -200,26 +323,53 @@ def dump_document(
         pieces += (packer.pack(key), packer.pack(value))
     pieces += (packer.pack("events"), packer.pack_array_header(sum(g.columns.live for g in groups)))
     yield b"".join(pieces)
-    for parts in _dump_part_runs(encoding, groups, chunk_rows):
-        yield b"".join(cast("list[bytes]", parts))
+    for run in _dump_runs(encoding, groups, chunk_rows):
+        yield bytes(run.blob)  # type: ignore[arg-type]  # msgpack runs are bytes-like
 
 
-def _dump_part_runs(
-    encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int
-) -> Iterator[Sequence[str | bytes]]:
+def _dump_runs(encoding: Encoding, groups: Sequence[DumpGroup], chunk_rows: int) -> Iterator[EncodedRun]:
     """:func:`legacy_dump_parts`' events, a run of at most ``chunk_rows`` rows at a time (none empty)."""
+    impl = wire_columns.impl
+    as_json = encoding is Encoding.JSON
     event_id = 0
     for group in groups:
-        columns = group.columns
-        live, has_parent = columns.masks()
-        rows = BlockRows(columns.hashes, columns.parents, columns.tokens, has_parent, live, columns.mm)
-        encoder = OneBlockRows(
-            encoding, group.worker_id, group.tier, group.domain, group.dp_rank, group.source
-        )
-        for first in range(0, len(live), chunk_rows):
-            parts, event_id = encoder.encode(rows, first, min(len(live), first + chunk_rows), event_id)
-            if parts:
-                yield parts
+        worker_id, tier, domain, dp_rank, source, columns = group
+        hashes, parents, tokens, flags = columns.hashes, columns.parents, columns.tokens, columns.flags
+        if as_json:
+            template: tuple[bytes, ...] = wire_columns.dump_json_template(
+                worker_id, tier, domain, dp_rank, source
+            )
+            encode_rows = impl.encode_dump_json
+        else:
+            template = wire_columns.dump_msgpack_template(worker_id, tier, domain, dp_rank, source)
+            encode_rows = impl.encode_dump_msgpack
+        special = sorted(columns.mm) if columns.mm else []
+        rows = len(flags)
+        for first in range(0, rows, chunk_rows):
+            end = min(rows, first + chunk_rows)
+            out = bytearray()
+            ends = array("I")
+            position = first
+            for row in special[bisect_left(special, first) : bisect_left(special, end)]:
+                event_id = encode_rows(
+                    out, ends, template, hashes, parents, tokens, flags, position, row, event_id
+                )
+                if flags[row] != FLAG_DEAD:  # multimodal info: the reference encoder
+                    parent = parents[row] if flags[row] == FLAG_PARENT else None
+                    data = Stored(parent, (hashes[row],), (tokens[row],), (columns.mm[row],))
+                    event = RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, source)
+                    part = encode_event(encoding, event)
+                    if as_json and out:
+                        out += b","
+                    out += part.encode() if isinstance(part, str) else part
+                    ends.append(len(out))
+                    event_id += 1
+                position = row + 1
+            event_id = encode_rows(
+                out, ends, template, hashes, parents, tokens, flags, position, end, event_id
+            )
+            if ends:
+                yield EncodedRun(out.decode("ascii") if as_json else out, ends, 1 if as_json else 0)
 
 
 # --- the compact columns dump -----------------------------------------------------------------------

@@ -11,9 +11,11 @@ normative description.
 
 from __future__ import annotations
 
+import bisect
 import json
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import msgpack
@@ -28,6 +30,7 @@ from kvagent.index.recovery_index import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
+from kvagent.index.ring import RingEvents
 from kvagent.model.errors import IdentityError, KvAgentError
 from kvagent.model.events import RESET_ALL, U32_MAX, U64_MAX, ResetScope, ResidencyDomain, RouterEvent
 from kvagent.model.ids import KvStateAgentIdentity
@@ -51,6 +54,8 @@ __all__ = [
     "NESTED_TOO_DEEPLY",
     "CACHE_OWNER_INCREMENTAL_UNSUPPORTED",
     "CHANGED_DURING_RECOVERY",
+    "EncodedRun",
+    "EncodedRuns",
     "Encoding",
     "Fence",
     "check_recovery_fence",
@@ -272,10 +277,50 @@ def _assemble(
     return b"".join(pieces)
 
 
+class EncodedRun(NamedTuple):
+    """Encoded events in one buffer: event i ends at ``ends[i]``; JSON events are separated by one comma
+    (event i > 0 starts one byte after ``ends[i - 1]``), msgpack events are back to back.
+
+    A range answer is one slice of a ring segment's encoding and a dump chunk one buffer written by the
+    column encoders (kvagent/recovery/wire_columns.py): frames are cut at event ends, never per event.
+    """
+
+    blob: bytes | bytearray | str
+    ends: array[int]
+    separator: int  # 1 for JSON (the comma), 0 for msgpack
+
+    def parts(self) -> Iterator[str | bytes]:
+        blob, separator = self.blob, self.separator
+        start = 0
+        for end in self.ends:
+            part = blob[start:end]
+            yield bytes(part) if isinstance(part, bytearray) else part
+            start = end + separator
+
+
+class EncodedRuns:
+    """Encoded events as runs (:class:`EncodedRun`), produced lazily; iterating yields the single events.
+
+    :func:`event_frames` frames them a slice per frame instead of an event at a time.
+    """
+
+    __slots__ = ("_runs",)
+
+    def __init__(self, runs: Iterable[EncodedRun]) -> None:
+        self._runs = runs
+
+    def runs(self) -> Iterator[EncodedRun]:
+        return iter(self._runs)
+
+    def __iter__(self) -> Iterator[str | bytes]:
+        for run in self.runs():
+            yield from run.parts()
+
+
 def event_frames(
     encoding: Encoding,
     header: Mapping[str, object],
-    encoded_events: Iterable[str | bytes],
+    encoded_events: Iterable[str | bytes] | EncodedRuns,
     *,
     more_flag: bool = True,
     limit: int = MAX_FRAME_BYTES,
@@ -289,6 +334,9 @@ def event_frames(
     # msgpack array header (at most 5 bytes).
     overhead = len(_assemble(encoding, header, (), False if more_flag else None)) + 5
     budget = limit - overhead
+    if isinstance(encoded_events, EncodedRuns):
+        yield from _run_frames(encoding, header, encoded_events, more_flag, budget, limit)
+        return
     if isinstance(encoded_events, list) and sum(map(len, encoded_events)) + len(encoded_events) <= budget:
         # The usual buffered answer: one frame, sized at C speed instead of event by event.
         yield _assemble(encoding, header, encoded_events, False if more_flag else None)
@@ -299,9 +347,7 @@ def event_frames(
     for part in encoded_events:
         size = len(part) + 1  # the JSON comma; msgpack needs none, the header allowance covers it
         if size > budget:
-            raise KvAgentError(
-                f"one event needs {size} bytes, more than the {limit}-byte frame limit", code="too_large"
-            )
+            raise _too_large(size, limit)
         if pending and pending_size + size > budget:
             yield _assemble(encoding, header, pending, True if more_flag else None)
             sent_any = True
@@ -311,6 +357,83 @@ def event_frames(
         pending_size += size
     if pending or not sent_any:
         yield _assemble(encoding, header, pending, False if more_flag else None)
+
+
+def _too_large(size: int, limit: int) -> KvAgentError:
+    return KvAgentError(
+        f"one event needs {size} bytes, more than the {limit}-byte frame limit", code="too_large"
+    )
+
+
+def _run_frames(
+    encoding: Encoding,
+    header: Mapping[str, object],
+    encoded: EncodedRuns,
+    more_flag: bool,
+    budget: int,
+    limit: int,
+) -> Iterator[str | bytes]:
+    """:func:`event_frames` over runs: the same frame budget (each event counts its length plus one), the
+    events of a frame found by bisection over the run's ends, each frame one slice per run it spans."""
+    chunks: list[memoryview | str] = []  # slices of runs, each a comma-separated list in JSON
+    count = 0  # events in ``chunks``
+    room = budget
+    sent_any = False
+    for run in encoded.runs():
+        blob, ends, separator = run
+        # Slices of a bytes-like run are views: the frame's join is then the only copy.
+        view = blob if isinstance(blob, str) else memoryview(blob)
+        total = len(ends)
+        position = 0
+        while position < total:
+            start = ends[position - 1] + separator if position else 0
+            # Events position..j-1 cost ends[j-1] - start - separator*(j-1-position) + (j - position): the
+            # key below is that cost's part that grows with j, so the fitting j is found by bisection.
+            step = 1 - separator
+            threshold = room + start + step * position - separator
+            fit = bisect.bisect_right(
+                range(position, total), threshold, key=lambda k: ends[k] + step * (k + 1)
+            )
+            if fit == 0:
+                if count:
+                    yield _assemble_chunks(encoding, header, chunks, count, True if more_flag else None)
+                    sent_any = True
+                    chunks, count, room = [], 0, budget
+                    continue
+                raise _too_large(ends[position] - start + 1, limit)
+            stop = position + fit
+            chunks.append(view[start : ends[stop - 1]])
+            count += fit
+            room -= ends[stop - 1] - start + step * fit + separator
+            position = stop
+    if count or not sent_any:
+        yield _assemble_chunks(encoding, header, chunks, count, False if more_flag else None)
+
+
+def _assemble_chunks(
+    encoding: Encoding,
+    header: Mapping[str, object],
+    chunks: Sequence[memoryview | str],
+    count: int,
+    more: bool | None,
+) -> str | bytes:
+    """A frame from run slices holding ``count`` events in all (see :func:`_assemble`)."""
+    if encoding is Encoding.JSON:
+        head = json.dumps(header, separators=(",", ":"))
+        tail = "" if more is None else (',"more":true' if more else ',"more":false')
+        return f'{head[:-1]},"events":[{",".join(chunks)}]{tail}}}'  # type: ignore[arg-type]
+    packer = msgpack.Packer(use_bin_type=True)
+    pieces: list[bytes | memoryview] = [packer.pack_map_header(len(header) + (1 if more is None else 2))]
+    for key, value in header.items():
+        pieces.append(packer.pack(key))
+        pieces.append(packer.pack(value))
+    pieces.append(packer.pack("events"))
+    pieces.append(packer.pack_array_header(count))
+    pieces.extend(chunks)  # type: ignore[arg-type]
+    if more is not None:
+        pieces.append(packer.pack("more"))
+        pieces.append(packer.pack(more))
+    return b"".join(pieces)
 
 
 # --- requests ---------------------------------------------------------------------------------------
@@ -467,6 +590,17 @@ def filter_answer(answer: RangeAnswer, status: AgentStatus, fence: Fence) -> Ran
         return event.residency_domain is ResidencyDomain.CACHE_OWNER and event.state_source == owner
 
     if fence.generation is not None:
+        events = answer.events
+        if isinstance(answer, EventsAnswer) and isinstance(events, RingEvents):
+            # Straight from the ring's columns: a route is kept or not as a whole.
+            kept_range = events.ring_range.select(
+                lambda route: (
+                    route.domain is ResidencyDomain.WORKER
+                    or (route.domain is ResidencyDomain.CACHE_OWNER and route.state_source == owner)
+                )
+            )
+            if kept_range is not None:
+                return EventsAnswer(RingEvents(kept_range), answer.last_event_id)
         kept = tuple(
             event
             for event in answer.events
