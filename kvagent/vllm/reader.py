@@ -51,6 +51,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvagent._util.zmqtrio import TrioSocket
+from kvagent.coordinator.task import SLICE_SECONDS  # one slice length for every task on the loop
 from kvagent.model.errors import ListenerError
 from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.replay import ReplayReply
@@ -69,7 +70,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-SLICE_SECONDS = 0.001
 _CHECK_CLOCK_EVERY = 16  # messages between clock reads while draining
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
