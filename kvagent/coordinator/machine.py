@@ -19,11 +19,12 @@ from typing import Protocol
 import attrs
 import structlog
 
+from kvagent import _native
 from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.counters import CoordinatorCounters, CoordinatorStatistics
 from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCursorTracker
 from kvagent.coordinator.dedup import DedupFilter
-from kvagent.coordinator.fastpath import apply_plain_chunk, is_plain_chunk
+from kvagent.coordinator.fastpath import apply_plain_chunk
 from kvagent.coordinator.lease import OutboundIdLease
 from kvagent.coordinator.signals import SourceProgress, SourceSignalHandling
 from kvagent.model.errors import CoordinatorError
@@ -123,6 +124,8 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         # The batch-level path for plain chunks (coordinator/fastpath.py); False: every chunk takes the general
         # loop, which defines the behaviour (the differential tests compare the two).
         self.fast_path = True
+        # The compiled core's plain-chunk pass (kvagent/_native), or None: the Python one. Tests run both.
+        self.native = _native.core
         # The Trio shell installs the real backlog probe (the core never sees the channel itself).
         self._ingress_queue_depth: Callable[[], int] = lambda: 0
 
@@ -472,18 +475,20 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         slot_rank = self.slot_rank
         dedup = self._dedup.filter
         apply = self.index.apply
-        if self.fast_path and is_plain_chunk(placement_events, slot_rank):
+        if self.fast_path:
             plain_swallowed = apply_plain_chunk(
                 placement_events,
+                slot_rank=slot_rank,
                 worker_id=worker_id,
                 owner=owner,
                 first_id=self._next_outbound_id,
                 id_limit=self._id_limit,
-                dedup=dedup,
+                dedup=self._dedup,
                 apply=apply,
                 apply_run=getattr(self.index, "apply_run", None),
                 output=output,
                 ids_taken=self._ids_taken,
+                native=self.native,
             )
             if plain_swallowed is not None:
                 if plain_swallowed:
