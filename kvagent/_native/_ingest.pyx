@@ -33,6 +33,9 @@ from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
+
 cdef extern from "_support.h":
     uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
     Py_ssize_t kv_member_offset(object descr) except? -2
@@ -115,6 +118,7 @@ cdef object new_stored(object parent, object hashes, object tokens_hashes, objec
     kv_set(obj, _stored_off[3], None)
     kv_set(obj, _stored_off[4], None)
     kv_set(obj, _stored_off[5], token_bytes)
+    _untrack(made)
     return made
 
 
@@ -122,6 +126,7 @@ cdef object new_removed(object hashes):
     cdef object made = kv_alloc(_removed_type)
     cdef PyObject* obj = <PyObject*>made
     kv_set(obj, _removed_off[0], hashes)
+    _untrack(made)
     return made
 
 
@@ -133,6 +138,7 @@ cdef object new_placement(object data, object tier, object domain, object rank, 
     kv_set(obj, _placement_off[2], domain)
     kv_set(obj, _placement_off[3], rank)
     kv_set(obj, _placement_off[4], session)
+    _untrack(made)
     return made
 
 
@@ -148,7 +154,18 @@ cdef object new_router(object worker_id, object tier, object domain, object even
     kv_set(obj, _router_off[5], rank)
     kv_set(obj, _router_off[6], owner)
     kv_set(obj, _router_off[7], session)
+    _untrack(made)
     return made
+
+
+cdef inline void _untrack(object value):
+    """Leave a value the native pass built out of the cyclic GC's young generation.
+
+    Its fields are ints, tuples of ints, bytes, strings, enum members and other such values: it can never be
+    part of a reference cycle, and a burst builds several per event, each otherwise traversed by every
+    young collection.
+    """
+    PyObject_GC_UnTrack(<void*>value)
 
 
 def build_stored(parent, hashes, tokens_hashes, token_bytes):
@@ -588,6 +605,7 @@ cdef tuple hashes_tuple(const uint8_t* at, Py_ssize_t count):
         value = PyLong_FromUnsignedLongLong(_hash_at(&at))
         Py_INCREF(value)
         PyTuple_SET_ITEM(out, i, value)
+    _untrack(out)  # ints only
     return out
 
 
@@ -684,6 +702,7 @@ def normalize_payload(bytes payload, Py_ssize_t block_size, object rank, dict gr
             value = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(out + k * block_bytes, block_bytes, BASE_SEED))
             Py_INCREF(value)
             PyTuple_SET_ITEM(tokens_hashes, k, value)
+        _untrack(tokens_hashes)
         parent = PyLong_FromUnsignedLongLong(e.parent) if e.has_parent else None
         session = None
         if e.has_session:
