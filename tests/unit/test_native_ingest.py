@@ -50,7 +50,7 @@ def _store(hashes: list[int], parent: int | None = None, **fields: Any) -> dict[
     return event
 
 
-def _remove(hashes: list[int], **fields: Any) -> dict[str, Any]:
+def _remove(hashes: list[Any], **fields: Any) -> dict[str, Any]:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0, **fields}
 
 
@@ -110,7 +110,7 @@ def test_asking_for_a_missing_core_is_an_error(monkeypatch: pytest.MonkeyPatch) 
 
 # -- what the core declines -------------------------------------------------------------------------------
 
-DECLINED = {
+DECLINED: dict[str, list[Any]] = {
     "positional form": [["BlockStored", [1], None, [1, 2, 3, 4], BLOCK_SIZE]],
     "KVCR ownership": [_store([1], ownership="kvcr", medium="CPU")],
     "unknown ownership": [_store([1], ownership="other")],
