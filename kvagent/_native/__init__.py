@@ -53,6 +53,8 @@ class IngestCore(Protocol):
         ids_taken: Callable[[int], None],
     ) -> tuple[list[RouterEvent], int] | None: ...
 
+    def chunk_blocks(self, events: Sequence[PlacementEvent]) -> int: ...
+
 
 def _load() -> tuple[IngestCore | None, str]:
     if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):

@@ -836,3 +836,24 @@ cdef bint any_in(object members, object hashes) except -1:
         if PySet_Contains(members, h):
             return True
     return False
+
+
+def chunk_blocks(events):
+    """The blocks of a chunk's events (``len(data.block_hashes)`` summed), or -1 when one is not a
+    PlacementEvent of Stored, Removed or Cleared (the caller counts in Python then)."""
+    if not _configured:
+        return -1
+    cdef Py_ssize_t blocks = 0
+    cdef object event, data, cls
+    for event in events:
+        if type(event) is not _placement_cls:
+            return -1
+        data = _field(event, _placement_off[0])
+        cls = type(data)
+        if cls is _stored_cls:
+            blocks += len(_field(data, _stored_off[1]))
+        elif cls is _removed_cls:
+            blocks += len(_field(data, _removed_off[0]))
+        elif data is not _cleared:
+            return -1
+    return blocks

@@ -292,7 +292,7 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
             raise CoordinatorError(
                 f"ingress is closed for attachment generation {generation}", code="not_ready"
             )
-        if len(chunk.events) > MAX_CHUNK_EVENTS or _chunk_blocks(chunk.events) > MAX_CHUNK_BLOCKS:
+        if len(chunk.events) > MAX_CHUNK_EVENTS or self._chunk_blocks(chunk.events) > MAX_CHUNK_BLOCKS:
             self._fail_source(generation, "oversized ingress envelope")
             raise CoordinatorError("oversized ingress envelope", code="bad_request")
         continuity = self._continuity.classify(chunk)
@@ -540,6 +540,11 @@ class SlotCoordinator(SourceSignalHandling, OutboundIdLease):
         if swallowed:
             self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         return failed_barrier
+
+    def _chunk_blocks(self, events: Sequence[PlacementEvent]) -> int:
+        native = self.native
+        blocks = -1 if native is None else native.chunk_blocks(events)
+        return _chunk_blocks(events) if blocks < 0 else blocks
 
     def _ids_taken(self, next_id: int) -> None:
         self._next_outbound_id = next_id

@@ -254,3 +254,18 @@ def test_plain_batches_take_the_core() -> None:
     assert normalized is not None and normalized.blocks == 4  # counted by the core
     assert [event.session_id for event in normalized.events] == ["s", None, None, None]
     assert _outcome(_normalizer(True), _payload(events)) == _outcome(_normalizer(False), _payload(events))
+
+
+@needs_native
+def test_chunk_blocks_counts_as_python_does() -> None:
+    from kvagent.coordinator.machine import _chunk_blocks
+    from kvagent.model.events import CLEARED, Cleared, PlacementEvent, Removed, ResidencyDomain, StorageTier
+
+    def event(data: Any) -> PlacementEvent:
+        return PlacementEvent(data, StorageTier.DEVICE, ResidencyDomain.WORKER, 0)
+
+    assert _native.core is not None
+    events = [event(Stored(None, (1, 2, 3), (4, 5, 6))), event(CLEARED), event(Removed((7, 8))), event(Removed(()))]
+    assert _native.core.chunk_blocks(events) == _chunk_blocks(events) == 5
+    assert _native.core.chunk_blocks([*events, event(Cleared())]) == -1  # not the CLEARED value: Python counts
+    assert _native.core.chunk_blocks([]) == 0
