@@ -27,6 +27,11 @@ TICK_SECONDS = 0.002
 
 
 def _wait_subscriber(sock: zmq.Socket[Any]) -> None:
+    # Subscriptions still queued are a previous consumer's (a kvagent that shed re-opens its SUB, which
+    # subscribes again); the command comes before the next consumer starts, so they are all stale.
+    with contextlib.suppress(zmq.Again):
+        while True:
+            sock.recv(zmq.NOBLOCK)
     while True:
         message = sock.recv()
         if message[:1] == b"\x01" and TOPIC.startswith(message[1:]):
