@@ -28,7 +28,7 @@ TICK_SECONDS = 0.002
 
 def _wait_subscriber(sock: zmq.Socket[Any]) -> None:
     # Subscriptions still queued are a previous consumer's (a kvagent that shed re-opens its SUB, which
-    # subscribes again); the command comes before the next consumer starts, so they are all stale.
+    # subscribes again); every caller sends the command before its consumer connects, so they are stale.
     with contextlib.suppress(zmq.Again):
         while True:
             sock.recv(zmq.NOBLOCK)
