@@ -113,9 +113,9 @@ def bare_loop(publisher: Publisher, *, hash_blocks: bool = False, minimal: bool 
     length)`` measures this process's CPU time over that part of the run (figure 5).
     """
     context: zmq.Context[Any] = zmq.Context()
-    publisher.request_subscriber_wait()  # before connecting: the publisher drops older subscriptions first
     sock = _subscriber(context, publisher.endpoint)
     try:
+        publisher.request_subscriber_wait()
         publisher.wait_subscribed()
         if paced is None:
             expected = publisher.stats.batches

@@ -150,6 +150,8 @@ def _burst_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) ->
         }
     finally:
         consumer.stop()
+        # A kvagent that shed (the default serve) subscribed again: not a sign of the next consumer.
+        publisher.forget_subscriptions()
 
 
 def _fill_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) -> dict[str, Any]:
