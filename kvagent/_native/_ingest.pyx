@@ -31,6 +31,7 @@ from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcmp
 
 cdef extern from "Python.h":
@@ -581,20 +582,41 @@ cdef inline uint64_t _hash_at(const uint8_t** p) noexcept nogil:
     return value
 
 
+cdef int _compare_u64(const void* a, const void* b) noexcept nogil:
+    cdef uint64_t x = (<const uint64_t*>a)[0], y = (<const uint64_t*>b)[0]
+    return (x > y) - (x < y)
+
+
 cdef int distinct_and_parent_apart(const uint8_t* at, Py_ssize_t count, bint has_parent, uint64_t parent) noexcept nogil:
-    """1 when the chain's hashes are distinct and its parent is not one of them, 0 when not."""
+    """1 when the chain's hashes are distinct and its parent is not one of them, 0 when not, -1 when out of
+    memory (the caller declines)."""
     cdef uint64_t small[64]
+    cdef uint64_t* values = small
     cdef Py_ssize_t i, j
+    cdef int verdict = 1
     if count > 64:
-        return -1
+        values = <uint64_t*>malloc(count * sizeof(uint64_t))
+        if values == NULL:
+            return -1
     for i in range(count):
-        small[i] = _hash_at(&at)
-        if has_parent and small[i] == parent:
-            return 0
-        for j in range(i):
-            if small[j] == small[i]:
-                return 0
-    return 1
+        values[i] = _hash_at(&at)
+        if has_parent and values[i] == parent:
+            verdict = 0
+    if verdict and count <= 64:
+        for i in range(count):
+            for j in range(i):
+                if values[j] == values[i]:
+                    return 0
+    elif verdict:
+        # A long chain (a long prompt's prefill): sorted, a repeat sits next to its twin.
+        qsort(values, count, sizeof(uint64_t), _compare_u64)
+        for i in range(1, count):
+            if values[i] == values[i - 1]:
+                verdict = 0
+                break
+    if values != small:
+        free(values)
+    return verdict
 
 
 cdef tuple hashes_tuple(const uint8_t* at, Py_ssize_t count):

@@ -269,3 +269,22 @@ def test_chunk_blocks_counts_as_python_does() -> None:
     assert _native.core.chunk_blocks(events) == _chunk_blocks(events) == 5
     assert _native.core.chunk_blocks([*events, event(Cleared())]) == -1  # not the CLEARED value: Python counts
     assert _native.core.chunk_blocks([]) == 0
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("hashes", "parent", "native"),
+    [
+        (list(range(1, 301)), None, True),  # a long prompt's prefill: past the short chains' quadratic check
+        ([*range(1, 301), 150], None, False),  # a repeated hash in a long chain
+        (list(range(1, 301)), 150, False),  # the parent inside a long chain
+        ([*range(1, 64), 7], None, False),  # a repeat in a short one
+    ],
+    ids=["long", "long repeat", "long parent inside", "short repeat"],
+)
+def test_long_chains(hashes: list[int], parent: int | None, native: bool) -> None:
+    payload = _payload([_store(hashes, parent=parent)])
+    assert _native.core is not None
+    taken = _native.core.normalize_payload(payload, BLOCK_SIZE, WORKER.dp_rank, {}) is not None
+    assert taken == native
+    assert _outcome(_normalizer(True), payload) == _outcome(_normalizer(False), payload)
