@@ -55,6 +55,8 @@ class IngestCore(Protocol):
 
     def chunk_blocks(self, events: Sequence[PlacementEvent]) -> int: ...
 
+    def encode_router_events(self, events: Sequence[RouterEvent]) -> bytes | None: ...
+
 
 def _load() -> tuple[IngestCore | None, str]:
     if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):

@@ -32,7 +32,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void* op)
@@ -879,3 +879,268 @@ def chunk_blocks(events):
         elif data is not _cleared:
             return -1
     return blocks
+
+
+# --- outbound: RouterEvents as msgpack named maps (wire/router_event.py's encode_router_events) -------------
+
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from libc.stdlib cimport realloc
+
+cdef struct Buffer:
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+
+cdef int _reserve(Buffer* b, Py_ssize_t extra) except -1:
+    cdef Py_ssize_t wanted = b.size + extra, capacity
+    cdef char* grown
+    if wanted <= b.capacity:
+        return 0
+    capacity = max(2 * b.capacity, wanted, 256)
+    grown = <char*>realloc(b.data, capacity)
+    if grown == NULL:
+        raise MemoryError()
+    b.data, b.capacity = grown, capacity
+    return 0
+
+
+cdef inline int _byte(Buffer* b, uint8_t value) except -1:
+    _reserve(b, 1)
+    b.data[b.size] = <char>value
+    b.size += 1
+    return 0
+
+
+cdef inline int _be(Buffer* b, uint8_t marker, uint64_t value, int width) except -1:
+    cdef int i
+    _reserve(b, 1 + width)
+    b.data[b.size] = <char>marker
+    for i in range(width):
+        b.data[b.size + 1 + i] = <char>((value >> (8 * (width - 1 - i))) & 0xFF)
+    b.size += 1 + width
+    return 0
+
+
+cdef inline int _raw(Buffer* b, const char* text, Py_ssize_t n) except -1:
+    _reserve(b, n)
+    memcpy(b.data + b.size, text, n)
+    b.size += n
+    return 0
+
+
+cdef int _header(Buffer* b, Py_ssize_t n, uint8_t fix, Py_ssize_t fix_limit, uint8_t marker16) except -1:
+    if n < fix_limit:
+        return _byte(b, fix | <uint8_t>n)
+    if n < 0x10000:
+        return _be(b, marker16, n, 2)
+    return _be(b, marker16 + 1, n, 4)
+
+
+cdef inline int _array(Buffer* b, Py_ssize_t n) except -1:
+    return _header(b, n, 0x90, 16, 0xDC)
+
+
+cdef inline int _map(Buffer* b, Py_ssize_t n) except -1:
+    return _header(b, n, 0x80, 16, 0xDE)
+
+
+cdef int _uint(Buffer* b, uint64_t v) except -1:
+    """msgpack-python's minimal form of a non-negative integer."""
+    if v < 0x80:
+        return _byte(b, <uint8_t>v)
+    if v < 0x100:
+        return _be(b, 0xCC, v, 1)
+    if v < 0x10000:
+        return _be(b, 0xCD, v, 2)
+    if v < 0x100000000:
+        return _be(b, 0xCE, v, 4)
+    return _be(b, 0xCF, v, 8)
+
+
+cdef int _int(Buffer* b, object value) except -2:
+    """An exact int as msgpack-python packs it; 1 (nothing written) for anything else, or out of range."""
+    cdef int64_t s
+    if type(value) is not int:
+        return 1
+    if value >= 0:
+        if value > 0xFFFFFFFFFFFFFFFF:
+            return 1
+        _uint(b, <uint64_t>value)
+        return 0
+    if value < -0x8000000000000000:
+        return 1
+    s = value
+    if s >= -32:
+        _byte(b, <uint8_t>(s & 0xFF))
+    elif s >= -0x80:
+        _be(b, 0xD0, <uint64_t>s, 1)
+    elif s >= -0x8000:
+        _be(b, 0xD1, <uint64_t>s, 2)
+    elif s >= -0x80000000:
+        _be(b, 0xD2, <uint64_t>s, 4)
+    else:
+        _be(b, 0xD3, <uint64_t>s, 8)
+    return 0
+
+
+cdef int _str(Buffer* b, object text) except -2:
+    """A str as msgpack-python packs it (use_bin_type: str8 exists); 1 when it is not one or not UTF-8."""
+    cdef const char* utf8
+    cdef Py_ssize_t n
+    if type(text) is not str:
+        return 1
+    try:
+        utf8 = PyUnicode_AsUTF8AndSize(text, &n)
+    except UnicodeError:
+        return 1
+    if n < 32:
+        _byte(b, 0xA0 | <uint8_t>n)
+    elif n < 0x100:
+        _be(b, 0xD9, n, 1)
+    elif n < 0x10000:
+        _be(b, 0xDA, n, 2)
+    else:
+        _be(b, 0xDB, n, 4)
+    _raw(b, utf8, n)
+    return 0
+
+
+cdef inline int _key(Buffer* b, bytes key) except -1:
+    """A pre-encoded map key."""
+    return _raw(b, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+
+
+cdef bytes _k(str name):
+    encoded = name.encode()
+    return bytes([0xA0 | len(encoded)]) + encoded
+
+
+cdef bytes K_WORKER_ID = _k("worker_id")
+cdef bytes K_STORAGE_TIER = _k("storage_tier")
+cdef bytes K_RESIDENCY_DOMAIN = _k("residency_domain")
+cdef bytes K_EVENT = _k("event")
+cdef bytes K_EVENT_ID = _k("event_id")
+cdef bytes K_DATA = _k("data")
+cdef bytes K_DP_RANK = _k("dp_rank")
+cdef bytes K_STATE_SOURCE = _k("state_source")
+cdef bytes K_SESSION_ID = _k("session_id")
+cdef bytes K_STORED = _k("stored")
+cdef bytes K_PARENT_HASH = _k("parent_hash")
+cdef bytes K_START_POSITION = _k("start_position")
+cdef bytes K_BLOCKS = _k("blocks")
+cdef bytes K_BLOCK_HASH = _k("block_hash")
+cdef bytes K_TOKENS_HASH = _k("tokens_hash")
+cdef bytes K_MM_EXTRA_INFO = _k("mm_extra_info")
+cdef bytes K_REMOVED = _k("removed")
+cdef bytes K_BLOCK_HASHES = _k("block_hashes")
+cdef bytes K_CLEARED = _k("cleared")
+
+
+cdef int _optional_int(Buffer* b, object value) except -2:
+    if value is None:
+        return _byte(b, 0xC0)
+    return _int(b, value)
+
+
+cdef int _event(Buffer* b, object event, dict enum_texts, list owner_text) except -2:
+    """One RouterEvent's named map; 1 (declined) for anything the Python encoder must judge."""
+    cdef object data = _field(event, _router_off[4]), cls = type(data)
+    cdef object source = _field(event, _router_off[6]), session = _field(event, _router_off[7])
+    cdef object hashes, tokens, text
+    cdef Py_ssize_t i, n
+    _map(b, 4 + (source is not None) + (session is not None))
+    _key(b, K_WORKER_ID)
+    if _int(b, _field(event, _router_off[0])):
+        return 1
+    for key, member in ((K_STORAGE_TIER, _field(event, _router_off[1])), (K_RESIDENCY_DOMAIN, _field(event, _router_off[2]))):
+        _key(b, key)
+        text = enum_texts.get(member)
+        if text is None:
+            text = enum_texts[member] = member.value
+        if _str(b, text):
+            return 1
+    _key(b, K_EVENT)
+    _map(b, 3)
+    _key(b, K_EVENT_ID)
+    if _int(b, _field(event, _router_off[3])):
+        return 1
+    _key(b, K_DATA)
+    if cls is _stored_cls:
+        if _field(data, _stored_off[3]) is not None:
+            return 1  # multimodal info: the Python encoder
+        hashes, tokens = _field(data, _stored_off[1]), _field(data, _stored_off[2])
+        if type(hashes) is not tuple or type(tokens) is not tuple or len(hashes) != len(tokens):
+            return 1
+        _map(b, 1)
+        _key(b, K_STORED)
+        _map(b, 3)
+        _key(b, K_PARENT_HASH)
+        if _optional_int(b, _field(data, _stored_off[0])):
+            return 1
+        _key(b, K_START_POSITION)
+        if _optional_int(b, _field(data, _stored_off[4])):
+            return 1
+        _key(b, K_BLOCKS)
+        n = len(hashes)
+        _array(b, n)
+        for i in range(n):
+            _map(b, 3)
+            _key(b, K_BLOCK_HASH)
+            if _int(b, hashes[i]):
+                return 1
+            _key(b, K_TOKENS_HASH)
+            if _int(b, tokens[i]):
+                return 1
+            _key(b, K_MM_EXTRA_INFO)
+            _byte(b, 0xC0)
+    elif cls is _removed_cls:
+        hashes = _field(data, _removed_off[0])
+        if type(hashes) is not tuple:
+            return 1
+        _map(b, 1)
+        _key(b, K_REMOVED)
+        _map(b, 1)
+        _key(b, K_BLOCK_HASHES)
+        n = len(hashes)
+        _array(b, n)
+        for i in range(n):
+            if _int(b, hashes[i]):
+                return 1
+    elif data is _cleared:
+        _key(b, K_CLEARED)
+    else:
+        return 1
+    _key(b, K_DP_RANK)
+    if _int(b, _field(event, _router_off[5])):
+        return 1
+    if source is not None:
+        _key(b, K_STATE_SOURCE)
+        if owner_text[0] is not source:
+            owner_text[0], owner_text[1] = source, str(source)
+        if _str(b, owner_text[1]):
+            return 1
+    if session is not None:
+        _key(b, K_SESSION_ID)
+        if _str(b, session):
+            return 1
+    return 0
+
+
+def encode_router_events(events):
+    """``encode_router_events``'s bytes (a msgpack array of named maps, as msgpack-python packs them), or
+    None when an event is not the plain shape (the Python encoder then encodes it, or raises)."""
+    if not _configured:
+        return None
+    cdef Buffer b
+    cdef dict enum_texts = {}
+    cdef list owner_text = [None, None]
+    b.data, b.size, b.capacity = NULL, 0, 0
+    try:
+        _array(&b, len(events))
+        for event in events:
+            if type(event) is not _router_cls or _event(&b, event, enum_texts, owner_text):
+                return None
+        return PyBytes_FromStringAndSize(b.data, b.size)
+    finally:
+        free(b.data)
