@@ -636,10 +636,21 @@ def build_ingress_chunks(
     if blocks is None:
         blocks = sum([len(event.data.block_hashes) for event in events])
     if len(events) <= MAX_CHUNK_EVENTS and blocks <= MAX_CHUNK_BLOCKS:
-        # The common case, one chunk: what bounded_ingress_chunks returns for it, without its loop.
-        pieces = [tuple(events)]
-    else:
-        pieces = bounded_ingress_chunks(events)
+        # The common case, one chunk: what the general code below builds for it, without its loops.
+        return [
+            IngressChunk(
+                generation,
+                source_cursor,
+                0,
+                True,
+                tuple(events),
+                normalized.source_fault,
+                normalized.cache_owner_fault,
+                raw_bytes,
+                source_digest,
+            )
+        ]
+    pieces = bounded_ingress_chunks(events)
     if len(pieces) > 1 << 32:
         raise ChunkingError("vLLM batch has too many chunks")
     last = len(pieces) - 1
