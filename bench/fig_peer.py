@@ -87,6 +87,14 @@ def _factories(dynamo: DynamoPython) -> dict[str, ConsumerFactory]:
     return factories
 
 
+# Burst-only consumers (issue #25): kvagent without its native core (KVAGENT_NO_NATIVE=1, the "before" in
+# the same run), and kvagent serve exactly as installed (persistence on, default budget, no replay socket).
+EXTRA_BURST: dict[str, ConsumerFactory] = {
+    "kvagent-python": lambda endpoint, workdir: ServeConsumer(endpoint, workdir, native=False),
+    "kvagent-default": lambda endpoint, workdir: ServeConsumer(endpoint, workdir, default=True),
+}
+
+
 def _started(publisher: Publisher, factory: ConsumerFactory, workdir: Path) -> tuple[Consumer, int]:
     """A fresh consumer subscribed to the publisher, and its progress counter before anything was sent."""
     publisher.request_subscriber_wait()
@@ -142,6 +150,8 @@ def _burst_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) ->
         }
     finally:
         consumer.stop()
+        # A kvagent that shed (the default serve) subscribed again: not a sign of the next consumer.
+        publisher.forget_subscriptions()
 
 
 def _fill_run(publisher: Publisher, factory: ConsumerFactory, workdir: Path) -> dict[str, Any]:
@@ -281,7 +291,7 @@ def run(result: FigureResult, *, quick: bool) -> None:
     print(f"   peer: {dynamo.note}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvagent-peer-") as tmp:
         workdir = Path(tmp)
-        burst = _burst_phase(result, factories, plan, workdir)
+        burst = _burst_phase(result, {**factories, **EXTRA_BURST}, plan, workdir)
         closed = _burst_phase(result, factories, plan, workdir, prefix_closed=True)
         fills = _fill_phase(factories, plan, workdir)
         paced = _paced_phase(factories, plan, workdir)

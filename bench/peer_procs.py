@@ -21,6 +21,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -198,18 +199,32 @@ class ServeConsumer:
 
     ``KVAGENT_BENCH_SERVE_ARGS`` adds arguments (e.g. ``--state-dir /tmp/x`` to include persistence);
     ``KVAGENT_BENCH_SERVER_SCRIPT`` runs a script in place of ``-m kvagent.cli.main`` (a profiler wrapper).
+
+    ``native=False`` runs it with ``KVAGENT_NO_NATIVE=1`` (the pure-Python ingest path, issue #25's "before").
+    ``default=True`` runs the command as installed (issue #25's target): ``python -m kvagent.cli.main``, not
+    the never-shedding bench entry, with persistence on (a state directory of its own), the default ingest
+    budget and no replay socket; a shed then shows as loss.
     """
 
     name = "kvagent"
 
-    def __init__(self, endpoint: str, workdir: Path) -> None:
+    def __init__(self, endpoint: str, workdir: Path, *, native: bool = True, default: bool = False) -> None:
         self.port = free_port()
         self.log = workdir / "serve.log"
         script = os.environ.get("KVAGENT_BENCH_SERVER_SCRIPT")
         extra = os.environ.get("KVAGENT_BENCH_SERVE_ARGS", "").split()
+        if default:
+            state_dir = Path(tempfile.mkdtemp(prefix="state-", dir=workdir))
+            entry = ["-m", "kvagent.cli.main"]
+        else:
+            state_dir = None
+            entry = [script] if script else ["-m", "bench.serve_entry"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not native:
+            env["KVAGENT_NO_NATIVE"] = "1"
         command = [
             sys.executable,
-            *([script] if script else ["-m", "bench.serve_entry"]),
+            *entry,
             "serve",
             "--slot",
             f"{SLOT}={endpoint}",
@@ -224,7 +239,7 @@ class ServeConsumer:
             "--discovery",
             "memory",
             "--state-dir",
-            "none",
+            "none" if state_dir is None else str(state_dir),
             "--token-file",
             str(workdir / "token"),
             "--status-interval",
@@ -232,9 +247,7 @@ class ServeConsumer:
             *extra,
         ]
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-            )
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.http = HttpProbe(self.port)
         _wait_until(lambda: self.http.get("/healthz")[0] == 200, self.process, "kvagent serve", self.log)
 

@@ -40,7 +40,7 @@ def kvagent_loss(runs: Runs) -> tuple[int, float]:
 def _every_kvagent_run(
     burst: dict[str, Runs], fills: dict[str, Any], paced: dict[str, dict[str, Runs]]
 ) -> Runs:
-    runs = list(burst["kvagent"]) + [fills["kvagent"]]
+    runs = list(burst["kvagent"]) + list(burst.get("kvagent-python", [])) + [fills["kvagent"]]
     for rate_runs in paced["kvagent"].values():
         runs += rate_runs
     return runs
@@ -101,6 +101,7 @@ def _burst_rows(burst: dict[str, Runs], note: str) -> list[Row]:
             baseline_samples=bare_rate,
         ),
     ]
+    rows += _extra_burst_rows(burst, note)
     if dynamo:
         rows.append(
             Row(
@@ -114,6 +115,66 @@ def _burst_rows(burst: dict[str, Runs], note: str) -> list[Row]:
                 note="the kvagent column is Dynamo's figure here",
             )
         )
+    return rows
+
+
+def _extra_burst_rows(burst: dict[str, Runs], note: str) -> list[Row]:
+    """Issue #25: the pure-Python path in the same run, and kvagent serve exactly as installed."""
+    kvagent, dynamo = burst["kvagent"], burst.get("dynamo", [])
+    python, default = burst.get("kvagent-python", []), burst.get("kvagent-default", [])
+    rows: list[Row] = []
+    if python:
+        rows += [
+            Row(
+                "burst events/s, native vs pure Python",
+                _median(kvagent, "events_per_s"),
+                "events/s",
+                "KVAGENT_NO_NATIVE=1",
+                _median(python, "events_per_s"),
+                samples=[run["events_per_s"] for run in kvagent],
+                baseline_samples=[run["events_per_s"] for run in python],
+                note="the same serve, the compiled core on and off",
+            ),
+            Row(
+                "burst CPU per event, native vs pure Python",
+                _median(kvagent, "cpu_us_per_event"),
+                "µs/event",
+                "KVAGENT_NO_NATIVE=1",
+                _median(python, "cpu_us_per_event"),
+                higher_is_better=False,
+                samples=[run["cpu_us_per_event"] for run in kvagent],
+                baseline_samples=[run["cpu_us_per_event"] for run in python],
+            ),
+        ]
+    if default:
+        lost = max(run["lost_events"] for run in default)
+        rows += [
+            Row(
+                "burst events/s, default serve",
+                _median(default, "events_per_s"),
+                "events/s",
+                "Dynamo indexer --threads 1",
+                _median(dynamo, "events_per_s"),
+                target=">= 1.0x Dynamo, zero loss",
+                samples=[run["events_per_s"] for run in default],
+                baseline_samples=[run["events_per_s"] for run in dynamo],
+                note=_joined(
+                    note,
+                    "persistence on, default ingest budget, no replay socket (python -m kvagent.cli.main)",
+                    f"events lost (max over runs): {lost}",
+                ),
+            ),
+            Row(
+                "burst CPU per event, default serve",
+                _median(default, "cpu_us_per_event"),
+                "µs/event",
+                "Dynamo indexer",
+                _median(dynamo, "cpu_us_per_event"),
+                higher_is_better=False,
+                samples=[run["cpu_us_per_event"] for run in default],
+                baseline_samples=[run["cpu_us_per_event"] for run in dynamo],
+            ),
+        ]
     return rows
 
 

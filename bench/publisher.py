@@ -6,9 +6,9 @@ wire and additionally tells the publisher when a subscriber's subscription has a
 handshake: messages are sent only after the subscriber is connected, so the slow-joiner window cannot
 lose anything.  ``SNDHWM`` is 0 (unbounded), so PUB-side drops are impossible too.
 
-Pipe protocol (parent → child): ``("wait_subscriber",)``, ``("burst",)``, ``("paced", events_per_s,
-seconds)``, ``("stop",)``.  Child → parent: ``("ready", endpoint, TraceStats)`` once the trace is encoded,
-``("subscribed",)``, ``("sent", batches, first_send, last_send)``.
+Pipe protocol (parent → child): ``("wait_subscriber",)``, ``("forget_subscriptions",)``, ``("burst",)``,
+``("paced", events_per_s, seconds)``, ``("stop",)``.  Child → parent: ``("ready", endpoint, TraceStats)`` once
+the trace is encoded, ``("subscribed",)``, ``("forgot", count)``, ``("sent", batches, first_send, last_send)``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,15 @@ def publisher_main(
             if command[0] == "wait_subscriber":
                 _wait_subscriber(sock)
                 conn.send(("subscribed",))
+            elif command[0] == "forget_subscriptions":
+                # A consumer that shed re-opened its SUB and subscribed again: those messages would pass
+                # for the next consumer's. Called once a consumer is stopped, before the next one starts.
+                forgotten = 0
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        sock.recv(zmq.NOBLOCK)
+                        forgotten += 1
+                conn.send(("forgot", forgotten))
             elif command[0] == "burst":
                 first = time.perf_counter()
                 _send(sock, payloads, len(payloads))
@@ -109,6 +118,13 @@ class Publisher:
     def wait_subscribed(self, timeout: float = 30) -> None:
         reply = self._recv(timeout)
         assert reply[0] == "subscribed", reply
+
+    def forget_subscriptions(self, timeout: float = 30) -> int:
+        """Drop the subscription messages queued so far (call it between two consumers)."""
+        self._conn.send(("forget_subscriptions",))
+        reply = self._recv(timeout)
+        assert reply[0] == "forgot", reply
+        return int(reply[1])
 
     def burst(self) -> None:
         self._conn.send(("burst",))

@@ -9,7 +9,7 @@ becomes exactly one outbound RouterEvent, which lets the bench compute the final
 * two removes are never adjacent inside a batch (coalescing would merge them);
 * a remove always targets a block that is resident (stored earlier, not yet removed).
 
-Key order and value forms follow vllm-wire.md §1/§6.3 (msgpack-python ``packb`` of ordered dicts is
+Key order and value forms follow docs/spec/vllm-wire.md §1/§6.3 (msgpack-python ``packb`` of ordered dicts is
 byte-identical to vLLM 0.32.0's msgspec encoder).
 """
 

@@ -1,6 +1,6 @@
 """pyzmq on Trio: a socket owned by one task, waiting on ``zmq.FD`` the way libzmq requires.
 
-Rules (landscape.md §3, verified): ``zmq.FD`` is edge-triggered relative to ``zmq.EVENTS`` — any libzmq
+Rules (pyzmq's documentation of zmq.FD, verified): ``zmq.FD`` is edge-triggered relative to ``zmq.EVENTS`` — any libzmq
 call can consume the notification — so ``zmq.EVENTS`` is re-read immediately before every wait and every
 wakeup drains until ``zmq.Again``.  Receives are batched per checkpoint (a checkpoint per message costs about
 half the throughput).  Only one task may wait on a socket (two raise ``trio.BusyResourceError``).

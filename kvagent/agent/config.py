@@ -71,7 +71,7 @@ class SlotAgentConfig:
     shutdown_step_timeout: float = 5.0
     # Seconds one step of a lifecycle call (the attach barrier, the listener start, the ad registration, a
     # coordinator command) may take before the call fails and is rolled back (the detach's required ad
-    # withdrawal is not bounded: it retries until discovery answers, agent-semantics 7.4).
+    # withdrawal is not bounded: it retries until discovery answers, docs/spec/agent-semantics.md 7.4).
     lifecycle_step_timeout: float = 30.0
     # The vLLM-compatible stream of this slot (endpoints of dp_rank 0: the slot offsets them by its dp_rank).
     republish: RepublishConfig | None = None

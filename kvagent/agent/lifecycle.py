@@ -14,7 +14,7 @@ ready), fully quarantined, or fully not attached.  Every step is bounded by a ca
 (``lifecycle_step_timeout``); the detach's required ad withdrawal retries until discovery answers (7.4),
 and only the shutdown interrupts it.
 
-The shutdown (agent-semantics 7.8, steps 1-3) runs when the ladder stops this task: queued commands are
+The shutdown (docs/spec/agent-semantics.md 7.8, steps 1-3) runs when the ladder stops this task: queued commands are
 refused, the command in progress finishes, then the current attachment is quarantined, its ad withdrawn
 and its listener stopped.  Stopping the coordinator, joining the supervisor and withdrawing the source ad
 are the outer rungs' (:mod:`kvagent.agent.slot`).
@@ -294,7 +294,7 @@ class SlotLifecycle:
             return await call()
         raise _StepTimedOut(f"{what} did not complete within {self._step_timeout} s", code="internal")
 
-    # --- attach (agent-semantics 7.2) ----------------------------------------------------------
+    # --- attach (docs/spec/agent-semantics.md 7.2) ----------------------------------------------------------
     def _check_attachable(self, config: AttachmentConfig) -> None:
         if config.dp_rank != self._config.dp_rank:
             raise KvAgentError(

@@ -15,7 +15,7 @@ To add a component, add a :class:`~kvagent.agent.ladder.Child` (``run(*, task_st
 graceful ``stop``) to the rung whose lifetime it needs in :func:`slot_rungs`; e.g. a stream writer fed by the
 coordinator's outbound events belongs in ``publishing`` beside the republisher.
 
-Shutdown follows the seed's order (agent-semantics 7.8): the slot task quarantines the current attachment,
+Shutdown follows the seed's order (docs/spec/agent-semantics.md 7.8): the slot task quarantines the current attachment,
 withdraws its advertisement and stops its listener; then the coordinator stops, the persistence writer
 records its clean stop, the supervisor drains and is joined; :func:`open_slot_agent` finally withdraws the
 source advertisement.  Every step is shielded and time-bounded so a stuck backend cannot hang the process.
@@ -186,7 +186,7 @@ class SlotAgent:
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def attach(self, config: AttachmentConfig) -> AttachmentStatus:
-        """Attach an engine: barrier, listener, then the advertisement (agent-semantics 7.4 order).
+        """Attach an engine: barrier, listener, then the advertisement (docs/spec/agent-semantics.md 7.4 order).
 
         The advertisement is registered only if the attachment is ready by then; a degraded or disconnected
         attachment is attached all the same, and the ad keeper advertises it once it is ready.

@@ -10,6 +10,7 @@ from typing import Any
 
 import trio
 
+from kvagent import _native
 from kvagent.cli.config import SERVE_OPTIONS, ServeConfig, load_config_file, structure_serve_config
 from kvagent.cli.errors import OneLineArgumentParser, explain, one_line
 from kvagent.cli.logs import Console
@@ -77,7 +78,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="kvagent", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"kvagent {_version()}")
+    parser.add_argument(
+        "--version", action="version", version=f"kvagent {_version()}, native core: {_native.describe()}"
+    )
     parser.add_argument("--debug", action="store_true", help="a failure shows its traceback, not one line")
     sub = parser.add_subparsers(dest="command")
 

@@ -14,6 +14,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent import _native
 from kvagent._util.malloc import keep_large_allocations_mapped
 from kvagent.agent.advertising import advertised_zmq_endpoint, http_url, recovery_base_url, slot_recovery_url
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
@@ -382,6 +383,8 @@ async def _opened_discovery(url: str, options: dict[str, Any]) -> AsyncIterator[
 async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
     keep_large_allocations_mapped()  # resident state: about 45 B less RSS per block (docs/performance.md)
+    if not _native.NATIVE:  # the pure-Python ingest path works the same, at a higher CPU cost per event
+        log.warning("native_core_unavailable", reason=_native.REASON)
     warn_if_models_unnamed(config)
     check_distinct_addresses(config)
     console = Console(config.log_format)

@@ -1,4 +1,4 @@
-"""Coalescing of one ingress chunk's placement events (agent-semantics.md 3.8 step 1, Dynamo batching.rs).
+"""Coalescing of one ingress chunk's placement events (docs/spec/agent-semantics.md 3.8 step 1, Dynamo batching.rs).
 
 Adjacent events merge when they share the coalescing key and their data is compatible; the result keeps
 stream order. The key is ``(exact residency owner, the agent's CacheOwnerId, tier)``; inside one chunk the

@@ -1,4 +1,4 @@
-"""Continuity of raw ZMQ sequences across the ingress chunks of one attachment (agent-semantics 3.5)."""
+"""Continuity of raw ZMQ sequences across the ingress chunks of one attachment (docs/spec/agent-semantics.md 3.5)."""
 
 from __future__ import annotations
 

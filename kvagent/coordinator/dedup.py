@@ -1,4 +1,4 @@
-"""Outbound dedup of placement events (agent-semantics.md 3.7, Dynamo publisher/dedup.rs).
+"""Outbound dedup of placement events (docs/spec/agent-semantics.md 3.7, Dynamo publisher/dedup.rs).
 
 vLLM does not deduplicate physical copies: the same block hash can be stored twice (two requests cached
 the same prefix in different physical blocks) and each copy is removed on its own. The Worker domain is
@@ -45,13 +45,8 @@ class _Copies:
         if ones.isdisjoint(hashes) and (not extra or extra.keys().isdisjoint(hashes)):
             before = len(ones)
             ones.update(hashes)
-            if len(ones) - before == len(hashes):
-                return
-            # The chain repeats a hash: it now sits in ones once; give it its real count.
-            for block_hash, copies in Counter(hashes).items():
-                if copies > 1:
-                    ones.remove(block_hash)
-                    extra[block_hash] = copies
+            if len(ones) - before != len(hashes):
+                self.recount_repeats(hashes)
             return
         for block_hash in hashes:
             count = extra.get(block_hash)
@@ -62,6 +57,16 @@ class _Copies:
                 extra[block_hash] = 2
             else:
                 ones.add(block_hash)
+
+    def recount_repeats(self, hashes: tuple[int, ...]) -> None:
+        """After new ``hashes`` went into ``ones`` at once: a hash the chain lists twice gets its real count.
+
+        (The native core's dedup calls it too: kvagent/_native/_ingest.pyx.)
+        """
+        for block_hash, copies in Counter(hashes).items():
+            if copies > 1:
+                self.ones.remove(block_hash)
+                self.extra[block_hash] = copies
 
     def drop(self, hashes: tuple[int, ...]) -> list[int]:
         """One copy less of each hash; returns the hashes whose last copy went (or that were never seen)."""

@@ -8,6 +8,10 @@ apply for the chunk (``RecoveryIndex.apply_run``).
 Anything else — a barrier, another rank or domain, ids too close to the lease or to U64_MAX — returns
 ``None`` before touching any state, and the general loop, which defines the behaviour, takes the chunk.
 ``tests/unit/test_fast_path_batch.py`` pins the two to the same outbound events, index state and counters.
+
+With the compiled core (kvagent/_native) the checks, coalescing, dedup and stamping are one native pass
+(``stamp_plain_chunk`` of ``_ingest.pyx``); :func:`stamp_plain_chunk` here is its pure-Python twin, and
+the same tests run both.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from kvagent._native import IngestCore
 from kvagent.coordinator.coalesce import coalesce
+from kvagent.coordinator.dedup import DedupFilter
 from kvagent.model.events import PlacementEvent, Removed, ResidencyDomain, RouterEvent, Stored
 from kvagent.model.ids import CacheOwnerId
 
-__all__ = ["apply_plain_chunk", "is_plain_chunk", "may_coalesce"]
+__all__ = ["apply_plain_chunk", "is_plain_chunk", "may_coalesce", "stamp_plain_chunk"]
 
 log = structlog.get_logger(__name__)
 
@@ -65,23 +71,83 @@ def may_coalesce(events: Sequence[PlacementEvent]) -> bool:
 def apply_plain_chunk(
     events: Sequence[PlacementEvent],
     *,
+    slot_rank: int,
+    worker_id: int,
+    owner: CacheOwnerId,
+    first_id: int,
+    id_limit: int,
+    dedup: DedupFilter,
+    apply: Callable[[RouterEvent], None],
+    apply_run: Callable[[Sequence[RouterEvent]], list[tuple[int, Exception]] | None] | None,
+    output: list[RouterEvent],
+    ids_taken: Callable[[int], None],
+    native: IngestCore | None = None,
+) -> int | None:
+    """Apply a plain chunk (see :func:`is_plain_chunk`); returns how many removes dedup swallowed.
+
+    ``apply_run`` (the index's batch apply, if it has one) applies the stamped events at once; when it
+    declines, or is None, each goes through ``apply``. ``ids_taken(next_id)`` is told the next free outbound
+    id once the loop ends, however it ends. ``None``: the chunk is not plain, or could need an id at or past
+    ``id_limit`` (the lease end or U64_MAX), where the general loop raises at the exact event; nothing was
+    touched. ``native`` (the compiled core, kvagent/_native) does the checks, coalescing, dedup and stamping
+    in one pass instead of :func:`stamp_plain_chunk`.
+    """
+    done: tuple[list[RouterEvent], int] | None
+    if native is not None:
+        done = native.stamp_plain_chunk(
+            events, slot_rank, worker_id, owner, first_id, id_limit, dedup, coalesce, ids_taken
+        )
+    else:
+        done = stamp_plain_chunk(
+            events,
+            slot_rank=slot_rank,
+            worker_id=worker_id,
+            owner=owner,
+            first_id=first_id,
+            id_limit=id_limit,
+            dedup=dedup.filter,
+            ids_taken=ids_taken,
+        )
+    if done is None:
+        return None
+    stamped, swallowed = done
+    failures = apply_run(stamped) if apply_run is not None and stamped else None
+    if failures is None:
+        failures = []
+        for position, router_event in enumerate(stamped):
+            try:
+                apply(router_event)
+            except Exception as refused:
+                failures.append((position, refused))
+    for position, error in failures:  # Stored/Removed are lossy: logged, published, the chunk goes on
+        log.warning(
+            "local_apply_failed",
+            worker_id=worker_id,
+            dp_rank=stamped[position].dp_rank,
+            domain=_WORKER.value,
+            error=str(error),
+        )
+    output.extend(stamped)
+    return swallowed
+
+
+def stamp_plain_chunk(
+    events: Sequence[PlacementEvent],
+    *,
+    slot_rank: int,
     worker_id: int,
     owner: CacheOwnerId,
     first_id: int,
     id_limit: int,
     dedup: Callable[[PlacementEvent], PlacementEvent | None],
-    apply: Callable[[RouterEvent], None],
-    apply_run: Callable[[Sequence[RouterEvent]], list[tuple[int, Exception]] | None] | None,
-    output: list[RouterEvent],
     ids_taken: Callable[[int], None],
-) -> int | None:
-    """Apply a plain chunk (see :func:`is_plain_chunk`); returns how many removes dedup swallowed.
+) -> tuple[list[RouterEvent], int] | None:
+    """(the RouterEvents, removes swallowed) of a plain chunk: coalesced, deduplicated and numbered.
 
-    ``apply_run`` (the index's batch apply, if it has one) applies the stamped events at once; when it
-    declines, or is None, each goes through ``apply``. ``ids_taken(next_id)`` is told the next free outbound id once the loop ends, however it ends. ``None``:
-    the chunk could need an id at or past ``id_limit`` (the lease end or U64_MAX), where the general loop
-    raises at the exact event; nothing was touched.
+    None, touching nothing, when the chunk is not plain or could need an id at or past ``id_limit``.
     """
+    if not is_plain_chunk(events, slot_rank):
+        return None
     merged = coalesce(events) if may_coalesce(events) else events
     if first_id + len(merged) > id_limit:
         return None
@@ -110,21 +176,4 @@ def apply_plain_chunk(
             event_id += 1
     finally:
         ids_taken(event_id)
-    failures = apply_run(stamped) if apply_run is not None and stamped else None
-    if failures is None:
-        failures = []
-        for position, router_event in enumerate(stamped):
-            try:
-                apply(router_event)
-            except Exception as refused:
-                failures.append((position, refused))
-    for position, error in failures:  # Stored/Removed are lossy: logged, published, the chunk goes on
-        log.warning(
-            "local_apply_failed",
-            worker_id=worker_id,
-            dp_rank=stamped[position].dp_rank,
-            domain=_WORKER.value,
-            error=str(error),
-        )
-    output.extend(stamped)
-    return swallowed
+    return stamped, swallowed

@@ -1,4 +1,4 @@
-"""The slot coordinator: the single owner of a slot's mutable state (agent-semantics.md section 3).
+"""The slot coordinator: the single owner of a slot's mutable state (docs/spec/agent-semantics.md section 3).
 
 :class:`SlotCoordinator` is sans-IO and synchronous: every lifecycle command and every ingress chunk is
 one method call that runs to completion (the index applies synchronously, the sink publishes without
@@ -19,11 +19,12 @@ from typing import Protocol
 import attrs
 import structlog
 
+from kvagent import _native
 from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.counters import CoordinatorCounters, CoordinatorStatistics
 from kvagent.coordinator.cursor import Continuity, SourceContinuity, SourceCursorTracker
 from kvagent.coordinator.dedup import DedupFilter
-from kvagent.coordinator.fastpath import apply_plain_chunk, is_plain_chunk
+from kvagent.coordinator.fastpath import apply_plain_chunk
 from kvagent.coordinator.lease import OutboundIdLease
 from kvagent.coordinator.signals import LISTENER_TERMINATED, SlotTrust, SourceProgress
 from kvagent.model.errors import CoordinatorError
@@ -113,6 +114,8 @@ class SlotCoordinator:
         # The batch-level path for plain chunks (coordinator/fastpath.py); False: every chunk takes the general
         # loop, which defines the behaviour (the differential tests compare the two).
         self.fast_path = True
+        # The compiled core's plain-chunk pass (kvagent/_native), or None: the Python one. Tests run both.
+        self.native = _native.core
         # The Trio shell installs the real backlog probe (the core never sees the channel itself).
         self._ingress_queue_depth: Callable[[], int] = lambda: 0
 
@@ -377,7 +380,7 @@ class SlotCoordinator:
             raise CoordinatorError(
                 f"ingress is closed for attachment generation {generation}", code="not_ready"
             )
-        if len(chunk.events) > MAX_CHUNK_EVENTS or _chunk_blocks(chunk.events) > MAX_CHUNK_BLOCKS:
+        if len(chunk.events) > MAX_CHUNK_EVENTS or self._chunk_blocks(chunk.events) > MAX_CHUNK_BLOCKS:
             self._fail_source(generation, "oversized ingress envelope")
             raise CoordinatorError("oversized ingress envelope", code="bad_request")
         continuity = self._continuity.classify(chunk)
@@ -558,18 +561,20 @@ class SlotCoordinator:
         slot_rank = self.slot_rank
         dedup = self._dedup.filter
         apply = self.index.apply
-        if self.fast_path and is_plain_chunk(placement_events, slot_rank):
+        if self.fast_path:
             plain_swallowed = apply_plain_chunk(
                 placement_events,
+                slot_rank=slot_rank,
                 worker_id=worker_id,
                 owner=owner,
                 first_id=self.lease.next_id,
                 id_limit=self.lease.id_limit,
-                dedup=dedup,
+                dedup=self._dedup,
                 apply=apply,
                 apply_run=getattr(self.index, "apply_run", None),
                 output=output,
                 ids_taken=self._ids_taken,
+                native=self.native,
             )
             if plain_swallowed is not None:
                 if plain_swallowed:
@@ -621,6 +626,11 @@ class SlotCoordinator:
         if swallowed:
             self.counters.count_filtered("dedup_swallowed_remove", swallowed)
         return failed_barrier
+
+    def _chunk_blocks(self, events: Sequence[PlacementEvent]) -> int:
+        native = self.native
+        blocks = -1 if native is None else native.chunk_blocks(events)
+        return _chunk_blocks(events) if blocks < 0 else blocks
 
     def _ids_taken(self, next_id: int) -> None:
         self.lease.next_id = next_id

@@ -2,7 +2,7 @@
 
 :class:`SlotTrust` is the state :class:`~kvagent.coordinator.machine.SlotCoordinator` keeps about whether its
 applied state can be trusted, with one named transition for each thing that changes it: the failure flags
-(never cleared, agent-semantics 3.1), whether CacheOwner is trusted after the listener's verdicts about its
+(never cleared, docs/spec/agent-semantics.md 3.1), whether CacheOwner is trusted after the listener's verdicts about its
 source (a :class:`~kvagent.model.events.SourceSignal`: lost batches, a Worker reset barrier, the source
 state), and the **source progress**: the engine batch (seq, payload digest) the applied Worker state is
 complete up to, which a restarted agent resumes from.  Progress exists only while the applied history is the

@@ -1,4 +1,4 @@
-"""The Trio shell around :class:`~kvagent.coordinator.machine.SlotCoordinator` (agent-semantics.md 3.2).
+"""The Trio shell around :class:`~kvagent.coordinator.machine.SlotCoordinator` (docs/spec/agent-semantics.md 3.2).
 
 ``open_coordinator(core)`` returns a :class:`CoordinatorHandle` (what the agent and the listener hold) and
 ``run(*, task_status)`` (the coordinator task).  Two channels feed the task:

@@ -1,4 +1,4 @@
-"""The slot's two advertisements (agent-semantics 6.2 and 6.3) as discovery records.
+"""The slot's two advertisements (docs/spec/agent-semantics.md 6.2 and 6.3) as discovery records.
 
 Field names and values follow Dynamo's ``KvStateSourceAdvertisement`` and
 ``KvStateAttachmentAdvertisement``.  kvagent adds one optional field of its own, ``recovery_url``: the
@@ -25,7 +25,7 @@ RECOVERY_ENDPOINT_PREFIX = "worker_kv_query_source_"
 
 
 def recovery_control_target(publisher_id: int) -> str:
-    """The name of the slot's recovery/control endpoint (agent-semantics 5)."""
+    """The name of the slot's recovery/control endpoint (docs/spec/agent-semantics.md 5)."""
     if publisher_id < 0:
         raise ValueError(f"publisher id must be non-negative, got {publisher_id}")
     return f"{RECOVERY_ENDPOINT_PREFIX}{publisher_id:x}"

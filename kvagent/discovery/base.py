@@ -1,7 +1,7 @@
 """Discovery records and the backend protocol.
 
 An advertisement is an immutable *hint*, not a liveness signal: a router treats a changed payload under an
-existing record id as an error (agent-semantics 6.1).  Every backend therefore makes ``register`` idempotent for
+existing record id as an error (docs/spec/agent-semantics.md 6.1).  Every backend therefore makes ``register`` idempotent for
 an equal payload and refuses a different one with :class:`DiscoveryConflict`.
 """
 

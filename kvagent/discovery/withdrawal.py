@@ -1,4 +1,4 @@
-"""Attachment-advertisement withdrawal: the required withdrawal (agent-semantics 7.4 step 2) and the
+"""Attachment-advertisement withdrawal: the required withdrawal (docs/spec/agent-semantics.md 7.4 step 2) and the
 generation-fenced withdrawal supervisor (7.6).
 
 Both retry forever with exponential backoff (100 ms doubling to 5 s): an advertisement that stays

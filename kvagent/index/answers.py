@@ -1,4 +1,4 @@
-"""What the recovery index answers: range answers (agent-semantics.md 4.4) and the dump snapshot (4.5)."""
+"""What the recovery index answers: range answers (docs/spec/agent-semantics.md 4.4) and the dump snapshot (4.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The slot's local recovery index (agent-semantics.md 4; Dynamo's ``LocalKvIndexer``).
+"""The slot's local recovery index (docs/spec/agent-semantics.md 4; Dynamo's ``LocalKvIndexer``).
 
 It keeps the full resident state per exact (residency owner, storage tier) and a ring of the last outbound
 RouterEvents, and answers range queries with either the buffered tail or a tree dump.  Everything is

@@ -24,11 +24,11 @@ layer keeps the segment's encoded events, built lazily from the columns and reus
 from __future__ import annotations
 
 import bisect
-import importlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeAlias, overload
 
+from kvagent import _native
 from kvagent.model.events import (
     CLEARED,
     EventData,
@@ -228,13 +228,9 @@ _EMPTY_RANGE = RingRange((), 0)
 
 def _native_append() -> Callable[[RingSegment, RouterEvent], None] | None:
     """``ring_append`` of kvagent/_native/_columns.pyx when built, else None (RingSegment.append)."""
-    try:
-        # Imported by name: kvagent._native is an optional build product (no package in the import layers).
-        append: Callable[[RingSegment, RouterEvent], None] = importlib.import_module(
-            "kvagent._native._columns"
-        ).ring_append
-    except (ImportError, AttributeError):
+    if _native.columns is None:
         return None
+    append: Callable[[RingSegment, RouterEvent], None] = _native.columns.ring_append
     return append
 
 

@@ -1,4 +1,4 @@
-"""LocalBlockHash: XXH3-64 over a block's tokens as u32 little-endian (agent-semantics 2.6).
+"""LocalBlockHash: XXH3-64 over a block's tokens as u32 little-endian (docs/spec/agent-semantics.md 2.6).
 
 The only place token ids are packed into bytes and hashed: the decoder validates tokens with
 :func:`pack_tokens`, and normalization hashes per-block slices of the same packing.

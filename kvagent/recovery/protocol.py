@@ -483,7 +483,7 @@ def required_str(request: Mapping[str, Any], key: str, default: str | None = Non
     return value
 
 
-# --- fencing (agent-semantics.md 5.2, 5.3) ----------------------------------------------------------
+# --- fencing (docs/spec/agent-semantics.md 5.2, 5.3) ----------------------------------------------------------
 
 
 @attrs.frozen(slots=True)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import msgpack
 
+from kvagent import _native
 from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, Route
 from kvagent.model.events import ResidencyDomain, StorageTier
 from kvagent.model.ids import CacheOwnerId
@@ -288,11 +289,7 @@ _LIVE = bytes(1 if value in (0, 1) else 0 for value in range(256))
 def _load() -> ModuleType:
     """The compiled encoders (kvagent/_native/_columns.pyx) when built, else this module (the tests run
     both by setting :data:`impl`)."""
-    try:
-        # Imported by name: kvagent._native is an optional build product (no package in the import layers).
-        return importlib.import_module("kvagent._native._columns")
-    except ImportError:
-        return importlib.import_module(__name__)
+    return importlib.import_module(__name__) if _native.columns is None else _native.columns
 
 
 impl = _load()

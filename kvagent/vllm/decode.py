@@ -19,7 +19,7 @@ string and refuses it). ``tests/unit/test_fastpath.py`` checks that both decoder
 Unknown map keys and trailing array elements are ignored; an unknown tag, a missing required field or a
 wrong type is a :class:`WireDecodeError` naming the field.
 
-Hash normalization to u64 (vllm-wire.md §7.1):
+Hash normalization to u64 (docs/spec/vllm-wire.md §7.1):
 
 - unsigned ints are taken as is; negative ints (old ``builtin`` hashing, LMCache, SGLang) are
   reinterpreted as two's complement (``h & (2**64 - 1)``);
@@ -82,7 +82,7 @@ _U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 # --- the schema ------------------------------------------------------------------------------------------
 
 
-# A map without parent_block_hash is legal but never sent (vllm-wire.md 1: the key is present even when nil);
+# A map without parent_block_hash is legal but never sent (docs/spec/vllm-wire.md 1: the key is present even when nil);
 # the typed decoder refuses it and the checked decoder reads it as nil.
 class RawBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True, gc=False):
     """BlockStored, its fields in vLLM's declaration order (the positional form's slots 1..13 come first)."""

@@ -1,6 +1,6 @@
 """A fake vLLM engine that speaks vLLM 0.32.0's KV event wire protocol, and a workload to drive it.
 
-:class:`FakeVllmEngine` follows vllm-wire.md §13: live batches ``[topic, seq8, payload]`` on a PUB-like
+:class:`FakeVllmEngine` follows docs/spec/vllm-wire.md §13: live batches ``[topic, seq8, payload]`` on a PUB-like
 socket (an XPUB, so :meth:`FakeVllmEngine.wait_for_subscriber` knows when a SUB has really subscribed —
 the slow-joiner fix for tests), a ``deque(maxlen=buffer_steps)`` replay buffer served over a ROUTER, and
 fault injection (skipped seqs, live drops kept for replay, used-up seqs, adjacent swaps, duplicates,
@@ -61,7 +61,7 @@ log = structlog.get_logger(__name__)
 
 # --- the engine ------------------------------------------------------------------------------------------
 
-# vLLM's replay ROUTER runs at libzmq's default send HWM and drops silently beyond it (vllm-wire.md §9.1).
+# vLLM's replay ROUTER runs at libzmq's default send HWM and drops silently beyond it (docs/spec/vllm-wire.md §9.1).
 VLLM_REPLAY_HWM = 1000
 _REBIND_TIMEOUT = 10.0
 
@@ -250,7 +250,7 @@ class FakeVllmEngine:
 
     async def _watch_subscriptions(self, pub: TrioSocket) -> None:
         # The only task that waits on the XPUB's FD. Sends (in publish_batch) never wait, and they drain
-        # subscriptions themselves because a send can consume the FD's edge (landscape.md §3).
+        # subscriptions themselves because a send can consume the FD's edge (pyzmq's documentation of zmq.FD).
         fd = cast(int, pub.socket.getsockopt(zmq.FD))
         # kill() closes the socket while this task may be runnable (its cancellation then comes at the next
         # checkpoint): check before touching it.

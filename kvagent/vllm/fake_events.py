@@ -30,7 +30,7 @@ __all__ = [
 Event = dict[str, Any] | list[Any]
 
 
-# --- hashes (vllm-wire.md §7.1, §7.2) -------------------------------------------------------------------
+# --- hashes (docs/spec/vllm-wire.md §7.1, §7.2) -------------------------------------------------------------------
 
 
 def _cbor_head(major: int, value: int) -> bytes:
@@ -77,7 +77,7 @@ def fold_hash(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & U64_MAX
 
 
-# --- event builders (vLLM 0.32.0 map form, key order of vllm-wire.md §1 / §6.3) -------------------------
+# --- event builders (vLLM 0.32.0 map form, key order of docs/spec/vllm-wire.md §1 / §6.3) -------------------------
 
 
 def block_stored(

@@ -44,7 +44,7 @@ from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, Wir
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, SourceSignal
 from kvagent.model.status import Attachment
 from kvagent.vllm.budget import IngestBudget
-from kvagent.vllm.decode import decode_payload, split_live_frames
+from kvagent.vllm.decode import split_live_frames
 from kvagent.vllm.normalize import AttachmentNormalizer, build_ingress_chunks
 from kvagent.vllm.reader import SLICE_SECONDS, Inbox, LinkItem, LiveItem, LiveReader, ReplayEndItem, ReplyItem
 from kvagent.vllm.replay import ReplayClient, ReplayTimeouts
@@ -414,15 +414,15 @@ class _Processor:
 
     def _apply(self, seq: int, payload: bytes, digest: int) -> None:
         """Decode, check, normalize and admit one batch SourceSync let through (in seq order)."""
-        try:
-            batch = decode_payload(payload, max_payload_bytes=self.options.max_payload_bytes)
+        try:  # decode, the rank check and normalize: one native pass for a plain batch (normalize.py)
+            batch_rank, normalized = self.normalizer.normalize_payload(
+                payload, max_payload_bytes=self.options.max_payload_bytes
+            )
         except WireDecodeError as exc:
             self.counters.decode_errors += 1
             raise ListenerError(f"{DECODE_FAILED}: {exc}") from exc
-        batch_rank = batch.data_parallel_rank or 0
-        if batch_rank != self.rank:
+        if normalized is None:
             raise ListenerError(f"vLLM batch rank {batch_rank} does not match configured rank {self.rank}")
-        normalized = self.normalizer.normalize(batch)
         counters = self.counters
         counters.batches += 1
         counters.unpublished_blocks += normalized.unpublished_blocks

@@ -1,4 +1,4 @@
-"""Raw vLLM events → placement events (agent-semantics.md §2), plus bounded ingress chunking.
+"""Raw vLLM events → placement events (docs/spec/agent-semantics.md §2), plus bounded ingress chunking.
 
 One :class:`AttachmentNormalizer` per attachment holds two residency normalizers — one for Framework
 events, one for KVCR events — so learned attention groups and cache namespaces never mix between the two
@@ -14,11 +14,13 @@ import attrs
 import structlog
 from xxhash import xxh3_64_intdigest as xxh3
 
+from kvagent import _native
 from kvagent.model.errors import ChunkingError
 from kvagent.model.events import (
     CLEARED,
     MAX_CHUNK_BLOCKS,
     MAX_CHUNK_EVENTS,
+    MAX_RAW_PAYLOAD_BYTES,
     EventData,
     IngressChunk,
     IngressProtocol,
@@ -48,6 +50,8 @@ from kvagent.vllm.decode import (
     RawBlockStored,
     RawEvent,
     RawIgnored,
+    WireDecodeError,
+    decode_payload,
 )
 
 __all__ = [
@@ -96,6 +100,8 @@ class NormalizedBatch:
     cache_owner_fault: str | None = None
     filtered: dict[str, int] = attrs.Factory(dict)
     unpublished_blocks: int = 0
+    # The events' blocks when already counted (the native pass counts them); None: count when chunking.
+    blocks: int | None = attrs.field(default=None, eq=False)
 
 
 def _medium(event: RawEvent) -> str | None:
@@ -370,7 +376,12 @@ class AttachmentNormalizer:
         ingress_protocol: IngressProtocol = IngressProtocol.VLLM_RESIDENCY_V1,
         image_token_id: int | None = None,
         video_token_id: int | None = None,
+        native: bool | None = None,
     ) -> None:
+        """``native``: use the compiled core for plain batches (None: whenever it is available)."""
+        if native and _native.core is None:
+            raise ValueError(f"the native ingest core is not available: {_native.REASON}")
+        self._native = _native.core if (_native.NATIVE if native is None else native) else None
         self.kv_block_size = kv_block_size
         self.worker = worker
         self.ingress_protocol = ingress_protocol
@@ -378,6 +389,42 @@ class AttachmentNormalizer:
         self.video_token_id = video_token_id
         self.framework = ResidencyNormalizer(kv_block_size, image_token_id, video_token_id)
         self.kvcr = ResidencyNormalizer(kv_block_size, image_token_id, video_token_id)
+
+    @property
+    def native(self) -> bool:
+        """Whether plain batches go through the compiled core."""
+        return self._native is not None
+
+    def normalize_payload(
+        self, payload: bytes, *, max_payload_bytes: int = MAX_RAW_PAYLOAD_BYTES
+    ) -> tuple[int, NormalizedBatch | None]:
+        """``decode_payload`` then :meth:`normalize`: ``(the batch's dp rank, the normalized batch)``.
+
+        The normalized batch is None, and nothing is learned, when the batch's rank (nil: 0) is not the
+        attachment's. Raises WireDecodeError as ``decode_payload`` does. A plain batch (only framework device
+        stores and removes that :meth:`normalize` takes inline, no cache namespace known) goes through the
+        compiled core in one pass, when there is one; it declines anything else before changing any state.
+        """
+        if len(payload) > max_payload_bytes:
+            raise WireDecodeError(f"ZMQ payload exceeds {max_payload_bytes} bytes")
+        native = self._native
+        rank = self.worker.dp_rank
+        framework = self.framework
+        if native is not None and not framework._namespaces and type(payload) is bytes:
+            done = native.normalize_payload(payload, self.kv_block_size, rank, framework._groups)
+            if done is not None:
+                batch_rank, events, blocks, learned = done
+                if (batch_rank or 0) != rank:
+                    return batch_rank or 0, None
+                groups = framework._groups
+                for key, value in learned:  # in the batch's order, as normalize() learns them
+                    groups[key] = value
+                return rank, NormalizedBatch(events, blocks=blocks)
+        batch = decode_payload(payload, max_payload_bytes=max_payload_bytes)
+        batch_rank = batch.data_parallel_rank or 0
+        if batch_rank != rank:
+            return batch_rank, None
+        return rank, self.normalize(batch)
 
     def normalize(self, batch: RawBatch) -> NormalizedBatch:
         """Every event through :meth:`normalize_event`, apart from the common shapes, handled right here.
@@ -585,14 +632,25 @@ def build_ingress_chunks(
     """The batch as chunks in order: every chunk names the batch's ``source_digest``; the final one carries
     its ``raw_bytes`` (the batch's bytes stay charged until its final chunk is handled)."""
     events = normalized.events
-    if (
-        len(events) <= MAX_CHUNK_EVENTS
-        and sum([len(event.data.block_hashes) for event in events]) <= MAX_CHUNK_BLOCKS
-    ):
-        # The common case, one chunk: what bounded_ingress_chunks returns for it, without its loop.
-        pieces = [tuple(events)]
-    else:
-        pieces = bounded_ingress_chunks(events)
+    blocks = normalized.blocks
+    if blocks is None:
+        blocks = sum([len(event.data.block_hashes) for event in events])
+    if len(events) <= MAX_CHUNK_EVENTS and blocks <= MAX_CHUNK_BLOCKS:
+        # The common case, one chunk: what the general code below builds for it, without its loops.
+        return [
+            IngressChunk(
+                generation,
+                source_cursor,
+                0,
+                True,
+                tuple(events),
+                normalized.source_fault,
+                normalized.cache_owner_fault,
+                raw_bytes,
+                source_digest,
+            )
+        ]
+    pieces = bounded_ingress_chunks(events)
     if len(pieces) > 1 << 32:
         raise ChunkingError("vLLM batch has too many chunks")
     last = len(pieces) - 1

@@ -1,7 +1,7 @@
 """The replay client: one DEALER to the engine's replay ROUTER, streaming replies as they arrive.
 
 vLLM answers a request ``[b"", start_seq8]`` with every buffered batch from ``start_seq`` on and an end
-marker (vllm-wire.md §9.1). Its ROUTER drops silently past its send HWM (1000 messages), mid-answer and
+marker (docs/spec/vllm-wire.md §9.1). Its ROUTER drops silently past its send HWM (1000 messages), mid-answer and
 possibly the end marker, so an answer is never trusted to be complete: the sans-IO
 :class:`~kvagent.vllm.sequence.SourceSync` checks every reply and asks again from the first hole.
 

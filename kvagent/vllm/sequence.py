@@ -1,9 +1,9 @@
 """Sans-IO synchronisation of one attachment's raw batch stream with the engine's history (issue #14).
 
 The engine numbers its batches 0, 1, 2, ... per process and starts again at 0 when it restarts, with no
-epoch (vllm-wire.md §4, §10).  :class:`SourceSync` decides, from the live seqs, the replay answers and the
+epoch (docs/spec/vllm-wire.md §4, §10).  :class:`SourceSync` decides, from the live seqs, the replay answers and the
 SUB monitor's connection events, which batches are applied in which order and what the attachment's state
-is (``ready`` only while the applied history is exactly the engine's, TRUST-SPEC.md).  A seq alone cannot
+is (``ready`` only while the applied history is exactly the engine's, docs/trust.md).  A seq alone cannot
 tell a late batch from a restarted engine, so it keeps the payload digest of the last ``digest_memory``
 applied seqs: a live seq at or below the last applied one is a duplicate only if its bytes match; without a
 digest to compare, the replay socket is asked for the anchor (the last applied seq) and its bytes decide.
@@ -46,7 +46,7 @@ __all__ = [
 
 
 class SourceSync(SourceSyncBase[M]):
-    """The source synchronisation state machine of one attachment (TRUST-SPEC.md, rules 1-8).
+    """The source synchronisation state machine of one attachment (docs/trust.md, rules 1-8).
 
     ``SourceSync(*, has_replay, reorder_window=8, reorder_wait=0.05, max_attempts_without_progress=3,
     digest_memory=4096, cold_bootstrap=True, resume=None)``; the state and its primitives are

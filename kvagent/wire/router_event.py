@@ -1,4 +1,4 @@
-"""RouterEvent bytes, both ways: the one module that writes and reads them (agent-semantics.md 8).
+"""RouterEvent bytes, both ways: the one module that writes and reads them (docs/spec/agent-semantics.md 8).
 
 Dynamo's named-map msgpack encoding and its JSON twin use the same names and shapes: one builder
 (:func:`router_event_to_wire`) produces both, one validator (:func:`router_event_from_wire`) reads both.
@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import msgpack
 
+from kvagent import _native
 from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import (
     CLEARED,
@@ -152,7 +153,21 @@ router_event_to_json = router_event_to_wire
 
 
 def encode_router_events(events: Sequence[RouterEvent]) -> bytes:
-    """A msgpack array of named maps, byte-identical to Dynamo's encoding (golden vector 8.3)."""
+    """A msgpack array of named maps, byte-identical to Dynamo's encoding (golden vector 8.3).
+
+    The native core (kvagent/_native) writes the bytes itself when every event is of the plain shape (no
+    multimodal info); anything else, or without it, :func:`encode_router_events_python`, which defines them.
+    """
+    native = _native.core
+    if native is not None:
+        payload = native.encode_router_events(events)
+        if payload is not None:
+            return payload
+    return encode_router_events_python(events)
+
+
+def encode_router_events_python(events: Sequence[RouterEvent]) -> bytes:
+    """:func:`encode_router_events` through ``router_event_to_wire`` and msgpack-python."""
     try:
         payload: bytes = msgpack.packb([router_event_to_wire(event) for event in events], use_bin_type=True)
         return payload

@@ -1,4 +1,4 @@
-"""kvagent's Worker-domain events in vLLM 0.32.0's ZMQ KV event encoding (vllm-wire.md §1, §5, §6.3).
+"""kvagent's Worker-domain events in vLLM 0.32.0's ZMQ KV event encoding (docs/spec/vllm-wire.md §1, §5, §6.3).
 
 The structs below mirror vLLM 0.32.0's own ``KVEventBatch`` / ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` declarations field for field, so msgspec writes the same bytes vLLM does: an

@@ -1,4 +1,4 @@
-"""The coordinator's Trio shell: admission, control priority, the loop (agent-semantics.md 3.2, 9.3, 9.4)."""
+"""The coordinator's Trio shell: admission, control priority, the loop (docs/spec/agent-semantics.md 3.2, 9.3, 9.4)."""
 
 from __future__ import annotations
 

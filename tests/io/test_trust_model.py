@@ -82,7 +82,7 @@ async def step(rig: TrustRig, workload: PoolWorkload, op: tuple[str, Any]) -> No
     elif kind == "duplicate":
         await rig.publish(workload, 1, duplicate=True)
     elif kind == "restart":
-        # A restarted vLLM rebinds its PUB, so the SUB's connection drops (vllm-wire.md §10); the new
+        # A restarted vLLM rebinds its PUB, so the SUB's connection drops (docs/spec/vllm-wire.md §10); the new
         # engine's first ``arg`` batches go unseen live, so its first seen seq is below, equal to or above
         # the old last one. (An in-place restart WITHOUT a connection drop whose first seen seq is exactly
         # the old last + 1 cannot be told from continuation without an epoch: see docs/reliability.md.)

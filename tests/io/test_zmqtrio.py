@@ -29,7 +29,7 @@ def pair(context: zmq.Context[Any], transport: str = "tcp") -> tuple[TrioSocket,
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_every_prequeued_message_is_received(context: zmq.Context[Any], transport: str) -> None:
     # inproc queues every message in the receiver's pipe before it first looks: a single FD edge for
-    # 1000 messages, the case a level-triggered wait loses (landscape.md §3).
+    # 1000 messages, the case a level-triggered wait loses (pyzmq's documentation of zmq.FD).
     sender, receiver = pair(context, transport)
     with trio.fail_after(10):
         for i in range(1000):

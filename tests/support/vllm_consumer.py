@@ -1,7 +1,7 @@
 """A plain vLLM-style KV event consumer: SUB for live batches, DEALER for replay, as vLLM's docs show.
 
 It is written the way vLLM's example subscriber (``kv_events_subscriber.py``) works, with that example's
-known bugs fixed (vllm-wire.md §14): it tracks ``last_seq`` on the live path, replays with a DEALER sending
+known bugs fixed (docs/spec/vllm-wire.md §14): it tracks ``last_seq`` on the live path, replays with a DEALER sending
 ``[b"", start_seq]``, parses the 4-frame (or 3-frame legacy) replies and ends on the ``ff×8`` seq.  It knows
 nothing of kvagent: a late join (and its own restart) asks replay from seq 0, a gap asks from ``last + 1``,
 every replayed frame with ``seq >= start`` is applied (so a snapshot answer, whose frames all carry one seq,

@@ -1,4 +1,4 @@
-"""Source and attachment advertisements (agent-semantics 6.2-6.4)."""
+"""Source and attachment advertisements (docs/spec/agent-semantics.md 6.2-6.4)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvagent.model.events import IngressProtocol, WorkerWithDpRank
 from kvagent.model.status import Attachment, AttachmentSource
 from tests.support.ids import IDENTITY, OWNER_TEXT
 
-# The indexer-domain half of the seed's fixture owner (agent-semantics 1.3).
+# The indexer-domain half of the seed's fixture owner (docs/spec/agent-semantics.md 1.3).
 DOMAIN_TEXT = "01010101010101010101010101010101:02020202020202020202020202020202"
 ENDPOINT = "tcp://127.0.0.1:7000"
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvagent import _native
 from kvagent.cli.config import ServeConfig, structure_serve_config
 from kvagent.cli.main import build_parser, main, serve_config_from_args
 from kvagent.model.errors import ConfigError
@@ -25,7 +26,9 @@ def test_version_names_the_installed_package(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.strip() == f"kvagent {importlib.metadata.version('kvagent')}"
+    expected = f"kvagent {importlib.metadata.version('kvagent')}, native core: {_native.describe()}"
+    assert capsys.readouterr().out.strip() == expected
+    assert expected.endswith(", native core: yes") == _native.NATIVE
 
 
 def test_log_level_from_the_command_line_and_its_default() -> None:

@@ -1,4 +1,4 @@
-"""coalesce(): the per-chunk merge rules of agent-semantics.md 3.8 step 1."""
+"""coalesce(): the per-chunk merge rules of docs/spec/agent-semantics.md 3.8 step 1."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RouterEvent codec: the 464-byte golden vector (agent-semantics.md 8.3), legacy defaults, rejections, JSON."""
+"""RouterEvent codec: the 464-byte golden vector (docs/spec/agent-semantics.md 8.3), legacy defaults, rejections, JSON."""
 
 from __future__ import annotations
 

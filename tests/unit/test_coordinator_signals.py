@@ -1,4 +1,4 @@
-"""SlotCoordinator.handle_signal: the listener's verdicts about its source (issue #14, TRUST-SPEC)."""
+"""SlotCoordinator.handle_signal: the listener's verdicts about its source (issue #14, docs/trust.md)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from kvagent.vllm.decode import (
 from kvagent.vllm.normalize import AttachmentNormalizer
 from tests.support.vectors import load_live, load_structs
 
-H = 15760518052499183552  # vllm-wire.md 6.5: a real hash >= 2^63 from a 0.26.0 capture
+H = 15760518052499183552  # docs/spec/vllm-wire.md 6.5: a real hash >= 2^63 from a 0.26.0 capture
 SEQ1 = (1).to_bytes(8, "big")
 END = b"\xff" * 8
 
@@ -38,7 +38,7 @@ def one(*event: object) -> object:
     return decoded
 
 
-# --- vllm-wire.md 6.5 byte-level examples ---------------------------------------------------------------
+# --- docs/spec/vllm-wire.md 6.5 byte-level examples ---------------------------------------------------------------
 
 
 def test_v0_9_example_42_bytes() -> None:
@@ -260,7 +260,7 @@ def test_sglang_bigram_tokens_flatten_and_mark_eagle() -> None:
     assert pack_tokens(event.token_ids) == b"".join(t.to_bytes(4, "little") for t in (1, 2, 3, 4))
 
 
-# --- hashes (vllm-wire.md 7.1) --------------------------------------------------------------------------
+# --- hashes (docs/spec/vllm-wire.md 7.1) --------------------------------------------------------------------------
 
 
 def test_hash_forms_normalize_to_u64() -> None:

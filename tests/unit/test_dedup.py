@@ -1,4 +1,4 @@
-"""DedupFilter: RefCounted for Worker, SetLike for CacheOwner (agent-semantics.md 3.7)."""
+"""DedupFilter: RefCounted for Worker, SetLike for CacheOwner (docs/spec/agent-semantics.md 3.7)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ _Key = tuple[int, StorageTier, ResidencyDomain]
 
 
 class CountModel:
-    """agent-semantics.md 3.7 spelled out: Worker counts copies per (rank, tier); CacheOwner is set-like."""
+    """docs/spec/agent-semantics.md 3.7 spelled out: Worker counts copies per (rank, tier); CacheOwner is set-like."""
 
     def __init__(self) -> None:
         self.counts: dict[_Key, dict[int, int]] = {}

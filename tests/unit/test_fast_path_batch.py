@@ -7,6 +7,9 @@ state and ring, counters, status and withdrawal requests must be equal. The chun
 (stores continuing chains, duplicate copies, removes of known and unknown hashes, barriers, CacheOwner
 events, another rank, invalid hashes, failing applies, a lease end close by) and from the real vLLM vectors
 through the listener's decode, normalize and chunking.
+
+Every test runs twice (``native``): the fast side through the compiled core (kvagent/_native; skipped when
+it is not built) and through the pure-Python fast path, each against the general loop.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvagent import _native
 from kvagent.coordinator.coalesce import coalesce
 from kvagent.coordinator.fastpath import is_plain_chunk, may_coalesce
 from kvagent.coordinator.machine import SlotCoordinator
@@ -54,12 +58,24 @@ from tests.support.fuzz_decoder import normalize_each
 from tests.support.ids import DEVICE, DISK, HP, IDENTITY, C, W, attachment_for
 from tests.support.vectors import load_live, load_structs
 
+NATIVE = [
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not _native.NATIVE, reason=_native.REASON)),
+    pytest.param(False, id="python"),
+]
+
 
 class Side:
-    """One coordinator with its index, sink and status; ``fast`` picks the path for plain chunks."""
+    """One coordinator with its index, sink and status; ``fast`` picks the path for plain chunks, ``native``
+    whether that path is the compiled core's."""
 
     def __init__(
-        self, *, fast: bool, lease_end: int | None = None, block_size: int = 4, flaky: bool = False
+        self,
+        *,
+        fast: bool,
+        lease_end: int | None = None,
+        block_size: int = 4,
+        flaky: bool = False,
+        native: bool = False,
     ) -> None:
         self.index = RecoveryIndex(block_size, ring_capacity=64)
         # FlakyIndex injects failing applies; it has no apply_run, so the fast path applies event by event.
@@ -78,6 +94,7 @@ class Side:
             lease_end=lease_end,
         )
         self.core.fast_path = fast
+        self.core.native = _native.core if native else None
         # What a subscriber sees at each announcement: the event and the state right after it applied.
         self.announced: list[tuple[int, int]] = []
         self.index.subscribe(
@@ -105,8 +122,10 @@ def _token_bytes(event: RouterEvent) -> bytes | None:
 
 
 class Lockstep:
-    def __init__(self, *, lease_end: int | None = None, block_size: int = 4, flaky: bool = False) -> None:
-        self.fast = Side(fast=True, lease_end=lease_end, block_size=block_size, flaky=flaky)
+    def __init__(
+        self, *, lease_end: int | None = None, block_size: int = 4, flaky: bool = False, native: bool = False
+    ) -> None:
+        self.fast = Side(fast=True, lease_end=lease_end, block_size=block_size, flaky=flaky, native=native)
         self.general = Side(fast=False, lease_end=lease_end, block_size=block_size, flaky=flaky)
         self.plain_chunks = 0
         attached = [side.core.attach(attachment_for(FIRST)) for side in (self.fast, self.general)]
@@ -176,6 +195,7 @@ def _chunk_events(draw: st.DrawFn, plain_bias: bool) -> list[PlacementEvent]:
     return events
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.tuples(_chunk_events(plain_bias=True), st.booleans(), st.integers(0, 9)), max_size=14),
@@ -183,9 +203,9 @@ def _chunk_events(draw: st.DrawFn, plain_bias: bool) -> list[PlacementEvent]:
     st.booleans(),
 )
 def test_generated_streams_agree(
-    chunks: list[tuple[list[PlacementEvent], bool, int]], lease_end: int | None, flaky: bool
+    native: bool, chunks: list[tuple[list[PlacementEvent], bool, int]], lease_end: int | None, flaky: bool
 ) -> None:
-    lockstep = Lockstep(lease_end=lease_end, flaky=flaky)
+    lockstep = Lockstep(lease_end=lease_end, flaky=flaky, native=native)
     for events, mixed, failing in chunks:
         if mixed:
             # A barrier now and then after the plain events: the chunk takes the general loop.
@@ -193,16 +213,18 @@ def test_generated_streams_agree(
         lockstep.feed(events, fail_ordinary=failing == 0)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_chunk_events(plain_bias=False), max_size=10))
-def test_unbiased_streams_agree(chunks: list[list[PlacementEvent]]) -> None:
-    lockstep = Lockstep()
+def test_unbiased_streams_agree(native: bool, chunks: list[list[PlacementEvent]]) -> None:
+    lockstep = Lockstep(native=native)
     for events in chunks:
         lockstep.feed(events)
 
 
-def test_plain_chunks_take_the_fast_path_and_agree() -> None:
-    lockstep = Lockstep()
+@pytest.mark.parametrize("native", NATIVE)
+def test_plain_chunks_take_the_fast_path_and_agree(native: bool) -> None:
+    lockstep = Lockstep(native=native)
     chain = [PlacementEvent(Stored(None, (1, 2), (11, 12)), DEVICE, W, SLOT_RANK)]
     chain.append(PlacementEvent(Stored(2, (3,), (13,)), DEVICE, W, SLOT_RANK))  # continues: coalesced
     chain.append(PlacementEvent(Stored(None, (1,), (11,)), DEVICE, W, SLOT_RANK))  # a second copy of 1
@@ -217,8 +239,9 @@ def test_plain_chunks_take_the_fast_path_and_agree() -> None:
     lockstep.feed([PlacementEvent(Removed((99,)), DEVICE, W, SLOT_RANK)])  # unknown hash: passed through
 
 
-def test_a_lease_end_inside_a_plain_chunk_fails_at_the_same_event() -> None:
-    lockstep = Lockstep(lease_end=4)  # the attach barrier took id 1: ids 2 and 3 are left
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_lease_end_inside_a_plain_chunk_fails_at_the_same_event(native: bool) -> None:
+    lockstep = Lockstep(lease_end=4, native=native)  # the attach barrier took id 1: ids 2 and 3 are left
     events = [PlacementEvent(Stored(None, (h,), (h,)), DEVICE, W, SLOT_RANK) for h in (1, 5, 9)]
     lockstep.feed(events)
     assert lockstep.fast.core.outbound_cursor == 3
@@ -256,9 +279,18 @@ def test_may_coalesce_never_misses_a_merge(shape: list[tuple[str, int, int]]) ->
 # -- the real vLLM vectors, through decode, normalize and chunking ---------------------------------------
 
 
-def _vector_chunks(payloads: list[bytes], block_size: int) -> list[IngressChunk]:
+def _with_rank(payload: bytes, rank: int | None) -> bytes:
+    """The payload with its envelope's rank (a last element that is a small int or nil, or none) made SLOT_RANK."""
+    if payload[0] == 0x93 and (rank is None or rank <= 0x7F) and (payload[-1] <= 0x7F or payload[-1] == 0xC0):
+        return payload[:-1] + bytes([SLOT_RANK])
+    assert payload[0] == 0x92 and rank is None, "a vector envelope this test does not know"
+    return b"\x93" + payload[1:] + bytes([SLOT_RANK])
+
+
+def _vector_chunks(payloads: list[bytes], block_size: int, native: bool) -> list[IngressChunk]:
+    """The chunks the listener admits: ``normalize_payload`` (natively with ``native``) and chunking."""
     normalizer = AttachmentNormalizer(
-        kv_block_size=block_size, worker=WorkerWithDpRank(FIRST.worker_id, SLOT_RANK)
+        kv_block_size=block_size, worker=WorkerWithDpRank(FIRST.worker_id, SLOT_RANK), native=native
     )
     chunks: list[IngressChunk] = []
     for seq, payload in enumerate(payloads):
@@ -266,21 +298,23 @@ def _vector_chunks(payloads: list[bytes], block_size: int) -> list[IngressChunk]
             batch = decode_payload(payload)
         except WireDecodeError:
             continue  # some struct vectors are refused on purpose: the listener ends there
-        normalized = normalizer.normalize(
-            batch
-        )  # the listener's rank check is not the coordinator's business
+        # The vectors carry rank 0 or none, the slot sits at SLOT_RANK: the envelope's last byte says so.
+        payload = _with_rank(payload, batch.data_parallel_rank)
+        _rank, normalized = normalizer.normalize_payload(payload)
+        assert normalized is not None
         chunks += build_ingress_chunks(1, seq, normalized, raw_bytes=len(payload), source_digest=seq)
     return chunks
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("source", ["live", "structs"])
-def test_vllm_vectors_agree(source: str) -> None:
+def test_vllm_vectors_agree(source: str, native: bool) -> None:
     if source == "live":
         payloads, block_size = [frames[2] for frames in load_live()[0]], 32
     else:
         payloads, block_size = [frames[-1] for _note, frames in load_structs().values()], 16
-    lockstep = Lockstep(block_size=block_size)
-    for chunk in _vector_chunks(payloads, block_size):
+    lockstep = Lockstep(block_size=block_size, native=native)
+    for chunk in _vector_chunks(payloads, block_size, native):
         lockstep.feed(chunk.events)
     if source == "live":
         assert lockstep.plain_chunks > 0

@@ -1,5 +1,9 @@
 """The ingest fast path agrees with the general decoder + normalizer (which define behaviour) on every input.
 
+Every check runs twice (``native``): the payload path ``AttachmentNormalizer.normalize_payload`` — decode,
+rank check and normalize — through the compiled core (kvagent/_native, skipped when it is not built) and
+through pure Python, each against the general path.
+
 Decoding: the private typed decoder (msgspec) against the private checked decoder, which defines behaviour.
 Normalizing: each check runs two attachment normalizers in lockstep over the same stream, one through
 ``AttachmentNormalizer.normalize`` (the common shapes inline) and one through ``normalize_event`` for every
@@ -17,9 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvagent import _native
 from kvagent.model.errors import WireDecodeError
-from kvagent.model.events import WorkerWithDpRank
-from kvagent.vllm.decode import _decode_checked, _decode_typed, decode, decode_payload
+from kvagent.model.events import Stored, WorkerWithDpRank
+from kvagent.vllm.decode import RawBatch, _decode_checked, _decode_typed, decode, decode_payload
 from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch
 from tests.support.fuzz_decoder import normalize_each
 from tests.support.vectors import load_live, load_structs
@@ -28,17 +33,34 @@ BLOCK_SIZE = 4
 WORKER = WorkerWithDpRank(7, 0)
 
 
-def _normalizer(block_size: int = BLOCK_SIZE) -> AttachmentNormalizer:
-    return AttachmentNormalizer(kv_block_size=block_size, worker=WORKER, image_token_id=32000)
+NATIVE = [
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not _native.NATIVE, reason=_native.REASON)),
+    pytest.param(False, id="python"),
+]
+
+
+def _normalizer(block_size: int = BLOCK_SIZE, native: bool = False) -> AttachmentNormalizer:
+    return AttachmentNormalizer(kv_block_size=block_size, worker=WORKER, image_token_id=32000, native=native)
+
+
+def _with_tokens(batch: NormalizedBatch) -> list[object]:
+    """The events with each Stored's token bytes (not part of Stored equality)."""
+    return [(e, e.data.token_bytes if isinstance(e.data, Stored) else None) for e in batch.events]
 
 
 class Lockstep:
-    """The fast and the general path over one stream; every payload must give the same outcome."""
+    """The fast and the general path over one stream; every payload must give the same outcome.
 
-    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+    ``payload_path`` takes each payload through ``normalize_payload`` (natively with ``native``).
+    """
+
+    def __init__(self, block_size: int = BLOCK_SIZE, native: bool = False) -> None:
         self.fast = _normalizer(block_size)
         self.general = _normalizer(block_size)
+        self.payload_path = _normalizer(block_size, native)
+        self.payload_general = _normalizer(block_size)  # the general path, with the listener's rank check
         self.fast_hits = 0
+        self.native_hits = 0
 
     def feed(self, payload: bytes) -> NormalizedBatch | None:
         try:
@@ -48,8 +70,12 @@ class Lockstep:
                 # The one deliberate difference: msgspec skips keys it does not know, and their values,
                 # without decoding them, so invalid UTF-8 there cannot fail the batch.
                 assert "can't decode" in str(error), f"fast path accepted a payload the decoder refuses: {error}"
+                return None
+            with pytest.raises(WireDecodeError):
+                self.payload_path.normalize_payload(payload)
             return None
         expected = normalize_each(self.general, expected_raw)
+        self._feed_payload(payload, expected_raw)
         batch = _decode_typed(payload)
         if batch is None:
             # Declined: decode hands the same payload to the checked decoder.
@@ -63,20 +89,46 @@ class Lockstep:
         assert self.fast.framework._namespaces == self.general.framework._namespaces
         return expected
 
+    def _feed_payload(self, payload: bytes, raw: RawBatch) -> None:
+        try:
+            got_rank, got = self.payload_path.normalize_payload(payload)
+        except WireDecodeError:
+            # Only the typed decoder's one deliberate difference can make decode refuse what the checked
+            # decoder took; then decode_payload refuses it too.
+            with pytest.raises(WireDecodeError):
+                decode_payload(payload)
+            return
+        rank = raw.data_parallel_rank or 0
+        assert got_rank == rank
+        if rank != WORKER.dp_rank:
+            assert got is None  # nothing normalized, nothing learned
+        else:
+            assert got is not None
+            if got.blocks is not None:
+                self.native_hits += 1
+            expected = normalize_each(self.payload_general, raw)
+            assert got == expected
+            assert _with_tokens(got) == _with_tokens(expected)
+        assert self.payload_path.framework._groups == self.payload_general.framework._groups
+        assert self.payload_path.framework._namespaces == self.payload_general.framework._namespaces
 
-def test_live_capture_takes_the_fast_path_and_agrees() -> None:
-    lockstep = Lockstep(block_size=32)  # the capture's engine ran with block size 32
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_live_capture_takes_the_fast_path_and_agrees(native: bool) -> None:
+    lockstep = Lockstep(block_size=32, native=native)  # the capture's engine ran with block size 32
     payloads = [frames[2] for frames in load_live()[0]]
     for payload in payloads:
         assert lockstep.feed(payload) is not None
     assert lockstep.fast_hits == len(payloads) == 68
+    assert lockstep.native_hits == (68 if native else 0)  # every live batch is plain
 
 
-def test_struct_vectors_agree_whichever_path_takes_them() -> None:
+@pytest.mark.parametrize("native", NATIVE)
+def test_struct_vectors_agree_whichever_path_takes_them(native: bool) -> None:
     cases = load_structs()
     assert cases
     for _note, frames in cases.values():
-        Lockstep(block_size=16).feed(frames[-1])
+        Lockstep(block_size=16, native=native).feed(frames[-1])
 
 
 def test_live_frames_use_the_fast_decoder_and_fall_back_for_other_forms() -> None:
@@ -90,7 +142,7 @@ def test_live_frames_use_the_fast_decoder_and_fall_back_for_other_forms() -> Non
     typed_payload = msgpack.packb([1.0, [positional], 0])
     typed = decode([b"kv", seq, typed_payload])
     assert _decode_typed(typed_payload) == typed.batch
-    # One batch mixing both forms is legal (vllm-wire.md 0.4) but not typed: the checked decoder takes it.
+    # One batch mixing both forms is legal (docs/spec/vllm-wire.md 0.4) but not typed: the checked decoder takes it.
     mixed = msgpack.packb([1.0, [store, positional], 0])
     general = decode([b"kv", seq, mixed])
     assert _decode_typed(mixed) is None and general.seq == 5
@@ -200,15 +252,17 @@ _batch = st.tuples(
 )
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_batch, min_size=1, max_size=6))
-def test_generated_streams_agree(batches: list[tuple[Any, ...]]) -> None:
-    lockstep = Lockstep()
+def test_generated_streams_agree(native: bool, batches: list[tuple[Any, ...]]) -> None:
+    lockstep = Lockstep(native=native)
     for batch in batches:
         lockstep.feed(msgpack.packb(list(batch)))
 
 
-def test_mutated_payloads_never_diverge() -> None:
+@pytest.mark.parametrize("native", NATIVE)
+def test_mutated_payloads_never_diverge(native: bool) -> None:
     rng = random.Random(20261202)
     store = {"type": "BlockStored", "block_hashes": [2**63 + 5, 7], "parent_block_hash": 3,
              "token_ids": list(range(1000, 1008)), "block_size": BLOCK_SIZE, "lora_id": None,
@@ -221,6 +275,6 @@ def test_mutated_payloads_never_diverge() -> None:
         payload = bytearray(seed)
         for _ in range(rng.randint(1, 3)):
             payload[rng.randrange(len(payload))] = rng.randrange(256)
-        if Lockstep().feed(bytes(payload)) is not None:
+        if Lockstep(native=native).feed(bytes(payload)) is not None:
             accepted += 1
     assert accepted > 0  # some mutations stay valid (changed values), so both paths were compared

@@ -1,4 +1,4 @@
-"""Normalization (agent-semantics 2.3-2.7): the seed's tests 9.1/9.2, preprocessing reasons, conversion, chunking."""
+"""Normalization (docs/spec/agent-semantics.md 2.3-2.7): the seed's tests 9.1/9.2, preprocessing reasons, conversion, chunking."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run(normalizer: AttachmentNormalizer, *events: RawEvent) -> NormalizedBatch:
     return normalizer.normalize(RawBatch(1.0, events, 3))
 
 
-# --- agent-semantics 9.1 and 9.2 -----------------------------------------------------------------
+# --- docs/spec/agent-semantics.md 9.1 and 9.2 -----------------------------------------------------------------
 
 
 def test_raw_ownership_maps_domains_and_quarantines_unsupported_kvcr() -> None:

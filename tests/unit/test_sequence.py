@@ -1,4 +1,4 @@
-"""SourceSync by example: one test per rule of TRUST-SPEC.md (1-8), with the exact actions and figures,
+"""SourceSync by example: one test per rule of docs/trust.md (1-8), with the exact actions and figures,
 then the five cases of issue #14 in their pure form (a simulated engine, tests/support/sim_engine.py).
 
 Messages are strings ``"L<seq>"`` (live) and ``"R<seq>"`` (replayed); the digest of a batch is derived from

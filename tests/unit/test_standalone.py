@@ -13,7 +13,7 @@ import kvagent
 from tests.support.vectors import VECTORS_DIR, load_live, load_structs
 
 REPO = Path(__file__).resolve().parents[2]
-# A path that climbs out of the checkout to a sibling folder, as the vectors once did (../shared/vectors).
+# A path that climbs out of the checkout to a sibling folder, as the vectors once did (the shared capture set).
 BESIDE_THE_CHECKOUT = re.compile(r"\.parent\s*/\s*\"shared\"|\.\./shared/")
 
 

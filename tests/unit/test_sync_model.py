@@ -13,7 +13,7 @@ deadline run out, and, while connected, one more batch published so a lost tail 
   contiguous run of the current incarnation up to its last seq, so the index holds nothing stale.
 
 Without a replay socket a restart whose first seen seq is the last applied + 1 cannot be told from the same
-engine (TRUST-SPEC rule 6), so there restarts come after a quiescent point with a first seen seq at or below
+engine (docs/trust.md rule 6), so there restarts come after a quiescent point with a first seen seq at or below
 the old last one.
 """
 
