@@ -222,6 +222,10 @@ DEFAULT_INGEST_BUDGET = _LISTENER_DEFAULTS.ingress_bytes
 MAX_PAYLOAD_BYTES = _LISTENER_DEFAULTS.max_payload_bytes
 
 
+def _shed_after_problem(seconds: float) -> str | None:
+    return None if seconds >= 0 else f"must be >= 0 seconds (0: shed at once, inf: never), got {seconds}"
+
+
 def _ingest_budget_problem(budget: int) -> str | None:
     # Each half of the budget (the listener's, the coordinator's queue) must hold two of the largest
     # payloads, or every such batch would shed (ListenerOptions refuses less too).
@@ -503,6 +507,18 @@ class ServeConfig:
         parse=_parse_byte_size,
         check=_ingest_budget_problem,
         default_text=format_bytes(DEFAULT_INGEST_BUDGET),
+    )
+    # Over the budget the reader first stops reading: a burst then waits in libzmq's queue and the engine's
+    # send queue (vLLM's SNDHWM is 100k messages) instead of being dropped, and the listener sheds only if
+    # the slot makes no room for this long (docs/configuration.md, "The ingest budget").
+    shed_after: float = option(
+        5.0,
+        help="over the ingest budget, stop reading the engine for up to this many seconds before shedding "
+        "(0: shed at once; inf: never shed)",
+        flags=("--shed-after",),
+        metavar="SECONDS",
+        parse=float,
+        check=_shed_after_problem,
     )
     # The websocket server's bounds (docs/protocol.md, "Limits and deadlines").
     handshake_timeout: float = option(

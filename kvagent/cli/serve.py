@@ -78,7 +78,10 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         else recovery_url,
         recovery_url=recovery_url,
         listener=ListenerOptions(
-            rcvhwm=serve.rcvhwm, coalesce_window=serve.coalesce_window, ingress_bytes=serve.ingest_budget
+            rcvhwm=serve.rcvhwm,
+            coalesce_window=serve.coalesce_window,
+            ingress_bytes=serve.ingest_budget,
+            shed_after=serve.shed_after,
         ),
         republish=None if slot.republish is None else slot.republish.to_config(),
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),

@@ -114,3 +114,22 @@ def test_the_least_ingest_budget_is_what_the_listener_accepts() -> None:
         ListenerOptions(ingress_bytes=least - 1)
     with pytest.raises(ConfigError):
         structure_serve_config({"slots": [{"name": "s"}], "ingest_budget": least - 1})
+
+
+def test_shed_after_reaches_each_listener_and_refuses_a_negative_wait() -> None:
+    from kvagent.cli.serve import slot_agent_config
+
+    parser = build_parser()
+
+    def listener_shed_after(*argv: str) -> float:
+        config = serve_config_from_args(parser.parse_args(["serve", "--slot", "s", *argv]))
+        return slot_agent_config(
+            config.slots[0], config, recovery_url="ws://127.0.0.1:1/v1/slots/s"
+        ).listener.shed_after
+
+    # serve waits before it sheds (a burst waits in the engine's send queue); an embedded agent sheds at once
+    assert listener_shed_after() == 5.0 and ListenerOptions().shed_after == 0.0
+    assert listener_shed_after("--shed-after", "0") == 0.0
+    assert listener_shed_after("--shed-after", "inf") == float("inf")
+    with pytest.raises(ConfigError, match="shed_after"):
+        listener_shed_after("--shed-after", "-1")
