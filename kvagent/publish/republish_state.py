@@ -321,14 +321,7 @@ class RepublishState:
         if self._resync is not None:
             raise RuntimeError("a resync is being built already")
         cut = self._next_seq - 1
-        self._snapshots_open += 1
-        payloads = encode_snapshot_batches(
-            self.snapshot_blocks(),
-            ts=self._clock(),
-            dp_rank=self.dp_rank,
-            block_size=self.block_size,
-            max_blocks=SNAPSHOT_MAX_BLOCKS,
-        )
+        payloads = self._open_snapshot_payloads()
         self._resync = ResyncBuild(cut, SnapshotStream(payloads, self._snapshot_closed), self._resync_closed)
         return self._resync
 
@@ -467,14 +460,7 @@ class RepublishState:
             self._ranges_served += 1
             return RangeAnswer(iter(()))
         self._snapshots_served += 1
-        self._snapshots_open += 1
-        payloads = encode_snapshot_batches(
-            self.snapshot_blocks(),
-            ts=self._clock(),
-            dp_rank=self.dp_rank,
-            block_size=self.block_size,
-            max_blocks=SNAPSHOT_MAX_BLOCKS,
-        )
+        payloads = self._open_snapshot_payloads()
         return SnapshotAnswer(snapshot_frame_seq(included), SnapshotStream(payloads, self._snapshot_closed))
 
     # --- persistence (issue #17) ---------------------------------------------------------------------------
@@ -518,6 +504,17 @@ class RepublishState:
         self._apply([event for event in suffix_events if event.residency_domain is _WORKER])
         self._next_seq = next_seq
         self._mirror_seq = next_seq - 1 if next_seq else None
+
+    def _open_snapshot_payloads(self) -> Generator[bytes, None, None]:
+        """The Worker state as vLLM batches, encoded lazily; counted open until its stream closes."""
+        self._snapshots_open += 1
+        return encode_snapshot_batches(
+            self.snapshot_blocks(),
+            ts=self._clock(),
+            dp_rank=self.dp_rank,
+            block_size=self.block_size,
+            max_blocks=SNAPSHOT_MAX_BLOCKS,
+        )
 
     def snapshot_blocks(self) -> Generator[SnapshotBlock, None, None]:
         """Every mirrored block, parents first within each tier.
