@@ -96,7 +96,7 @@ def run(result: FigureResult, *, quick: bool) -> None:
             "B",
             "dict[int, tuple[int, int]]",
             rss_dict / BLOCKS,
-            target="<= 250 B",
+            target="<= 200 B (issue #25)",
             higher_is_better=False,
             samples=per_block,
             note=f"{serve_runs[0]['resident_blocks']} blocks, {lost} events lost",
