@@ -24,6 +24,8 @@ from kvagent import _native
 from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import (
     CLEARED,
+    DOMAIN_BY_VALUE,
+    TIER_BY_VALUE,
     U32_MAX,
     U64_MAX,
     EventData,
@@ -61,10 +63,6 @@ class Encoding(enum.Enum):
 
     JSON = "json"
     MSGPACK = "msgpack"
-
-
-_TIERS = {tier.value: tier for tier in StorageTier}
-_DOMAINS = {domain.value: domain for domain in ResidencyDomain}
 
 
 # --- state_source: the one place that fixes its wire form -------------------------------------------
@@ -538,7 +536,7 @@ def _fast_event(obj: dict[object, object]) -> RouterEvent | None:
         return None
     if type(domain) is not str:
         return None
-    storage_tier, residency_domain = _TIERS.get(tier), _DOMAINS.get(domain)
+    storage_tier, residency_domain = TIER_BY_VALUE.get(tier), DOMAIN_BY_VALUE.get(domain)
     inner = obj.get("event")
     if storage_tier is None or residency_domain is None or type(inner) is not dict:
         return None
@@ -582,13 +580,13 @@ def checked_router_event_from_wire(value: object, field: str = "event") -> Route
     worker_id = _uint(_required(obj, "worker_id", field), f"{field}.worker_id")
 
     raw_tier = obj.get("storage_tier", StorageTier.DEVICE.value)
-    tier = _TIERS.get(raw_tier) if isinstance(raw_tier, str) else None
+    tier = TIER_BY_VALUE.get(raw_tier) if isinstance(raw_tier, str) else None
     if tier is None:
         raise CodecError(f"{field}.storage_tier is unknown: {raw_tier!r}")
 
     # Absent means a legacy Worker event; an explicit null or an unknown name is an error.
     raw_domain = obj.get("residency_domain", ResidencyDomain.WORKER.value)
-    domain = _DOMAINS.get(raw_domain) if isinstance(raw_domain, str) else None
+    domain = DOMAIN_BY_VALUE.get(raw_domain) if isinstance(raw_domain, str) else None
     if domain is None:
         raise CodecError(f"{field}.residency_domain must be 'worker' or 'cache_owner', got {raw_domain!r}")
 
