@@ -20,6 +20,7 @@ import structlog
 from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
+from kvagent.agent.advertising import WILDCARD_HOSTS
 from kvagent.cli.etcd_settings import EtcdSettings, etcd_open_options, etcd_problems
 from kvagent.cli.options import (
     Option,
@@ -133,14 +134,13 @@ def _bound_endpoint(text: str) -> str | None:
 
 
 _ADVERTISE_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9_.-]+")
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
 
 
 def _advertise_problem(text: str) -> str | None:
     """A host name or address (IPv6 with or without brackets), no port: URLs get the bound ports."""
     if _ADVERTISE_RE.fullmatch(text) is None:
         return f"expected a host name or IP address (no port, no scheme), got {text!r}"
-    if text in _WILDCARD_HOSTS:
+    if text in WILDCARD_HOSTS:
         return f"must name this machine as clients reach it, not the wildcard address {text!r}"
     return None
 

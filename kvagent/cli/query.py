@@ -14,6 +14,7 @@ from kvagent.cli.config import default_state_dir
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.ids import derive_worker_id
 from kvagent.recovery.client import RecoveryClient, connect_slot
+from kvagent.recovery.protocol import CONTROL_OPS
 from kvagent.wire.router_event import router_event_to_json
 
 __all__ = ["run_query"]
@@ -27,9 +28,6 @@ def _fail(message: str, status: int = 1) -> int:
     """One line on stderr (issue #19): 2 for a usage mistake, 1 for what went wrong at run time."""
     print(f"kvagent: error: {message}", file=sys.stderr)
     return status
-
-
-CONTROL_OPS = ("attach", "detach", "quarantine")
 
 
 async def _read_token(args: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -29,6 +29,7 @@ import msgpack
 
 from kvagent import _native
 from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, Route
+from kvagent.index.store import FLAG_PARENT, FLAG_ROOT
 from kvagent.model.events import ResidencyDomain, StorageTier
 from kvagent.model.ids import CacheOwnerId
 from kvagent.wire.router_event import (
@@ -230,7 +231,8 @@ def encode_dump_json(
     return event_id
 
 
-_LIVE = bytes(1 if value in (0, 1) else 0 for value in range(256))
+# The store's flag column (kvagent.index.store) -> 1 for a live row, 0 for a removed one.
+_LIVE = bytes(1 if value in (FLAG_ROOT, FLAG_PARENT) else 0 for value in range(256))
 
 
 def _load() -> ModuleType:
