@@ -31,7 +31,7 @@ from kvagent.cli.options import (
     option,
     parse_byte_size,
 )
-from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
+from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
 from kvagent.cli.stream_settings import StreamSettings, stream_problems
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
@@ -52,7 +52,6 @@ __all__ = [
     "default_state_dir",
     "discovery_options",
     "load_config_file",
-    "parse_slot_arg",
     "parse_slot_spec",
     "resolve_cache_owner_id",
     "structure_serve_config",
