@@ -38,6 +38,7 @@ from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material, with_model
 from kvagent.publish.republisher import RepublishConfig
+from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = [
@@ -399,7 +400,7 @@ class ServeConfig:
     # Empty by default so a config file may leave the slots to the command line (the CLI insists on one).
     slots: tuple[SlotConfig, ...] = ()
     listen: str = option(
-        "127.0.0.1:8765",
+        f"{DEFAULT_HOST}:{DEFAULT_PORT}",
         help="websocket HOST:PORT (IPv6 as [::1]:8765)",
         flags=("--listen",),
         metavar="HOST:PORT",

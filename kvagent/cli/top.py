@@ -32,6 +32,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import Cleared, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.recovery.client import connect_slot
+from kvagent.recovery.protocol import DEFAULT_URL
 
 __all__ = ["SlotResidency", "SlotRow", "TopState", "add_top_parser", "render_table", "run_top", "sparkline"]
 
@@ -63,7 +64,7 @@ STATE_STYLES = {
 def add_top_parser(sub: Any) -> None:
     """Register ``kvagent top`` on the top-level subparsers."""
     top = sub.add_parser("top", help="a live view of every slot of a running agent (q or Ctrl-C quits)")
-    top.add_argument("--url", default="ws://127.0.0.1:8765", help="agent websocket base URL")
+    top.add_argument("--url", default=DEFAULT_URL, help="agent websocket base URL")
     top.add_argument("--once", action="store_true", help="print one table and exit (no follow streams)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     top.add_argument(
