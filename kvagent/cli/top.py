@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
 
+from kvagent.cli.errors import agent_connection_problem
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import Cleared, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.recovery.client import connect_slot
@@ -253,19 +254,8 @@ def _client_errors(url: str) -> Iterator[None]:
         yield
     except RecoveryClientError as exc:
         raise TopError(f"{exc.code}: {exc.message}") from None
-    except ConnectionRejected as exc:
-        raise TopError(f"{url} refused the connection: HTTP {exc.status_code}") from None
-    except ConnectionClosed as exc:
-        reason = exc.reason
-        code = (
-            ""
-            if reason is None
-            else f" (close code {reason.code}{f' {reason.reason}' if reason.reason else ''})"
-        )
-        raise TopError(f"the agent at {url} closed the connection{code}") from None
-    except (HandshakeError, OSError) as exc:
-        cause = exc.__cause__ or exc.__context__ or exc
-        raise TopError(f"cannot reach an agent at {url}: {cause}") from None
+    except (ConnectionRejected, ConnectionClosed, HandshakeError, OSError) as exc:
+        raise TopError(agent_connection_problem(url, exc)) from None
 
 
 async def _poll_list(state: TopState, interval: float, nursery: trio.Nursery, follow: bool) -> None:
