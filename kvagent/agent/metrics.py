@@ -323,8 +323,8 @@ def _build_info() -> GaugeMetricFamily:
 # Per-slot families of the vLLM-compatible republisher (slots that republish): name after ``kvagent_republish_``,
 # help, counter (else gauge), and how to read it from the republisher's statistics.
 _REPUBLISH: tuple[tuple[str, str, bool, Callable[[RepublisherStatistics], int]], ...] = (
-    ("batches", "Batches published (each took the next seq)", True, lambda r: r.state.batches_published),
-    ("events", "Events in the published batches", True, lambda r: r.state.events_published),
+    ("batches", "Batches published (each took the next seq)", True, lambda r: r.state.batches),
+    ("events", "Events in the published batches", True, lambda r: r.state.events),
     ("batches_sent", "Live batches the PUB accepted", True, lambda r: r.batches_sent),
     ("dropped_batches", "Live batches dropped at the PUB high-water mark", True, lambda r: r.dropped_batches),
     (
@@ -341,7 +341,7 @@ _REPUBLISH: tuple[tuple[str, str, bool, Callable[[RepublisherStatistics], int]],
         lambda r: r.malformed_requests,
     ),
     ("refused_requests", "Replay requests refused (queue full)", True, lambda r: r.refused_requests),
-    ("snapshots", "Replay answers served as snapshots", True, lambda r: r.state.snapshots_served),
+    ("snapshots_served", "Replay answers served as snapshots", True, lambda r: r.state.snapshots_served),
     ("answers_completed", "Replay answers sent to their end marker", True, lambda r: r.answers_completed),
     (
         "answers_abandoned",

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import contextlib
 
+from kvagent.agent.advertising import WILDCARD_HOSTS
 from kvagent.cli.config import ServeConfig
 from kvagent.cli.errors import EXIT_USAGE, CliError
 from kvagent.model.errors import KvAgentError
 from kvagent.publish.republisher import offset_endpoint
 
 __all__ = ["check_distinct_addresses"]
-
-_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
-
 
 def _tcp_host_port(address: str) -> tuple[str, int] | None:
     """``HOST:PORT`` or ``tcp://HOST:PORT`` as (host, port); None for ipc/inproc or what does not parse."""
@@ -52,7 +50,7 @@ def check_distinct_addresses(config: ServeConfig) -> None:
     seen: list[tuple[str, str, int]] = []
     for option, host, port in _bound_addresses(config):
         for other, other_host, other_port in seen:
-            overlap = host == other_host or host in _WILDCARD_HOSTS or other_host in _WILDCARD_HOSTS
+            overlap = host == other_host or host in WILDCARD_HOSTS or other_host in WILDCARD_HOSTS
             if port != 0 and port == other_port and overlap:
                 raise CliError(
                     f"{option} and {other} bind the same address: give each its own port",

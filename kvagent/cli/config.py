@@ -20,6 +20,7 @@ import structlog
 from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
+from kvagent.agent.advertising import WILDCARD_HOSTS
 from kvagent.cli.etcd_settings import EtcdSettings, etcd_open_options, etcd_problems
 from kvagent.cli.options import (
     Option,
@@ -30,13 +31,14 @@ from kvagent.cli.options import (
     option,
     parse_byte_size,
 )
-from kvagent.cli.slot_grammar import SlotSpec, parse_slot_arg, parse_slot_spec
+from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
 from kvagent.cli.stream_settings import StreamSettings, stream_problems
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material, with_model
 from kvagent.publish.republisher import RepublishConfig
+from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = [
@@ -51,7 +53,6 @@ __all__ = [
     "default_state_dir",
     "discovery_options",
     "load_config_file",
-    "parse_slot_arg",
     "parse_slot_spec",
     "resolve_cache_owner_id",
     "structure_serve_config",
@@ -133,14 +134,13 @@ def _bound_endpoint(text: str) -> str | None:
 
 
 _ADVERTISE_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9_.-]+")
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
 
 
 def _advertise_problem(text: str) -> str | None:
     """A host name or address (IPv6 with or without brackets), no port: URLs get the bound ports."""
     if _ADVERTISE_RE.fullmatch(text) is None:
         return f"expected a host name or IP address (no port, no scheme), got {text!r}"
-    if text in _WILDCARD_HOSTS:
+    if text in WILDCARD_HOSTS:
         return f"must name this machine as clients reach it, not the wildcard address {text!r}"
     return None
 
@@ -400,7 +400,7 @@ class ServeConfig:
     # Empty by default so a config file may leave the slots to the command line (the CLI insists on one).
     slots: tuple[SlotConfig, ...] = ()
     listen: str = option(
-        "127.0.0.1:8765",
+        f"{DEFAULT_HOST}:{DEFAULT_PORT}",
         help="websocket HOST:PORT (IPv6 as [::1]:8765)",
         flags=("--listen",),
         metavar="HOST:PORT",

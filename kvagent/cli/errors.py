@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 import zmq
+from trio_websocket import ConnectionClosed, ConnectionRejected
 
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
 
@@ -24,6 +25,7 @@ __all__ = [
     "EXIT_USAGE",
     "CliError",
     "OneLineArgumentParser",
+    "agent_connection_problem",
     "blame",
     "blaming",
     "describe",
@@ -35,6 +37,24 @@ __all__ = [
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
+
+def agent_connection_problem(url: str, exc: BaseException) -> str:
+    """One line for a websocket connection to the agent at ``url`` that failed (``kvagent query`` and
+    ``kvagent top``): refused at the handshake, closed by the agent, or never made."""
+    if isinstance(exc, ConnectionRejected):
+        body = (exc.body or b"").decode(errors="replace").strip()
+        return f"{url} refused the connection: HTTP {exc.status_code} {body}".rstrip()
+    if isinstance(exc, ConnectionClosed):
+        reason = exc.reason
+        detail = (
+            ""
+            if reason is None
+            else f" (close code {reason.code}{f' {reason.reason}' if reason.reason else ''})"
+        )
+        return f"the agent at {url} closed the connection{detail}"
+    cause = exc.__cause__ or exc.__context__ or exc
+    return f"cannot reach an agent at {url}: {cause}"
+
 
 # What to do about an errno (said after the system's own text), for every option that binds or opens.
 _ADVICE = {

@@ -20,6 +20,7 @@ from kvagent.cli.stream_follow import add_stream_follow_parser
 from kvagent.cli.top import add_top_parser
 from kvagent.model.errors import ConfigError
 from kvagent.model.ids import resolve_stable_dp_slot_id
+from kvagent.recovery.protocol import DEFAULT_URL
 
 __all__ = ["build_parser", "main"]
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_arguments(serve)
 
     query = sub.add_parser("query", help="ask a running agent over websocket; prints JSON lines")
-    query.add_argument("--url", default="ws://127.0.0.1:8765", help="agent websocket base URL")
+    query.add_argument("--url", default=DEFAULT_URL, help="agent websocket base URL")
     query.add_argument("--token-file", help="control token file (for attach/detach/quarantine)")
     query.add_argument("--msgpack", action="store_true", help="use binary msgpack frames")
     query.add_argument("slot", help="slot name (or '-' with op 'list')")

@@ -11,9 +11,11 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
 
 from kvagent.cli.config import default_state_dir
+from kvagent.cli.errors import agent_connection_problem
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.ids import derive_worker_id
 from kvagent.recovery.client import RecoveryClient, connect_slot
+from kvagent.recovery.protocol import CONTROL_OPS
 from kvagent.wire.router_event import router_event_to_json
 
 __all__ = ["run_query"]
@@ -27,9 +29,6 @@ def _fail(message: str, status: int = 1) -> int:
     """One line on stderr (issue #19): 2 for a usage mistake, 1 for what went wrong at run time."""
     print(f"kvagent: error: {message}", file=sys.stderr)
     return status
-
-
-CONTROL_OPS = ("attach", "detach", "quarantine")
 
 
 async def _read_token(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -144,19 +143,9 @@ async def _query(args: argparse.Namespace, token: str | None) -> int:
     except ConnectionRejected as exc:
         if exc.status_code == 404:
             return _fail(f"no slot {args.slot!r} at {args.url} (`kvagent query - list` shows the slots)")
-        body = (exc.body or b"").decode(errors="replace").strip()
-        return _fail(f"{args.url} refused the connection: HTTP {exc.status_code} {body}".rstrip())
-    except ConnectionClosed as exc:
-        reason = exc.reason
-        detail = (
-            ""
-            if reason is None
-            else f" (close code {reason.code}{f' {reason.reason}' if reason.reason else ''})"
-        )
-        return _fail(f"the agent at {args.url} closed the connection{detail}")
+        return _fail(agent_connection_problem(args.url, exc))
     except BrokenPipeError:
         raise  # our stdout, not the agent: run_query stops quietly
-    except (HandshakeError, OSError) as exc:
-        cause = exc.__cause__ or exc.__context__ or exc
-        return _fail(f"cannot reach an agent at {args.url}: {cause}")
+    except (ConnectionClosed, HandshakeError, OSError) as exc:
+        return _fail(agent_connection_problem(args.url, exc))
     return 0

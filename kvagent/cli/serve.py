@@ -63,8 +63,13 @@ def _state_dir(serve: ServeConfig) -> Path | None:
     return None if serve.state_dir == STATE_DIR_NONE else Path(serve.state_dir).expanduser()
 
 
-def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str) -> SlotAgentConfig:
+def slot_agent_config(
+    slot: SlotConfig, serve: ServeConfig, *, recovery_url: str, publish_endpoint: str | None = None
+) -> SlotAgentConfig:
+    """The slot's agent config; ``publish_endpoint`` is where the event plane bound ``--publish`` (its port 0
+    resolved), which the slot advertises as its kv-state endpoint."""
     state_dir = _state_dir(serve)
+    publish = serve.publish if publish_endpoint is None else publish_endpoint
     return SlotAgentConfig(
         name=slot.name,
         cache_owner_id=resolve_cache_owner_id(slot),
@@ -73,9 +78,7 @@ def slot_agent_config(slot: SlotConfig, serve: ServeConfig, *, recovery_url: str
         ring_capacity=slot.ring_capacity,
         ingress_protocol=IngressProtocol(slot.ingress_protocol),
         strict_cache_owner=slot.strict_cache_owner,
-        kv_state_endpoint=advertised_zmq_endpoint(serve.publish, serve.advertise)
-        if serve.publish
-        else recovery_url,
+        kv_state_endpoint=advertised_zmq_endpoint(publish, serve.advertise) if publish else recovery_url,
         recovery_url=recovery_url,
         listener=ListenerOptions(
             rcvhwm=serve.rcvhwm,
@@ -346,7 +349,10 @@ async def _serve_slots(
                 )
                 for slot in config.slots:
                     agent_config = slot_agent_config(
-                        slot, config, recovery_url=slot_recovery_url(base_url, slot.name)
+                        slot,
+                        config,
+                        recovery_url=slot_recovery_url(base_url, slot.name),
+                        publish_endpoint=None if event_plane is None else event_plane.last_endpoint,
                     )
                     agent = await _add_slot(host, agent_config, slot, config)
                     _print_republish(console, agent)

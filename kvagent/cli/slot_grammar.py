@@ -12,15 +12,11 @@ import attrs
 from kvagent.model.errors import ConfigError
 from kvagent.model.events import U32_MAX, U64_MAX
 
-__all__ = ["SLOT_KEYS", "SlotSpec", "parse_slot_arg", "parse_slot_spec"]
-
-
-def parse_slot_arg(text: str) -> tuple[str, str | None]:
-    """``NAME`` or ``NAME=ENGINE_ENDPOINT`` (the endpoint may itself contain ``=``)."""
-    return _slot_head(text, text)
+__all__ = ["SLOT_KEYS", "SlotSpec", "parse_slot_spec"]
 
 
 def _slot_head(head: str, text: str) -> tuple[str, str | None]:
+    """``NAME`` or ``NAME=ENGINE_ENDPOINT`` (the endpoint may itself contain ``=``)."""
     name, sep, endpoint = head.partition("=")
     if not name:
         raise ConfigError(f"--slot {text!r}: slot name must not be empty")

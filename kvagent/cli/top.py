@@ -29,9 +29,11 @@ from rich.table import Table
 from rich.text import Text
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
 
+from kvagent.cli.errors import agent_connection_problem
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import Cleared, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.recovery.client import connect_slot
+from kvagent.recovery.protocol import DEFAULT_URL
 
 __all__ = ["SlotResidency", "SlotRow", "TopState", "add_top_parser", "render_table", "run_top", "sparkline"]
 
@@ -63,7 +65,7 @@ STATE_STYLES = {
 def add_top_parser(sub: Any) -> None:
     """Register ``kvagent top`` on the top-level subparsers."""
     top = sub.add_parser("top", help="a live view of every slot of a running agent (q or Ctrl-C quits)")
-    top.add_argument("--url", default="ws://127.0.0.1:8765", help="agent websocket base URL")
+    top.add_argument("--url", default=DEFAULT_URL, help="agent websocket base URL")
     top.add_argument("--once", action="store_true", help="print one table and exit (no follow streams)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     top.add_argument(
@@ -252,19 +254,8 @@ def _client_errors(url: str) -> Iterator[None]:
         yield
     except RecoveryClientError as exc:
         raise TopError(f"{exc.code}: {exc.message}") from None
-    except ConnectionRejected as exc:
-        raise TopError(f"{url} refused the connection: HTTP {exc.status_code}") from None
-    except ConnectionClosed as exc:
-        reason = exc.reason
-        code = (
-            ""
-            if reason is None
-            else f" (close code {reason.code}{f' {reason.reason}' if reason.reason else ''})"
-        )
-        raise TopError(f"the agent at {url} closed the connection{code}") from None
-    except (HandshakeError, OSError) as exc:
-        cause = exc.__cause__ or exc.__context__ or exc
-        raise TopError(f"cannot reach an agent at {url}: {cause}") from None
+    except (ConnectionRejected, ConnectionClosed, HandshakeError, OSError) as exc:
+        raise TopError(agent_connection_problem(url, exc)) from None
 
 
 async def _poll_list(state: TopState, interval: float, nursery: trio.Nursery, follow: bool) -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "U32_MAX",
     "U64_MAX",
     "CLEARED",
+    "DOMAIN_BY_VALUE",
     "MAX_CHUNK_BLOCKS",
     "MAX_CHUNK_EVENTS",
     "MAX_COALESCED_BLOCKS",
@@ -35,6 +36,7 @@ __all__ = [
     "SourceSignal",
     "SourceState",
     "StorageTier",
+    "TIER_BY_VALUE",
     "Stored",
     "WorkerWithDpRank",
     "block_count",
@@ -110,6 +112,12 @@ class ResidencyDomain(enum.Enum):
     CACHE_OWNER = "cache_owner"
 
     __hash__ = object.__hash__  # see StorageTier
+
+
+# Tier and domain by their value (the name every wire and storage format writes); ``.get`` for None on an
+# unknown name, where ``StorageTier(value)`` raises.
+TIER_BY_VALUE: dict[str, StorageTier] = {tier.value: tier for tier in StorageTier}
+DOMAIN_BY_VALUE: dict[str, ResidencyDomain] = {domain.value: domain for domain in ResidencyDomain}
 
 
 class IngressProtocol(enum.Enum):

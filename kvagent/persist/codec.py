@@ -20,6 +20,8 @@ import msgpack
 from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import (
     CLEARED,
+    DOMAIN_BY_VALUE,
+    TIER_BY_VALUE,
     U64_MAX,
     EventData,
     Removed,
@@ -38,8 +40,6 @@ from kvagent.wire.router_event import (
 )
 
 __all__ = [
-    "DOMAINS",
-    "TIERS",
     "Route",
     "decode_batch",
     "decode_event_row",
@@ -53,10 +53,6 @@ __all__ = [
 
 Route = tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, str | None]
 """(worker_id, tier, domain, dp_rank, state_source, session_id): what a run or a batch's events share."""
-
-TIERS = {tier.value: tier for tier in StorageTier}
-DOMAINS = {domain.value: domain for domain in ResidencyDomain}
-
 
 def unpack(body: bytes, what: str) -> Any:
     try:
@@ -76,7 +72,7 @@ def route_fields(
     if not isinstance(route, list) or len(route) != 6:
         raise CodecError("snapshot run route must have 6 fields")
     worker_id, tier_name, domain_name, dp_rank, source, session_id = route
-    tier, domain = TIERS.get(tier_name), DOMAINS.get(domain_name)
+    tier, domain = TIER_BY_VALUE.get(tier_name), DOMAIN_BY_VALUE.get(domain_name)
     if tier is None or domain is None:
         raise CodecError(f"snapshot run has an unknown tier or domain: {tier_name!r}, {domain_name!r}")
     for value, what in ((worker_id, "worker_id"), (dp_rank, "dp_rank")):

@@ -19,9 +19,8 @@ from typing import TypeAlias
 
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot
 from kvagent.model.errors import CodecError
-from kvagent.model.events import MmExtraInfo, RouterEvent, StorageTier, Stored
+from kvagent.model.events import TIER_BY_VALUE, MmExtraInfo, RouterEvent, StorageTier, Stored
 from kvagent.persist.codec import (
-    TIERS,
     decode_event_row,
     encode_event_row,
     pack,
@@ -320,7 +319,7 @@ def decode_mirror_chunk(body: bytes) -> list[MirrorRow]:
         if not isinstance(run, list) or len(run) != 6:
             raise CodecError("mirror run must have 6 fields")
         tier_name, count, hashes, flags, parents, tokens = run
-        tier = TIERS.get(tier_name)
+        tier = TIER_BY_VALUE.get(tier_name)
         if tier is None or type(count) is not int or count < 1:
             raise CodecError(f"mirror run has a bad tier or count: {tier_name!r}, {count!r}")
         columns = zip(

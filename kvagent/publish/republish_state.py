@@ -77,11 +77,25 @@ def snapshot_frame_seq(included_seq: int) -> int:
 
 @attrs.frozen(slots=True)
 class RepublishStatistics:
-    """Counters of one :class:`RepublishState` (``stores_without_tokens``: published with ``token_ids=[]``,
-    which Dynamo's indexer drops)."""
+    """Counters of one :class:`RepublishState`; each has the name of its ``kvagent_republish_*`` family where it
+    has one.
 
-    batches_published: int
-    events_published: int
+    Attributes:
+        batches: batches published, resyncs' included (each took the next seq).
+        events: events in the published batches.
+        ring_batches, ring_bytes: batches and payload bytes in the replay ring.
+        resident_blocks: blocks in the snapshot mirror.
+        stores_without_tokens: stores published with ``token_ids=[]`` (Dynamo's indexer drops them).
+        snapshots_served: replay answers served as snapshots.
+        ranges_served: replay answers served as a range of the ring (empty ones included).
+        snapshots_open: snapshot streams open (replay snapshots, a resync's build, persisted mirror rows).
+        deferred_batches: published batches waiting for open snapshots before reaching the mirror.
+        resyncs: whole-state resyncs published as live batches (``begin_resync``, ``finish_resync``).
+        resync_batches, resync_bytes: the batches (and seqs) the resyncs took, and their payload bytes.
+    """
+
+    batches: int
+    events: int
     ring_batches: int
     ring_bytes: int
     resident_blocks: int
@@ -89,10 +103,10 @@ class RepublishStatistics:
     snapshots_served: int
     ranges_served: int
     snapshots_open: int = 0
-    deferred_batches: int = 0  # published batches waiting for open snapshots before reaching the mirror
-    resyncs_published: int = 0  # whole-state resyncs published as live batches (begin_resync, finish_resync)
-    resync_batches: int = 0  # the batches (and seqs) they took
-    resync_bytes: int = 0  # their payload bytes
+    deferred_batches: int = 0
+    resyncs: int = 0
+    resync_batches: int = 0
+    resync_bytes: int = 0
 
 
 class SnapshotStream:
@@ -534,8 +548,8 @@ class RepublishState:
 
     def statistics(self) -> RepublishStatistics:
         return RepublishStatistics(
-            batches_published=self._batches,
-            events_published=self._events,
+            batches=self._batches,
+            events=self._events,
             ring_batches=len(self._ring),
             ring_bytes=self._ring_bytes,
             resident_blocks=self.resident_blocks(),
@@ -544,7 +558,7 @@ class RepublishState:
             ranges_served=self._ranges_served,
             snapshots_open=self._snapshots_open,
             deferred_batches=len(self._deferred),
-            resyncs_published=self._resyncs,
+            resyncs=self._resyncs,
             resync_batches=self._resync_batches,
             resync_bytes=self._resync_bytes,
         )

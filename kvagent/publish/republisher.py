@@ -178,7 +178,8 @@ class RepublisherStatistics:
     """The republisher's counters (all since it was opened, never reset) and its state's.
 
     Attributes:
-        state: the sans-IO state's counters (batches and events published, ring, mirror, answers served).
+        state: the sans-IO state's counters (batches and events published, ring, mirror, answers served, and
+            the whole-state resyncs sent for subscriptions: ``state.resyncs``, ``state.resync_*``).
         subscriptions: subscribe notifications seen on the PUB.
         batches_sent: live batches the PUB accepted.
         dropped_batches: live batches dropped at the PUB's high-water mark (consumers repair them by replay).
@@ -188,7 +189,6 @@ class RepublisherStatistics:
         answers_completed: answers whose end marker was sent.
         answers_abandoned: answers given up (the DEALER took nothing within the deadline, or left).
         answers_active: answers being sent now.
-        resyncs: whole-state resyncs sent for subscriptions (batches and bytes: ``state.resync_*``).
         resync_dropped_batches: resync batches dropped at the PUB's high-water mark.
         resync_wanted: a subscription waits for a resync (held back by the resync bound).
     """
@@ -203,7 +203,6 @@ class RepublisherStatistics:
     answers_completed: int
     answers_abandoned: int
     answers_active: int
-    resyncs: int = 0
     resync_dropped_batches: int = 0
     resync_wanted: bool = False
 
@@ -267,7 +266,6 @@ class VllmRepublisher:
         self._resync_wanted = trio.Event()
         self._mirror_caught_up = trio.Event()
         self._state.on_mirror_current = self._mirror_caught_up.set
-        self._resyncs = 0
         self._resync_dropped = 0
         self._batches_sent = 0
         self._dropped_batches = 0
@@ -340,7 +338,6 @@ class VllmRepublisher:
             answers_completed=self._answers_completed,
             answers_abandoned=self._answers_abandoned,
             answers_active=sum(len(queue) for queue in self._answers.values()),
-            resyncs=self._resyncs,
             resync_dropped_batches=self._resync_dropped,
             resync_wanted=self._resync_gate.wanted,
         )
@@ -451,7 +448,6 @@ class VllmRepublisher:
                 dropped += 1
         self._dropped_batches += dropped
         self._resync_dropped += dropped
-        self._resyncs += 1
         self._resync_gate.sent(trio.current_time(), size)
         log.info(
             "republish_resync",

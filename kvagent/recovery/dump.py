@@ -5,7 +5,7 @@ and the compact dump decoded again (docs/protocol.md).  Sans-IO.
   ``events`` answer and every follower; entries are keyed by event id and checked by identity, so a cached
   encoding can never belong to another event.
 - :func:`legacy_dump_parts`: the classic per-event dump encoding, produced from a :class:`DumpSnapshot`'s
-  columns by kvagent.wire.router_event.OneBlockRows.  It is a lazy generator, so the server encodes one
+  columns by the column encoders (kvagent.recovery.wire_columns).  It is a lazy generator, so the server encodes one
   frame's worth between two sends and never stalls the event loop for a whole dump.
 - :func:`columns_frames`: the compact ``"dump_format": "columns"`` dump: raw little-endian u64 columns per
   (owner, tier) group, cut into frames of at most MAX_FRAME_BYTES; :func:`dump_columns_from_wire` reads
@@ -58,6 +58,7 @@ from kvagent.recovery.protocol import (
 )
 from kvagent.recovery.wire_columns import route_templates
 from kvagent.wire.router_event import (
+    EVENT_TEMPLATES,
     Encoding,
     encode_event,
     mm_extra_info_from_wire,
@@ -131,7 +132,7 @@ class _SegmentWire:
                     self.ends,
                     self.heads,
                     self.tails,
-                    _TEMPLATES,
+                    EVENT_TEMPLATES,
                     segment.ids,
                     segment.routes,
                     segment.kinds,
@@ -155,9 +156,6 @@ class _SegmentWire:
         with memoryview(self.blob) as view:  # one copy (a bytearray slice and bytes() would be two)
             blob = bytes(view[start : ends[end - 1]])
         return EncodedRun(blob, array("I", map(sub, ends[first:end], repeat(start))), 0)
-
-
-_TEMPLATES = wire_columns.event_templates()
 
 
 class EncodedRing:

@@ -39,6 +39,9 @@ from kvagent.wire.router_event import Encoding, encode_event
 
 __all__ = [
     "CONTROL_OPS",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "DEFAULT_URL",
     "KNOWN_OPS",
     "SLOT_OPS",
     "ServerStatistics",
@@ -72,6 +75,11 @@ __all__ = [
     "required_str",
     "required_uint",
 ]
+
+# Where the recovery server listens unless told otherwise (`kvagent serve --listen`), so where clients look.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+DEFAULT_URL = f"ws://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 MAX_FRAME_BYTES = 1 << 20  # trio-websocket's default receive limit: every frame we send must fit it
 NESTED_TOO_DEEPLY = "request nests arrays/maps too deeply"

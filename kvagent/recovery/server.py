@@ -36,7 +36,7 @@ from kvagent._util.listen import (
     default_pending_limit,
     shed_pending_handshakes,
 )
-from kvagent.recovery.protocol import ServerStatistics, SlotDirectory
+from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT, ServerStatistics, SlotDirectory
 from kvagent.recovery.session import Session, SessionConfig
 from kvagent.recovery.turns import AnswerTurns
 from kvagent.recovery.websocket import (
@@ -414,8 +414,8 @@ class _Server:
 async def serve_recovery(
     registry: SlotDirectory,
     *,
-    host: str = "127.0.0.1",
-    port: int = 8765,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
     token: str | None = None,
     max_connections: int = 256,
     max_message_size: int = 1 << 20,

@@ -68,14 +68,14 @@ class Turn:
 
 
 class AnswerTurns:
-    """The turns of one server; ``waited_too_long`` counts the requests refused as ``overloaded``."""
+    """The turns of one server (a request refused as ``overloaded`` is counted by the server, in
+    ``ServerStatistics.request_errors``)."""
 
     def __init__(self, tokens: int = 4, max_wait: float = 5.0) -> None:
         if tokens <= 0 or max_wait <= 0:
             raise ValueError(f"tokens and max_wait must be positive, got {tokens}, {max_wait}")
         self.limiter = trio.CapacityLimiter(tokens)
         self.max_wait = max_wait
-        self.waited_too_long = 0
 
     def turn(self) -> Turn:
         """A turn not held yet (a light answer never takes it)."""
@@ -97,7 +97,6 @@ class AnswerTurns:
         with trio.move_on_after(self.max_wait):
             await turn.acquire()
         if not turn.held:
-            self.waited_too_long += 1
             raise KvAgentError(
                 f"server overloaded: no answer slot within {self.max_wait:g} s; retry later",
                 code="overloaded",

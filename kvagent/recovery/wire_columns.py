@@ -6,7 +6,10 @@ absolute offsets into ``out``), so an answer is a slice of that buffer and a fra
 - :func:`encode_ring_events`: buffered ring events (a segment's columns, :mod:`kvagent.index.ring`), as the
   msgpack of :func:`kvagent.wire.router_event.encode_event`;
 - :func:`encode_dump_msgpack` / :func:`encode_dump_json`: a tree dump's one-block Stored events from block
-  columns, as :class:`kvagent.wire.router_event.OneBlockRows` writes them (JSON events separated by commas).
+  columns, as ``encode_event`` writes each of them (JSON events separated by commas).
+
+The msgpack templates are the wire module's (``EVENT_TEMPLATES``, ``route_head``, ``route_tail``): one
+definition of the bytes, whichever encoder writes them.
 
 The compiled twin is ``kvagent/_native/_columns.pyx`` (same functions, same bytes); :data:`impl` is that
 extension when it was built and importable, else this module.  Rows or events that carry multimodal info or
@@ -18,7 +21,6 @@ from __future__ import annotations
 import importlib
 import struct
 from array import array
-from collections.abc import Callable
 from itertools import compress
 from types import ModuleType
 from typing import NamedTuple
@@ -27,92 +29,40 @@ import msgpack
 
 from kvagent import _native
 from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, Route
+from kvagent.index.store import FLAG_PARENT, FLAG_ROOT
 from kvagent.model.events import ResidencyDomain, StorageTier
 from kvagent.model.ids import CacheOwnerId
-from kvagent.wire.router_event import state_source_to_wire
+from kvagent.wire.router_event import (
+    EVENT_TEMPLATES,
+    FIXED_U64,
+    NIL,
+    EventTemplates,
+    route_head,
+    route_tail,
+    state_source_to_wire,
+)
 
 __all__ = [
     "NATIVE",
     "DumpJsonTemplate",
     "DumpMsgpackTemplate",
-    "EventTemplates",
     "dump_json_template",
     "dump_msgpack_template",
     "encode_dump_json",
     "encode_dump_msgpack",
     "encode_ring_events",
-    "event_templates",
     "impl",
     "route_templates",
 ]
 
 _packer = msgpack.Packer(use_bin_type=True)
-_pack: Callable[[object], bytes] = _packer.pack
-_FIXED_U64 = b"\xcf"
-_NIL = _pack(None)
-_BLOCK_HEAD = _packer.pack_map_header(3) + _pack("block_hash") + _FIXED_U64
-_BLOCK_MID = _pack("tokens_hash") + _FIXED_U64
-_BLOCK_TAIL = _pack("mm_extra_info") + _NIL
-_START_POSITION = _pack("start_position")
-_BLOCKS = _pack("blocks")
-
-
-def _data_head(variant: str, fields: int, first_field: str) -> bytes:
-    variant_map: bytes = _packer.pack_map_header(1) + _pack(variant) + _packer.pack_map_header(fields)
-    data: bytes = _pack("data")
-    return data + variant_map + _pack(first_field)
-
-
-class EventTemplates(NamedTuple):
-    """The fixed bytes of a ring event's data (see :func:`encode_ring_events`)."""
-
-    stored_head: bytes  # "data": {"stored": {"parent_hash":
-    stored_blocks: bytes  # "start_position": nil, "blocks":
-    block_head: bytes  # {"block_hash": 0xcf
-    block_mid: bytes  # "tokens_hash": 0xcf
-    block_tail: bytes  # "mm_extra_info": nil}
-    removed_head: bytes  # "data": {"removed": {"block_hashes":
-    cleared: bytes  # "data": "cleared"
-
-
-_EVENT_TEMPLATES = EventTemplates(
-    _data_head("stored", 3, "parent_hash"),
-    _START_POSITION + _NIL + _BLOCKS,
-    _BLOCK_HEAD,
-    _BLOCK_MID,
-    _BLOCK_TAIL,
-    _data_head("removed", 1, "block_hashes"),
-    _pack("data") + _pack("cleared"),
-)
-
-
-def event_templates() -> EventTemplates:
-    return _EVENT_TEMPLATES
-
-
-def _route_head(worker_id: int, tier: StorageTier, domain: ResidencyDomain, optional_fields: int) -> bytes:
-    """An event's msgpack up to its id, ending in the marker of a fixed-width u64 (as the wire module)."""
-    route = [("worker_id", worker_id), ("storage_tier", tier.value), ("residency_domain", domain.value)]
-    fields = [_pack(name) + _pack(value) for name, value in route]
-    event = _pack("event") + _packer.pack_map_header(3) + _pack("event_id") + _FIXED_U64
-    head: bytes = _packer.pack_map_header(4 + optional_fields)
-    return b"".join([head, *fields, event])
-
-
-def _route_tail(dp_rank: int, source: CacheOwnerId | None, session_id: str | None) -> bytes:
-    tail = _pack("dp_rank") + _pack(dp_rank)
-    if source is not None:
-        tail += _pack("state_source") + _pack(state_source_to_wire(source))
-    if session_id is not None:
-        tail += _pack("session_id") + _pack(session_id)
-    return tail
 
 
 def route_templates(route: Route) -> tuple[bytes, bytes]:
     """(head, tail) of a ring route's events: the bytes before the event id and after the data."""
     worker_id, tier, domain, dp_rank, source, session_id = route
     optional = (source is not None) + (session_id is not None)
-    return _route_head(worker_id, tier, domain, optional), _route_tail(dp_rank, source, session_id)
+    return route_head(worker_id, tier, domain, optional), route_tail(dp_rank, source, session_id)
 
 
 class DumpMsgpackTemplate(NamedTuple):
@@ -130,13 +80,11 @@ class DumpMsgpackTemplate(NamedTuple):
 def dump_msgpack_template(
     worker_id: int, tier: StorageTier, domain: ResidencyDomain, dp_rank: int, source: CacheOwnerId | None
 ) -> DumpMsgpackTemplate:
-    stored_head = _EVENT_TEMPLATES.stored_head
-    head = _route_head(worker_id, tier, domain, source is not None)
-    blocks = _START_POSITION + _NIL + _BLOCKS + _packer.pack_array_header(1) + _BLOCK_HEAD
-    tail = _BLOCK_TAIL + _route_tail(dp_rank, source, None)
-    return DumpMsgpackTemplate(
-        head, stored_head + _FIXED_U64, blocks, _BLOCK_MID, tail, stored_head + _NIL + blocks
-    )
+    stored_head, stored_blocks, block_head, block_mid, block_tail, _removed, _cleared = EVENT_TEMPLATES
+    head = route_head(worker_id, tier, domain, source is not None)
+    blocks = stored_blocks + _packer.pack_array_header(1) + block_head
+    tail = block_tail + route_tail(dp_rank, source, None)
+    return DumpMsgpackTemplate(head, stored_head + FIXED_U64, blocks, block_mid, tail, stored_head + NIL + blocks)
 
 
 class DumpJsonTemplate(NamedTuple):
@@ -205,10 +153,10 @@ def encode_ring_events(
             lo, hi = offsets[position], offsets[position + 1]
             if kind == KIND_REMOVED:
                 parts += (removed_head, _array_header(hi - lo))
-                parts += [_FIXED_U64 + pack_u64(block) for block in hashes[lo:hi]]
+                parts += [FIXED_U64 + pack_u64(block) for block in hashes[lo:hi]]
             else:
                 parts.append(stored_head)
-                parts.append(_FIXED_U64 + pack_u64(parents[position]) if kind == KIND_STORED_CHILD else _NIL)
+                parts.append(FIXED_U64 + pack_u64(parents[position]) if kind == KIND_STORED_CHILD else NIL)
                 parts += (stored_blocks, _array_header(hi - lo))
                 for block, token in zip(hashes[lo:hi], tokens[lo:hi], strict=True):
                     parts += (block_head, pack_u64(block), block_mid, pack_u64(token), block_tail)
@@ -283,7 +231,8 @@ def encode_dump_json(
     return event_id
 
 
-_LIVE = bytes(1 if value in (0, 1) else 0 for value in range(256))
+# The store's flag column (kvagent.index.store) -> 1 for a live row, 0 for a removed one.
+_LIVE = bytes(1 if value in (FLAG_ROOT, FLAG_PARENT) else 0 for value in range(256))
 
 
 def _load() -> ModuleType:

@@ -298,10 +298,6 @@ class WebSocketCore:
 
     # --- outbound -----------------------------------------------------------------------------------
 
-    @property
-    def has_room(self) -> bool:
-        return self.queued_bytes < self.limits.queue_bytes
-
     def queue_message(self, message: str | bytes) -> None:
         """Queue a message; QueueFull when it does not fit yet, ConnectionClosed once closing."""
         if self.close_reason is not None:

@@ -55,9 +55,9 @@ import msgspec
 from kvagent.model.errors import WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, U32_MAX, U64_MAX
 from kvagent.model.hashing import pack_tokens
+from kvagent.wire.vllm_events import END_SEQ
 
 __all__ = [
-    "REPLAY_END_SEQ",
     "RawAllBlocksCleared",
     "RawBatch",
     "RawBlockRemoved",
@@ -73,7 +73,6 @@ __all__ = [
 ]
 
 I64_MIN = -(1 << 63)
-REPLAY_END_SEQ = b"\xff" * 8
 
 # The typed decoder accepts only the canonical forms; anything else is read by the checked decoder.
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # negative hashes are folded by the checked decoder
@@ -518,7 +517,7 @@ def split_live_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
         raise WireDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq_frame, payload = frames
     seq = decode_seq(seq_frame)
-    if seq_frame == REPLAY_END_SEQ:
+    if seq_frame == END_SEQ:
         raise WireDecodeError("sequence ff*8 is reserved for the replay end marker")
     return topic, seq, payload
 
@@ -535,7 +534,7 @@ def split_replay_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes] | N
         topic, seq_frame, payload = frames[1], frames[2], frames[3]
     else:
         raise WireDecodeError(f"malformed replay reply: {len(frames)} frames")
-    if seq_frame == REPLAY_END_SEQ:
+    if seq_frame == END_SEQ:
         if payload:
             raise WireDecodeError("replay end marker carries a non-empty payload")
         return None

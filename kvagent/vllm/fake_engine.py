@@ -26,7 +26,6 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_events import (
     NONE_HASH,
     Event,
@@ -39,6 +38,7 @@ from kvagent.vllm.fake_events import (
     fold_hash,
     to_legacy,
 )
+from kvagent.wire.vllm_events import END_SEQ
 
 __all__ = [
     "NONE_HASH",
@@ -418,7 +418,7 @@ class FakeVllmEngine:
             for seq, payload in self.buffer
             if seq >= start
         ]
-        replies.append([b"", b"", REPLAY_END_SEQ, b""] if v26 else [b"", REPLAY_END_SEQ, b""])
+        replies.append([b"", b"", END_SEQ, b""] if v26 else [b"", END_SEQ, b""])
         return replies
 
     async def _serve_replay(self, router: TrioSocket) -> None:

@@ -4,8 +4,9 @@ Dynamo's named-map msgpack encoding and its JSON twin use the same names and sha
 (:func:`router_event_to_wire`) produces both, one validator (:func:`router_event_from_wire`) reads both.
 :func:`encode_router_events` writes a ``Vec<RouterEvent>`` byte-identical to Dynamo (golden vector 8.3);
 :func:`encode_event` writes one event of a recovery frame, its msgpack from per-route byte templates with
-fixed-width ``0xcf`` u64 fields (the same map, ten times cheaper); :class:`OneBlockRows` writes a tree dump's
-one-block Stored events straight from block columns.  Decoding takes the common valid shapes on a fast
+fixed-width ``0xcf`` u64 fields (the same map, ten times cheaper); the column encoders
+(kvagent/recovery/wire_columns.py) splice the same templates (:data:`EVENT_TEMPLATES`, :func:`route_head`,
+:func:`route_tail`).  Decoding takes the common valid shapes on a fast
 path; anything else goes through a field-by-field check that names the offending field.
 """
 
@@ -14,8 +15,8 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Callable, Mapping, Sequence
-from itertools import compress, repeat
+from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import msgpack
@@ -24,6 +25,8 @@ from kvagent import _native
 from kvagent.model.errors import CodecError, IdentityError
 from kvagent.model.events import (
     CLEARED,
+    DOMAIN_BY_VALUE,
+    TIER_BY_VALUE,
     U32_MAX,
     U64_MAX,
     EventData,
@@ -38,9 +41,11 @@ from kvagent.model.events import (
 from kvagent.model.ids import CacheOwnerId
 
 __all__ = [
-    "BlockRows",
+    "EVENT_TEMPLATES",
+    "FIXED_U64",
+    "NIL",
     "Encoding",
-    "OneBlockRows",
+    "EventTemplates",
     "checked_router_event_from_wire",
     "decode_router_events",
     "encode_event",
@@ -51,6 +56,8 @@ __all__ = [
     "router_event_from_wire",
     "router_event_to_json",
     "router_event_to_wire",
+    "route_head",
+    "route_tail",
     "state_source_from_wire",
     "state_source_to_wire",
 ]
@@ -61,10 +68,6 @@ class Encoding(enum.Enum):
 
     JSON = "json"
     MSGPACK = "msgpack"
-
-
-_TIERS = {tier.value: tier for tier in StorageTier}
-_DOMAINS = {domain.value: domain for domain in ResidencyDomain}
 
 
 # --- state_source: the one place that fixes its wire form -------------------------------------------
@@ -187,11 +190,11 @@ def _reference_encode(encoding: Encoding, event: RouterEvent) -> str | bytes:
 _packer = msgpack.Packer(use_bin_type=True)
 _pack: Callable[[object], bytes] = _packer.pack
 _U64 = struct.Struct(">BQ")
-_FIXED_U64 = b"\xcf"  # the marker of a fixed-width u64: the template's number follows as 8 big-endian bytes
-_NIL = _pack(None)
-_BLOCK_HEAD = _packer.pack_map_header(3) + _pack("block_hash") + _FIXED_U64
-_BLOCK_MID = _pack("tokens_hash") + _FIXED_U64
-_BLOCK_TAIL = _pack("mm_extra_info") + _NIL
+FIXED_U64 = b"\xcf"  # the marker of a fixed-width u64: the template's number follows as 8 big-endian bytes
+NIL = _pack(None)
+_BLOCK_HEAD = _packer.pack_map_header(3) + _pack("block_hash") + FIXED_U64
+_BLOCK_MID = _pack("tokens_hash") + FIXED_U64
+_BLOCK_TAIL = _pack("mm_extra_info") + NIL
 _BLOCK = struct.Struct(f">{len(_BLOCK_HEAD)}sQ{len(_BLOCK_MID)}sQ{len(_BLOCK_TAIL)}s")
 
 
@@ -208,15 +211,32 @@ _REMOVED_HEAD = _data_head("removed", 1, "block_hashes")
 _CLEARED = _pack("data") + _pack("cleared")
 
 
-def _route_head(worker_id: int, tier: StorageTier, domain: ResidencyDomain, optional_fields: int) -> bytes:
+class EventTemplates(NamedTuple):
+    """The fixed bytes of an event's data, as :func:`encode_event` writes them (the column encoders' too)."""
+
+    stored_head: bytes  # "data": {"stored": {"parent_hash":
+    stored_blocks: bytes  # "start_position": nil, "blocks":
+    block_head: bytes  # {"block_hash": 0xcf
+    block_mid: bytes  # "tokens_hash": 0xcf
+    block_tail: bytes  # "mm_extra_info": nil}
+    removed_head: bytes  # "data": {"removed": {"block_hashes":
+    cleared: bytes  # "data": "cleared"
+
+
+EVENT_TEMPLATES = EventTemplates(
+    _STORED_HEAD, _START_POSITION + NIL + _BLOCKS, _BLOCK_HEAD, _BLOCK_MID, _BLOCK_TAIL, _REMOVED_HEAD, _CLEARED
+)
+
+
+def route_head(worker_id: int, tier: StorageTier, domain: ResidencyDomain, optional_fields: int) -> bytes:
     """A wire event's msgpack bytes up to its event id, ending in the marker of a fixed-width u64."""
     route = [("worker_id", worker_id), ("storage_tier", tier.value), ("residency_domain", domain.value)]
     fields = [_pack(name) + _pack(value) for name, value in route]
-    event = _pack("event") + _packer.pack_map_header(3) + _pack("event_id") + _FIXED_U64
+    event = _pack("event") + _packer.pack_map_header(3) + _pack("event_id") + FIXED_U64
     return b"".join([_packer.pack_map_header(4 + optional_fields), *fields, event])
 
 
-def _route_tail(dp_rank: int, source: CacheOwnerId | None, session_id: str | None) -> bytes:
+def route_tail(dp_rank: int, source: CacheOwnerId | None, session_id: str | None) -> bytes:
     """A wire event's msgpack bytes after its data: the rank and the optional top-level fields."""
     tail = _pack("dp_rank") + _pack(dp_rank)
     if source is not None:
@@ -237,10 +257,10 @@ def _route_bytes(event: RouterEvent) -> tuple[bytes, bytes]:
     found = _ROUTES.get(key)
     if found is None:
         optional = (source is not None) + (session_id is not None)
-        head = _route_head(event.worker_id, event.storage_tier, event.residency_domain, optional)
+        head = route_head(event.worker_id, event.storage_tier, event.residency_domain, optional)
         if len(_ROUTES) >= _ROUTES_MAX:
             _ROUTES.clear()  # routes are a handful per slot; this only bounds odd inputs
-        found = _ROUTES[key] = (head, _route_tail(event.dp_rank, source, session_id))
+        found = _ROUTES[key] = (head, route_tail(event.dp_rank, source, session_id))
     return found
 
 
@@ -249,7 +269,7 @@ def _data_bytes(data: EventData) -> bytes:
         hashes, tokens = data.block_hashes, data.tokens_hashes
         if len(tokens) != len(hashes):
             raise ValueError("stored event has columns of different lengths")
-        parent = _NIL if data.parent_hash is None else _U64.pack(0xCF, data.parent_hash)
+        parent = NIL if data.parent_hash is None else _U64.pack(0xCF, data.parent_hash)
         rows = (repeat(_BLOCK_HEAD), hashes, repeat(_BLOCK_MID), tokens, repeat(_BLOCK_TAIL))
         blocks = map(_BLOCK.pack, *rows)
         head = [_STORED_HEAD, parent, _START_POSITION, _pack(data.start_position), _BLOCKS]
@@ -277,106 +297,6 @@ def encode_event(encoding: Encoding, event: RouterEvent) -> str | bytes:
         return b"".join([head, event.event_id.to_bytes(8, "big"), _data_bytes(data), tail])
     except (struct.error, OverflowError, TypeError, ValueError):
         return _reference_encode(encoding, event)
-
-
-# --- a tree dump's rows -----------------------------------------------------------------------------
-
-
-_Parts = list[str | bytes]
-
-
-class BlockRows(NamedTuple):
-    """Blocks as columns, one row each: block ``hashes[r]``, tokens hash ``tokens[r]``, parent
-    ``parents[r]`` when ``has_parent[r]`` is 1; a row whose ``live`` byte is 0 is skipped; ``mm`` maps a row
-    to its multimodal info."""
-
-    hashes: Sequence[int]
-    parents: Sequence[int]
-    tokens: Sequence[int]
-    has_parent: bytes
-    live: bytes
-    mm: Mapping[int, MmExtraInfo]
-
-
-class OneBlockRows:
-    """One route's one-block Stored events (a tree dump's rows, ``start_position`` nil), from templates.
-
-    :meth:`encode` returns, event for event, what :func:`encode_event` returns for the same one-block
-    events; building them costs one ``struct.pack`` (msgpack) or one ``%`` (JSON) a row.
-    """
-
-    def __init__(
-        self,
-        encoding: Encoding,
-        worker_id: int,
-        tier: StorageTier,
-        domain: ResidencyDomain,
-        dp_rank: int,
-        source: CacheOwnerId | None,
-    ) -> None:
-        self._encoding = encoding
-        self._route = (worker_id, tier, domain, dp_rank, source)
-        # msgpack: the bytes between the numbers of a row with a parent, and of a root row.
-        head = _route_head(worker_id, tier, domain, source is not None)
-        blocks = _START_POSITION + _NIL + _BLOCKS + _packer.pack_array_header(1) + _BLOCK_HEAD
-        tail = _BLOCK_TAIL + _route_tail(dp_rank, source, None)
-        mid, root_mid = _STORED_HEAD + _FIXED_U64, _STORED_HEAD + _NIL + blocks
-        self._bytes = (head, mid, blocks, _BLOCK_MID, tail, root_mid)
-        key = len(_BLOCK_MID)
-        self._pack_with_parent = struct.Struct(f">{len(head)}sQ{len(mid)}sQ{len(blocks)}sQ{key}sQ{len(tail)}s").pack
-        self._pack_root = struct.Struct(f">{len(head)}sQ{len(root_mid)}sQ{key}sQ{len(tail)}s").pack
-        # JSON: json.dumps(router_event_to_wire(...), separators=(",", ":")) with the row's numbers left open.
-        source_text = "" if source is None else f',"state_source":{json.dumps(state_source_to_wire(source))}'
-        self._json = (
-            f'{{"worker_id":{worker_id},"storage_tier":{json.dumps(tier.value)},'
-            f'"residency_domain":{json.dumps(domain.value)},"event":{{"event_id":%d,"data":{{"stored":'
-            '{"parent_hash":%s,"start_position":null,"blocks":[{"block_hash":%d,"tokens_hash":%d,'
-            f'"mm_extra_info":null}}]}}}},"dp_rank":{dp_rank}}}{source_text}}}'
-        )
-
-    def encode(self, rows: BlockRows, first: int, end: int, event_id: int) -> tuple[_Parts, int]:
-        """Rows ``first`` to ``end - 1`` as events numbered from ``event_id``; returns them and the next id.
-
-        Rows with multimodal info take the reference path; the runs between them the templates.
-        """
-        parts: _Parts = []
-        run = self._msgpack_run if self._encoding is Encoding.MSGPACK else self._json_run
-        position = first
-        for row in sorted(row for row in rows.mm if first <= row < end) if rows.mm else ():
-            event_id = run(rows, position, row, event_id, parts)
-            if rows.live[row]:
-                parent = rows.parents[row] if rows.has_parent[row] else None
-                data = Stored(parent, (rows.hashes[row],), (rows.tokens[row],), (rows.mm[row],))
-                worker_id, tier, domain, dp_rank, source = self._route
-                event = RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, source)
-                parts.append(_reference_encode(self._encoding, event))
-                event_id += 1
-            position = row + 1
-        return parts, run(rows, position, end, event_id, parts)
-
-    def _msgpack_run(self, rows: BlockRows, first: int, end: int, event_id: int, parts: _Parts) -> int:
-        hashes, parents, tokens, has_parent, live, _mm = rows
-        head, mid, blocks, key, tail, root_mid = self._bytes
-        with_parent, root = self._pack_with_parent, self._pack_root
-        append = parts.append
-        for row in compress(range(first, end), live[first:end]):
-            if has_parent[row]:
-                parent = parents[row]
-                append(with_parent(head, event_id, mid, parent, blocks, hashes[row], key, tokens[row], tail))
-            else:
-                append(root(head, event_id, root_mid, hashes[row], key, tokens[row], tail))
-            event_id += 1
-        return event_id
-
-    def _json_run(self, rows: BlockRows, first: int, end: int, event_id: int, parts: _Parts) -> int:
-        hashes, parents, tokens, has_parent, live, _mm = rows
-        template = self._json
-        append = parts.append
-        for row in compress(range(first, end), live[first:end]):
-            parent = parents[row] if has_parent[row] else "null"
-            append(template % (event_id, parent, hashes[row], tokens[row]))
-            event_id += 1
-        return event_id
 
 
 # --- decoding ---------------------------------------------------------------------------------------
@@ -538,7 +458,7 @@ def _fast_event(obj: dict[object, object]) -> RouterEvent | None:
         return None
     if type(domain) is not str:
         return None
-    storage_tier, residency_domain = _TIERS.get(tier), _DOMAINS.get(domain)
+    storage_tier, residency_domain = TIER_BY_VALUE.get(tier), DOMAIN_BY_VALUE.get(domain)
     inner = obj.get("event")
     if storage_tier is None or residency_domain is None or type(inner) is not dict:
         return None
@@ -582,13 +502,13 @@ def checked_router_event_from_wire(value: object, field: str = "event") -> Route
     worker_id = _uint(_required(obj, "worker_id", field), f"{field}.worker_id")
 
     raw_tier = obj.get("storage_tier", StorageTier.DEVICE.value)
-    tier = _TIERS.get(raw_tier) if isinstance(raw_tier, str) else None
+    tier = TIER_BY_VALUE.get(raw_tier) if isinstance(raw_tier, str) else None
     if tier is None:
         raise CodecError(f"{field}.storage_tier is unknown: {raw_tier!r}")
 
     # Absent means a legacy Worker event; an explicit null or an unknown name is an error.
     raw_domain = obj.get("residency_domain", ResidencyDomain.WORKER.value)
-    domain = _DOMAINS.get(raw_domain) if isinstance(raw_domain, str) else None
+    domain = DOMAIN_BY_VALUE.get(raw_domain) if isinstance(raw_domain, str) else None
     if domain is None:
         raise CodecError(f"{field}.residency_domain must be 'worker' or 'cache_owner', got {raw_domain!r}")
 

@@ -95,3 +95,19 @@ async def test_a_wildcard_listen_without_advertise_uses_the_machine_name(tmp_pat
         (url,) = await _recovery_urls(agent, 1)
         assert url.startswith(f"ws://{expected}:")
         assert sum("advertising_machine_hostname" in line for line in agent.stderr_lines) == 1
+
+
+async def test_a_publish_port_0_is_advertised_as_the_port_it_bound(tmp_path: Path) -> None:
+    argv = ["--publish", "tcp://127.0.0.1:0", "--slot", "s0", "--simulate", "--state-dir", "none"]
+    async with serve(tmp_path, *argv) as agent:
+        with trio.fail_after(30):
+            while True:  # the source and the attachment record (polling the real files)
+                ads = _ads(agent)
+                if len(ads) >= 2:
+                    break
+                await trio.sleep(0.05)
+        (scope,) = {ad["scope"] for ad in ads}
+        host, port = scope.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) != 0, scope
+        with socket.create_connection((host, int(port)), timeout=5):  # the event plane listens there
+            pass

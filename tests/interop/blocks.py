@@ -10,7 +10,6 @@ from typing import Any
 import attrs
 
 from kvagent.model.hashing import local_block_hash
-from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import (
     all_blocks_cleared,
     block_removed,
@@ -18,6 +17,7 @@ from kvagent.vllm.fake_engine import (
     chain_block_hash,
     fold_hash,
 )
+from kvagent.wire.vllm_events import END_SEQ
 
 BLOCK_SIZE = 16
 
@@ -152,5 +152,5 @@ def replay_frames(topic: bytes, pairs: Iterable[tuple[int, bytes]], *, legacy: b
         [b"", seq.to_bytes(8, "big"), payload] if legacy else [b"", topic, seq.to_bytes(8, "big"), payload]
         for seq, payload in pairs
     ]
-    frames.append([b"", REPLAY_END_SEQ, b""] if legacy else [b"", b"", REPLAY_END_SEQ, b""])
+    frames.append([b"", END_SEQ, b""] if legacy else [b"", b"", END_SEQ, b""])
     return frames

@@ -21,7 +21,6 @@ from kvagent.model.events import IngressChunk, RouterEvent, SourceState
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
 from kvagent.testing import RecordingSink
-from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from kvagent.vllm.listener import (
     LISTENER_TERMINATED,
@@ -30,6 +29,7 @@ from kvagent.vllm.listener import (
     ListenerStatistics,
     run_listener,
 )
+from kvagent.wire.vllm_events import END_SEQ
 from tests.support.fakes import RecordingCoordinator, ReplayRouter
 from tests.support.ids import IDENTITY, OWNER, ready_attachment, status_for
 from tests.support.vectors import load_live
@@ -168,7 +168,7 @@ async def test_a_dropped_live_range_is_repaired_from_the_replay_socket() -> None
 
 def capture_replay_pairs() -> list[tuple[int, bytes]]:
     """The capture's ``replay`` lines as the engine's buffer: ``[b"", topic, seq8, payload]`` each."""
-    return [(int.from_bytes(f[2], "big"), f[3]) for f in REPLAY if f[2] != REPLAY_END_SEQ]
+    return [(int.from_bytes(f[2], "big"), f[3]) for f in REPLAY if f[2] != END_SEQ]
 
 
 def resident_set(chunks: list[IngressChunk]) -> frozenset[object]:

@@ -12,9 +12,9 @@ import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import WireDecodeError
-from kvagent.vllm.decode import REPLAY_END_SEQ
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from kvagent.vllm.replay import ReplayClient, ReplayReply, ReplayTimeouts, parse_replay_reply
+from kvagent.wire.vllm_events import END_SEQ
 from tests.support.fakes import ReplayRouter
 from tests.support.vectors import load_live
 
@@ -182,7 +182,7 @@ async def test_an_attempt_is_bounded_in_total_time_however_slowly_replies_trickl
     ("frames", "message"),
     [
         ([b"x", b"", b"", b""], "malformed replay reply: 4 frames"),
-        ([b"", b"", REPLAY_END_SEQ, b"x"], "end marker carries a non-empty payload"),
+        ([b"", b"", END_SEQ, b"x"], "end marker carries a non-empty payload"),
         ([b"", (3).to_bytes(8, "big"), b""], "seq 3 has an empty payload"),
         ([b"", b"t", (3).to_bytes(8, "big"), b"123456789"], "exceeds 8 bytes"),
     ],
@@ -196,8 +196,8 @@ def test_replies_parse_in_both_layouts_and_the_end_marker_is_none() -> None:
     seq = (5).to_bytes(8, "big")
     assert parse_replay_reply([b"", b"t", seq, b"p"], max_payload_bytes=8) == ReplayReply(5, b"t", b"p")
     assert parse_replay_reply([b"", seq, b"p"], max_payload_bytes=8) == ReplayReply(5, b"", b"p")
-    assert parse_replay_reply([b"", b"", REPLAY_END_SEQ, b""], max_payload_bytes=8) is None
-    assert parse_replay_reply([b"", REPLAY_END_SEQ, b""], max_payload_bytes=8) is None
+    assert parse_replay_reply([b"", b"", END_SEQ, b""], max_payload_bytes=8) is None
+    assert parse_replay_reply([b"", END_SEQ, b""], max_payload_bytes=8) is None
 
 
 async def trickle_router(interval: float, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:

@@ -163,7 +163,6 @@ async def test_answer_turns_are_fifo_and_refuse_after_the_wait(autojump_clock: t
     with pytest.raises(KvAgentError) as refused:
         await turns.first()
     assert refused.value.code == "overloaded"
-    assert turns.waited_too_long == 1
     holder.release()
 
 

@@ -12,7 +12,7 @@ from kvagent._util.zmqtrio import TrioSocket
 from kvagent.coordinator.task import CoordinatorHandle
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import IngressChunk, SourceSignal
-from kvagent.vllm.decode import REPLAY_END_SEQ
+from kvagent.wire.vllm_events import END_SEQ
 
 
 class RecordingCoordinator:
@@ -105,7 +105,7 @@ class ReplayRouter:
     @staticmethod
     def _seq(reply: list[bytes]) -> int | None:
         seq_frame = reply[-2]
-        return None if seq_frame == REPLAY_END_SEQ else int.from_bytes(seq_frame, "big")
+        return None if seq_frame == END_SEQ else int.from_bytes(seq_frame, "big")
 
     async def wait_for_requests(self, count: int) -> None:
         while len(self.requests) < count:

@@ -19,8 +19,9 @@ import msgpack
 
 from kvagent.model.errors import ChunkingError, WireDecodeError
 from kvagent.model.events import WorkerWithDpRank
-from kvagent.vllm.decode import REPLAY_END_SEQ, RawBatch, _decode_checked, _decode_typed, decode
+from kvagent.vllm.decode import RawBatch, _decode_checked, _decode_typed, decode
 from kvagent.vllm.normalize import AttachmentNormalizer, NormalizedBatch, build_ingress_chunks
+from kvagent.wire.vllm_events import END_SEQ
 from tests.support.vectors import load_live, load_structs
 
 TAGS = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "TierBlocksCleared", "Bogus"]
@@ -110,7 +111,7 @@ def normalize_each(normalizer: AttachmentNormalizer, batch: RawBatch) -> Normali
 
 def _check_refusal(frames: list[bytes], error: str) -> None:
     """decode refused the frames: when they are well formed, the checked decoder refuses the payload alike."""
-    if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == REPLAY_END_SEQ:
+    if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
         return  # a frame-level error, before any payload decoder runs
     try:
         _decode_checked(frames[2], True)

@@ -12,6 +12,7 @@ import structlog
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
+from trio_websocket import CloseReason, ConnectionClosed, ConnectionRejected, HandshakeError
 
 from kvagent.cli.bind_check import check_distinct_addresses
 from kvagent.cli.config import ServeConfig, structure_serve_config
@@ -21,6 +22,7 @@ from kvagent.cli.errors import (
     EXIT_USAGE,
     CliError,
     OneLineArgumentParser,
+    agent_connection_problem,
     blaming,
     describe,
     explain,
@@ -98,6 +100,32 @@ def test_explain_gives_usage_status_to_config_errors_and_run_time_status_to_the_
     assert explain(ExceptionGroup("g", [in_use()]))[1] == EXIT_RUNTIME
     message, status = explain(RuntimeError("boom"))
     assert status == EXIT_RUNTIME and "unexpected RuntimeError: boom" in message and "--debug" in message
+
+
+def test_a_failed_agent_connection_is_one_line_for_query_and_top() -> None:
+    url = "ws://127.0.0.1:1"
+    rejected = ConnectionRejected(503, (), b"too many connections\n")
+    assert (
+        agent_connection_problem(url, rejected)
+        == f"{url} refused the connection: HTTP 503 too many connections"
+    )
+    assert (
+        agent_connection_problem(url, ConnectionRejected(403, (), None))
+        == f"{url} refused the connection: HTTP 403"
+    )
+    closed = ConnectionClosed(CloseReason(1001, "going away"))
+    assert (
+        agent_connection_problem(url, closed)
+        == f"the agent at {url} closed the connection (close code 1001 going away)"
+    )
+    assert (
+        agent_connection_problem(url, ConnectionClosed(None)) == f"the agent at {url} closed the connection"
+    )
+    try:
+        raise HandshakeError() from ConnectionRefusedError(111, "Connection refused")
+    except HandshakeError as unreachable:
+        problem = agent_connection_problem(url, unreachable)
+    assert problem == f"cannot reach an agent at {url}: [Errno 111] Connection refused"
 
 
 def test_a_listing_becomes_one_line() -> None:

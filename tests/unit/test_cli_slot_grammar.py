@@ -90,7 +90,10 @@ def test_the_old_forms_keep_working() -> None:
         ),
         ("gpu0,replay=tcp://h:2", "replay configures the engine"),
         ("=tcp://h:1,worker=1", "slot name must not be empty"),
+        ("", "slot name must not be empty"),
+        ("=tcp://h:1", "slot name must not be empty"),
         ("a=,worker=1", "engine endpoint after '=' must not be empty"),
+        ("a=", "engine endpoint after '=' must not be empty"),
     ],
 )
 def test_bad_slot_texts_are_refused_naming_the_problem(text: str, message: str) -> None:

@@ -13,7 +13,6 @@ from kvagent.cli.config import (
     SlotConfig,
     default_state_dir,
     load_config_file,
-    parse_slot_arg,
     resolve_cache_owner_id,
     structure_serve_config,
 )
@@ -244,15 +243,6 @@ def test_a_file_may_leave_the_slots_to_the_command_line(tmp_path: Path) -> None:
     config = load_config_file(write(tmp_path, 'listen = "0.0.0.0:9000"\ndiscovery = "memory"\n'))
     assert config.slots == ()
     assert config.listen == "0.0.0.0:9000"
-
-
-def test_parse_slot_arg() -> None:
-    assert parse_slot_arg("decode-0") == ("decode-0", None)
-    assert parse_slot_arg("decode-0=tcp://127.0.0.1:5557") == ("decode-0", "tcp://127.0.0.1:5557")
-    assert parse_slot_arg("a=ipc:///tmp/x=y") == ("a", "ipc:///tmp/x=y")
-    for bad in ("", "=tcp://h:1", "a="):
-        with pytest.raises(ConfigError):
-            parse_slot_arg(bad)
 
 
 def test_resolve_cache_owner_id() -> None:

@@ -279,7 +279,7 @@ def test_statistics_count_publications() -> None:
     state.publish([store(4), event(Stored(None, (5,), (5,)), HOST, C)])
     state.answer(seq_request(0))
     stats = state.statistics()
-    assert (stats.batches_published, stats.events_published, stats.stores_without_tokens) == (2, 4, 1)
+    assert (stats.batches, stats.events, stats.stores_without_tokens) == (2, 4, 1)
     assert (stats.resident_blocks, stats.ranges_served, stats.snapshots_served) == (1, 1, 0)
 
 

@@ -1,7 +1,7 @@
 """The column encoders (issue #25): compiled and pure Python write the reference bytes.
 
-The reference for a tree dump's rows is kvagent.wire.router_event.OneBlockRows (itself pinned to
-``router_event_to_wire``); for ring events it is ``encode_event``.  Both implementations of
+The reference is ``encode_event`` (pinned to ``router_event_to_wire``): of each live row's one-block Stored
+event for a tree dump, of each event for the ring.  Both implementations of
 kvagent/recovery/wire_columns.py run on the same Hypothesis columns: every flag, hashes at the u64 edges,
 sub-ranges, an output buffer that already holds events, and chains long enough for every msgpack array
 header size.
@@ -21,7 +21,7 @@ from kvagent.index.ring import EventRing
 from kvagent.index.store import FLAG_DEAD, FLAG_PARENT
 from kvagent.model.events import U64_MAX, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.recovery import wire_columns
-from kvagent.wire.router_event import BlockRows, Encoding, OneBlockRows, encode_event
+from kvagent.wire.router_event import EVENT_TEMPLATES, Encoding, encode_event
 from tests.support.ids import OWNER
 
 
@@ -56,11 +56,22 @@ def test_dump_rows_are_the_reference_bytes(
     end = data.draw(st.integers(first, len(rows)))
     domain = ResidencyDomain.CACHE_OWNER if source is not None else ResidencyDomain.WORKER
     route = (7, tier, domain, 3, source)
-    live = flags.translate(bytes(0 if value == FLAG_DEAD else 1 for value in range(256)))
-    has_parent = flags.translate(bytes(1 if value == FLAG_PARENT else 0 for value in range(256)))
-    block_rows = BlockRows(hashes, parents, tokens, has_parent, live, {})
+    live = [row for row in range(first, end) if flags[row] != FLAG_DEAD]
+    events = [
+        RouterEvent(
+            7,
+            tier,
+            domain,
+            first_id + number,
+            Stored(parents[row] if flags[row] == FLAG_PARENT else None, (hashes[row],), (tokens[row],)),
+            3,
+            source,  # type: ignore[arg-type]
+        )
+        for number, row in enumerate(live)
+    ]
+    next_id = first_id + len(events)
     for encoding in Encoding:
-        reference, next_id = OneBlockRows(encoding, *route).encode(block_rows, first, end, first_id)  # type: ignore[arg-type]
+        reference = [encode_event(encoding, event) for event in events]
         expected = [part.encode() if isinstance(part, str) else part for part in reference]
         for impl in _implementations():
             out = bytearray(b"x" if prefilled else b"")
@@ -109,7 +120,7 @@ def test_ring_events_of_every_array_header_size(blocks: int) -> None:
             ends,
             list(heads),
             list(tails),
-            wire_columns.event_templates(),
+            EVENT_TEMPLATES,
             segment.ids,
             segment.routes,
             segment.kinds,
