@@ -103,8 +103,6 @@ cdef class Scratch:
         free(self.data)
 
 
-cdef Scratch _HASHES = Scratch()
-cdef Scratch _TOKENS = Scratch()
 
 
 cdef bint tuple_u64s(tuple values, uint64_t* out):
@@ -446,8 +444,11 @@ cdef class BlockTable:
             raise ValueError("tokens hashes and block hashes differ in length")
         if infos is not None and PyTuple_GET_SIZE(infos) != count:
             raise ValueError("mm_extra_infos and block hashes differ in length")
-        cdef uint64_t* hashes = _HASHES.reserve(count)
-        cdef uint64_t* tokens = _TOKENS.reserve(count)
+        # Buffers of this call's own: converting may run Python code (int subclasses), and another thread
+        # with another store must not share them.
+        cdef Scratch hash_scratch = Scratch(), token_scratch = Scratch()
+        cdef uint64_t* hashes = hash_scratch.reserve(count)
+        cdef uint64_t* tokens = token_scratch.reserve(count)
         loose_u64s(hash_tuple, hashes)
         loose_u64s(token_tuple, tokens)
         if parent_hash is not None:
@@ -458,7 +459,8 @@ cdef class BlockTable:
         """Delete the given hashes; unknown hashes (and values no block hash equals) are ignored."""
         cdef tuple values = tuple(block_hashes)
         cdef Py_ssize_t index, kept = 0, count = PyTuple_GET_SIZE(values)
-        cdef uint64_t* keys = _HASHES.reserve(count)
+        cdef Scratch scratch = Scratch()
+        cdef uint64_t* keys = scratch.reserve(count)
         for index in range(count):
             if key_of(<object>PyTuple_GET_ITEM(values, index), keys + kept):
                 kept += 1
@@ -716,6 +718,8 @@ def apply_run(object index, object events):
     cdef uint64_t parent_value
     cdef uint64_t* hash_values
     cdef uint64_t* token_values
+    # This run's conversion buffers (not shared: the loop runs Python code between converting and storing).
+    cdef Scratch hash_scratch = Scratch(), token_scratch = Scratch()
     cdef bint plain, native_stores = isinstance(new_store, type) and issubclass(new_store, BlockTable)
     for position in range(total):
         event = events[position]
@@ -740,8 +744,8 @@ def apply_run(object index, object events):
                 )
                 if plain:
                     count = PyTuple_GET_SIZE(hashes)
-                    hash_values = _HASHES.reserve(count)
-                    token_values = _TOKENS.reserve(count)
+                    hash_values = hash_scratch.reserve(count)
+                    token_values = token_scratch.reserve(count)
                     parent_value = 0
                     plain = (
                         tuple_u64s(hashes, hash_values)
@@ -764,7 +768,7 @@ def apply_run(object index, object events):
                     pass  # nothing resident under this key: a remove changes nothing
                 elif type(hashes) is tuple and isinstance(store, BlockTable):
                     count = PyTuple_GET_SIZE(hashes)
-                    hash_values = _HASHES.reserve(count)
+                    hash_values = hash_scratch.reserve(count)
                     if tuple_u64s(hashes, hash_values):
                         (<BlockTable>store).remove_c(hash_values, count)
                     else:
