@@ -41,7 +41,13 @@ from kvagent.model.events import (
 )
 from tests.support.ids import IDENTITY
 
-native_module = pytest.importorskip("kvagent._native._store", reason="the compiled store is not built")
+try:
+    from kvagent._native import _store as native_module
+except ImportError:
+    # CI builds the core (.ci/run sets KVAGENT_REQUIRE_NATIVE=1 for both passes): there it must be there.
+    if os.environ.get("KVAGENT_REQUIRE_NATIVE") == "1" or os.environ.get("CI", "").lower() == "true":
+        raise
+    pytest.skip("the compiled store is not built", allow_module_level=True)
 NativeStore: Any = native_store_class(native_module)
 NATIVE_APPLY_RUN = recovery_index._native_apply_run(native_module)
 
