@@ -17,13 +17,15 @@ About 8-16 bytes of table plus 25 bytes of columns per block, against the dict's
 tests/unit/test_native_store.py pins both to the Python versions.
 """
 
+from cpython cimport array
+from cpython.array cimport resize_smart
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLong
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from cpython.object cimport PyObject
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from cpython.object cimport PyObject, Py_SIZE
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memchr, memcpy, memmove, memset
 
@@ -614,22 +616,124 @@ cdef object _warning = None
 cdef object _RingSegment = None
 cdef object _segment_append = None
 cdef object _apply_errors = None
+cdef object _python_segment_append = None
 
 
 def configure(router_event, stored, removed, worker, warning, ring_segment, segment_append, apply_errors):
-    """The model's classes and the index's collaborators (kvagent/index/recovery_index.py calls this)."""
+    """The model's classes and the index's collaborators (kvagent/index/recovery_index.py calls this).
+
+    ``segment_append`` is how EventRing appends to a segment: ``RingSegment.append`` (the pure-Python ring,
+    which this loop then calls) or the compiled one, whose columns this loop writes itself.
+    """
     global _RouterEvent, _Stored, _Removed, _WORKER, _warning, _RingSegment, _segment_append, _apply_errors
+    global _python_segment_append
     _RouterEvent, _Stored, _Removed, _WORKER = router_event, stored, removed, worker
     _warning, _RingSegment, _segment_append, _apply_errors = warning, ring_segment, segment_append, apply_errors
+    _python_segment_append = ring_segment.append
+
+
+cdef inline int push_u64(array.array column, uint64_t value) except -1:
+    cdef Py_ssize_t size = Py_SIZE(column)
+    resize_smart(column, size + 1)
+    column.data.as_ulonglongs[size] = value
+    return 0
+
+
+cdef inline int push_u64s(array.array column, tuple values) except -1:
+    cdef Py_ssize_t size = Py_SIZE(column), count = PyTuple_GET_SIZE(values), index
+    resize_smart(column, size + count)
+    for index in range(count):
+        column.data.as_ulonglongs[size + index] = PyLong_AsUnsignedLongLong(<object>PyTuple_GET_ITEM(values, index))
+    return 0
+
+
+cdef class _Tail:
+    """The columns of the ring's newest segment, fetched once per segment, and its last route's code."""
+    cdef object segment
+    cdef array.array ids, routes, parents, offsets, hashes, tokens
+    cdef bytearray kinds
+    cdef dict extras, codes
+    cdef object worker_id, tier, domain, dp_rank, source, session
+    cdef Py_ssize_t code
+
+    def __cinit__(self, segment):
+        self.segment = segment
+        self.ids, self.routes, self.parents = segment.ids, segment.routes, segment.parents
+        self.offsets, self.hashes, self.tokens = segment.offsets, segment.hashes, segment.tokens
+        self.kinds, self.extras, self.codes = segment.kinds, segment.extras, segment.route_codes
+        self.code = -1
+
+    cdef int append(self, object event) except -1:
+        """RingSegment.append / _columns.ring_append (the same columns), with the route's code reused while
+        the event's route fields are the very objects of the previous event's."""
+        cdef object worker_id = event.worker_id, tier = event.storage_tier, domain = event.residency_domain
+        cdef object dp_rank = event.dp_rank, source = event.state_source, session = event.session_id
+        cdef object code
+        if not (
+            self.code >= 0
+            and worker_id is self.worker_id
+            and tier is self.tier
+            and domain is self.domain
+            and dp_rank is self.dp_rank
+            and source is self.source
+            and session is self.session
+        ):
+            key = (worker_id, tier, domain, dp_rank, id(source), session)
+            code = self.codes.get(key)
+            if code is None:
+                code = self.segment.add_route(event, key)
+            self.code = code
+            self.worker_id, self.tier, self.domain, self.dp_rank = worker_id, tier, domain, dp_rank
+            self.source, self.session = source, session
+        cdef object data = event.data
+        cdef object cls = type(data)
+        cdef Py_ssize_t position = Py_SIZE(self.ids), size, count
+        cdef tuple block_hashes
+        cdef object parent
+        if cls is _Stored:
+            parent = data.parent_hash
+            if parent is None:
+                self.kinds.append(0)
+                push_u64(self.parents, 0)
+            else:
+                self.kinds.append(1)
+                push_u64(self.parents, PyLong_AsUnsignedLongLong(parent))
+            push_u64s(self.hashes, data.block_hashes)
+            push_u64s(self.tokens, data.tokens_hashes)
+            if data.mm_extra_infos is not None or data.start_position is not None:
+                self.extras[position] = (data.start_position, data.mm_extra_infos)
+        elif cls is _Removed:
+            self.kinds.append(2)
+            push_u64(self.parents, 0)
+            block_hashes = data.block_hashes
+            push_u64s(self.hashes, block_hashes)
+            count = PyTuple_GET_SIZE(block_hashes)
+            size = Py_SIZE(self.tokens)
+            resize_smart(self.tokens, size + count)
+            memset(self.tokens.data.as_ulonglongs + size, 0, count * 8)
+        else:
+            self.kinds.append(3)
+            push_u64(self.parents, 0)
+        push_u64(self.ids, PyLong_AsUnsignedLongLong(event.event_id))
+        size = Py_SIZE(self.routes)
+        resize_smart(self.routes, size + 1)
+        self.routes.data.as_ushorts[size] = <uint16_t>self.code
+        size = Py_SIZE(self.offsets)
+        resize_smart(self.offsets, size + 1)
+        self.offsets.data.as_uints[size] = <uint32_t>Py_SIZE(self.hashes)
+        return 0
 
 
 cdef int ring_extend(object ring, list events) except -1:
-    """EventRing.append for each of ``events`` (kvagent/index/ring.py), the ring's state kept in locals."""
+    """EventRing.append for each of ``events`` (kvagent/index/ring.py), the ring's state kept in locals and
+    the newest segment's columns fetched once (the appends write exactly what RingSegment.append does)."""
     cdef object tail = ring._tail
     cdef Py_ssize_t segment_events = ring._segment_events, capacity = ring.capacity
     cdef Py_ssize_t count = ring._count, head = ring._head, tail_length, index
     cdef list segments = ring._segments, firsts = ring._firsts
     cdef object event
+    cdef _Tail columns = None
+    cdef bint compiled = _segment_append is not _python_segment_append
     tail_length = -1 if tail is None else len(tail.kinds)
     try:
         for index in range(PyList_GET_SIZE(events)):
@@ -639,7 +743,13 @@ cdef int ring_extend(object ring, list events) except -1:
                 segments.append(tail)
                 firsts.append(event.event_id)
                 tail_length = 0
-            _segment_append(tail, event)
+                columns = None
+            if compiled:
+                if columns is None:
+                    columns = _Tail(tail)
+                columns.append(event)
+            else:
+                _segment_append(tail, event)
             tail_length += 1
             count += 1
             if count > capacity:
