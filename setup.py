@@ -1,4 +1,4 @@
-"""The optional compiled core (kvagent/_native/_ingest.pyx, _columns.pyx); everything else is in pyproject.toml.
+"""The optional compiled core (kvagent/_native/_ingest.pyx, _columns.pyx, _store.pyx); everything else is in pyproject.toml.
 
 ``pip install .`` compiles it with Cython when a C compiler is there. Without one (or if the compile fails
 for any other reason) the build goes on without it and kvagent runs its pure-Python path; ``kvagent
@@ -26,6 +26,10 @@ NATIVE = [
     # The columnar ring's append and the answers encoded from its columns (index/ring.py, recovery/dump.py).
     Extension(
         "kvagent._native._columns", ["kvagent/_native/_columns.pyx"], extra_compile_args=_FLAGS, optional=True
+    ),
+    # The recovery index's block store (a C hash table, no Python object per block) and its apply_run loop.
+    Extension(
+        "kvagent._native._store", ["kvagent/_native/_store.pyx"], extra_compile_args=_FLAGS, optional=True
     ),
 ]
 

@@ -1,10 +1,13 @@
-"""Whether the compiled ingest core (``kvagent/_native/_ingest.pyx``) is used, and why not.
+"""Whether the compiled core (``kvagent/_native/_ingest.pyx``, ``_columns.pyx``, ``_store.pyx``) is used, and
+why not.
 
 ``NATIVE`` is True when the extension was built (``pip install .`` with a C compiler), imports, and fits the
 model's value classes; ``REASON`` says why not otherwise. ``KVAGENT_NO_NATIVE=1`` forces the pure-Python
 path (tests and CI run both; the differential tests pin them to the same results). ``core`` is the
 configured module (None without it): the decode+normalize pass of ``vllm/normalize.py`` and the plain-chunk
-pass of ``coordinator/fastpath.py`` call it and fall back to Python for anything it declines.
+pass of ``coordinator/fastpath.py`` call it and fall back to Python for anything it declines. ``columns``
+(the ring's append and the answer encoders) and ``store`` (the recovery index's block store and its
+``apply_run``) are the other two extensions, or None; the same switch turns them off.
 
 The one module beside ``kvagent.cli`` that reads the environment: the switch must hold for every embedder
 and test process, before anything ingests (tests/unit/test_layers.py names it).
@@ -13,6 +16,7 @@ and test process, before anything ingests (tests/unit/test_layers.py names it).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -30,7 +34,7 @@ from kvagent.model.events import (
     Stored,
 )
 
-__all__ = ["NATIVE", "REASON", "IngestCore", "columns", "core", "describe"]
+__all__ = ["NATIVE", "REASON", "IngestCore", "columns", "core", "describe", "store"]
 
 DISABLE_VARIABLE = "KVAGENT_NO_NATIVE"
 
@@ -63,10 +67,12 @@ class IngestCore(Protocol):
 def _load() -> tuple[IngestCore | None, str]:
     if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):
         return None, f"disabled by {DISABLE_VARIABLE}"
+    if importlib.util.find_spec("kvagent._native._ingest") is None:
+        return None, "not built"  # a bare clone, or an install without a C compiler
     try:
         from kvagent._native import _ingest
     except ImportError as exc:
-        return None, f"extension not built ({exc})"
+        return None, f"extension does not load ({exc})"
     classes = (Stored, Removed, PlacementEvent, RouterEvent)
     try:
         fields = tuple(tuple(field.name for field in attrs.fields(cls)) for cls in classes)
@@ -90,21 +96,35 @@ core, REASON = _load()
 NATIVE: bool = core is not None
 
 
-def _load_columns() -> ModuleType | None:
-    """The compiled columnar ring append and answer encoders (``_columns.pyx``), or None: their pure-Python
-    twins (``index/ring.py``, ``recovery/wire_columns.py``). The same switch turns them off."""
+def _load_extension(name: str) -> tuple[ModuleType | None, str]:
+    """A compiled module beside ``_ingest`` (the same switch turns it off), or None and why not."""
     if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):
-        return None
+        return None, f"disabled by {DISABLE_VARIABLE}"
+    if importlib.util.find_spec(f"kvagent._native.{name}") is None:
+        return None, "not built"
     try:
-        # By name: the module has no stubs (its callers type what they use of it).
-        return importlib.import_module("kvagent._native._columns")
-    except ImportError:
-        return None
+        # By name: the modules are optional build products (their callers type what they use of them).
+        return importlib.import_module(f"kvagent._native.{name}"), ""
+    except ImportError as exc:
+        return None, f"does not load ({exc})"
 
 
-columns = _load_columns()
+# The compiled columnar ring append and answer encoders (``_columns.pyx``), or None: their pure-Python
+# twins (``index/ring.py``, ``recovery/wire_columns.py``).
+columns, _COLUMNS_REASON = _load_extension("_columns")
+# The recovery index's block store and apply_run loop (``_store.pyx``), or None: ``index/store.py``'s
+# BlockStore and ``RecoveryIndex.apply_run`` in Python.
+store, _STORE_REASON = _load_extension("_store")
 
 
 def describe() -> str:
-    """``yes`` or ``no (reason)``: what ``kvagent --version`` and the serve log say."""
-    return "yes" if NATIVE else f"no ({REASON})"
+    """``yes`` (every extension runs), ``yes, without ...`` or ``no (reason)``: what ``kvagent --version``
+    and the serve log say."""
+    if not NATIVE:
+        return f"no ({REASON})"
+    missing = [
+        f"{name} ({reason})"
+        for name, module, reason in (("columns", columns, _COLUMNS_REASON), ("store", store, _STORE_REASON))
+        if module is None
+    ]
+    return "yes" if not missing else "yes, without " + ", ".join(missing)

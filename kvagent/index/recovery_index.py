@@ -9,10 +9,13 @@ Filtering answers per requester (5.3) is the recovery server's job, not the inde
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import ModuleType
+from typing import TypeAlias
 
 import attrs
 import structlog
 
+from kvagent import _native
 from kvagent._util.gcutil import gc_paused
 from kvagent.index.answers import (
     DumpGroup,
@@ -24,8 +27,8 @@ from kvagent.index.answers import (
     TreeDumpAnswer,
     TreeDumpFailedAnswer,
 )
-from kvagent.index.ring import EventRing, RingEvents, RingRange
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore
+from kvagent.index.ring import EventRing, RingEvents, RingRange, RingSegment, segment_append
+from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, ResidentStore, new_block_store
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
     RESET_ALL,
@@ -66,6 +69,35 @@ _WORKER = ResidencyDomain.WORKER
 _DEVICE = StorageTier.DEVICE
 
 
+ApplyRun: TypeAlias = Callable[["RecoveryIndex", Sequence[RouterEvent]], "list[tuple[int, Exception]] | None"]
+
+
+def _warn_non_consecutive(expected_event_id: int, event_id: int) -> None:
+    log.warning("non_consecutive_event_id", expected_event_id=expected_event_id, event_id=event_id)
+
+
+def _native_apply_run(module: ModuleType | None) -> ApplyRun | None:
+    """``apply_run`` of kvagent/_native/_store.pyx (configured with this module's classes), or None."""
+    if module is None:
+        return None
+    module.configure(
+        RouterEvent,
+        Stored,
+        Removed,
+        _WORKER,
+        _warn_non_consecutive,
+        RingSegment,
+        segment_append(),
+        (IndexApplyError, TypeError),
+    )
+    apply_run: ApplyRun = module.apply_run
+    return apply_run
+
+
+# The compiled apply_run when built and not switched off (KVAGENT_NO_NATIVE=1), else None.
+_NATIVE_APPLY_RUN = _native_apply_run(_native.store)
+
+
 def _check_u64(values: tuple[int, ...], what: str) -> None:
     if values and (min(values) < 0 or max(values) > U64_MAX):
         raise IndexApplyError(f"{what} must be u64 values")
@@ -102,7 +134,11 @@ class RecoveryIndex:
         self.ring_capacity = ring_capacity
         # The outbound ring as columns (index/ring.py): no Python object per buffered event.
         self._ring = EventRing(ring_capacity)
-        self._stores: dict[StoreKey, BlockStore] = {}
+        self._stores: dict[StoreKey, ResidentStore] = {}
+        # How a store is made, and the compiled apply_run loop (None: the Python one); both compiled when
+        # kvagent/_native/_store.pyx is built, and tests set them per index to compare the two.
+        self._new_store: Callable[[], ResidentStore] = new_block_store
+        self._native_apply_run: ApplyRun | None = _NATIVE_APPLY_RUN
         # The (worker_id, dp_rank) of the newest event that touched each CacheOwner: dump entries carry it.
         self._cache_owner_workers: dict[CacheOwnerId, tuple[int, int]] = {}
         self._subscribers: dict[object, Callable[[RouterEvent], None]] = {}
@@ -166,7 +202,15 @@ class RecoveryIndex:
         whose store or remove raised, as (position, error): each is left out of the ring, as when apply()
         raises. None when an event is not of that shape or its id would be refused: nothing changed, and
         the caller applies them one by one (which refuses each where it happens).
+
+        The compiled loop (kvagent/_native/_store.pyx) does the same in one pass; it declines (None, nothing
+        changed) anything but the plain shape, and this method then decides.
         """
+        native = self._native_apply_run
+        if native is not None:
+            native_failures = native(self, events)
+            if native_failures is not None:
+                return native_failures
         keys = self._run_keys(events)
         if keys is None:
             return None
@@ -258,7 +302,7 @@ class RecoveryIndex:
             _validate_stored(data)  # raises, naming what is wrong
         store = self._stores.get(key)
         if store is None:
-            store = self._stores[key] = BlockStore()
+            store = self._stores[key] = self._new_store()
         store.store(parent, hashes, tokens, data.mm_extra_infos)
 
     def _announce(self, event: RouterEvent) -> None:
@@ -552,7 +596,7 @@ class RecoveryIndex:
 
     def _dump_groups(
         self,
-    ) -> Iterator[tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, BlockStore]]:
+    ) -> Iterator[tuple[int, StorageTier, ResidencyDomain, int, CacheOwnerId | None, ResidentStore]]:
         """(worker_id, tier, domain, dp_rank, state_source, store) for each (owner, tier)."""
         for (owner, tier), store in list(self._stores.items()):
             if isinstance(owner, WorkerWithDpRank):

@@ -51,6 +51,7 @@ __all__ = [
     "RingRange",
     "RingSegment",
     "Route",
+    "segment_append",
 ]
 
 KIND_STORED = 0  # a Stored chain without a parent
@@ -235,6 +236,15 @@ def _native_append() -> Callable[[RingSegment, RouterEvent], None] | None:
 
 
 _NATIVE_APPEND = _native_append()
+
+
+def segment_append() -> Callable[[RingSegment, RouterEvent], None]:
+    """How :meth:`EventRing.append` appends to a segment: the compiled append when built, else Python's
+    (kvagent/_native/_store.pyx's apply_run appends the same way)."""
+    if _NATIVE_APPEND is None:
+        append: Callable[[RingSegment, RouterEvent], None] = RingSegment.append
+        return append
+    return _NATIVE_APPEND
 
 
 class RingEvents(Sequence[RouterEvent]):

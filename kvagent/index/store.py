@@ -16,6 +16,10 @@ flagged dead (never reused); the columns are compacted (in order) when more than
 row order is always the dict's insertion order, and a tree dump is a copy of the columns (C speed) once a
 C-speed check has confirmed that every resident parent sits in an earlier row; only when one does not (a
 re-stored parent, a reparenting) does the dump fall back to the per-block :meth:`BlockStore.replay_order`.
+
+:data:`NativeBlockStore` (kvagent/_native/_store.pyx, when built and not switched off) keeps the same rows,
+dead rows and compaction steps, so every observable is identical, with a C hash table in place of the dict
+(no Python object per block); :func:`new_block_store` is the one the index uses.
 """
 
 from __future__ import annotations
@@ -26,11 +30,23 @@ import operator
 import re
 from array import array
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from types import ModuleType
+from typing import Any, NamedTuple, Protocol
 
+from kvagent import _native
 from kvagent.model.events import MmExtraInfo
 
-__all__ = ["FLAG_DEAD", "FLAG_PARENT", "FLAG_ROOT", "BlockStore", "StoreColumns"]
+__all__ = [
+    "FLAG_DEAD",
+    "FLAG_PARENT",
+    "FLAG_ROOT",
+    "BlockStore",
+    "NativeBlockStore",
+    "ResidentStore",
+    "StoreColumns",
+    "native_store_class",
+    "new_block_store",
+]
 
 # Below this many dead rows compaction is not worth the rebuild.
 _COMPACT_MIN_FREE = 4096
@@ -403,3 +419,84 @@ def _bases(first: int, count: int) -> Iterator[int]:
     span = _BASE_SPAN
     groups = map(itertools.repeat, range(first, first + count, span), itertools.repeat(span))
     return itertools.islice(itertools.chain.from_iterable(groups), count)
+
+
+class ResidentStore(Protocol):
+    """What the index uses of a store: :class:`BlockStore` and the compiled :data:`NativeBlockStore`."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, block_hash: int) -> bool: ...
+
+    def store(
+        self,
+        parent_hash: int | None,
+        block_hashes: tuple[int, ...],
+        tokens_hashes: tuple[int, ...],
+        mm_extra_infos: tuple[MmExtraInfo | None, ...] | None,
+    ) -> None: ...
+
+    def remove(self, block_hashes: tuple[int, ...]) -> None: ...
+
+    def row_of(self, block_hash: int) -> int: ...
+
+    def hashes(self) -> Iterator[int]: ...
+
+    def get(self, block_hash: int) -> tuple[int | None, int, MmExtraInfo | None] | None: ...
+
+    def rows_parent_first(self) -> bool: ...
+
+    def columns(self) -> StoreColumns: ...
+
+    def replay_columns(self) -> StoreColumns: ...
+
+    def replay_order(self) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]: ...
+
+
+def native_store_class(module: ModuleType) -> type[ResidentStore]:
+    """:class:`BlockStore`'s interface over the compiled ``BlockTable`` of ``module`` (kvagent._native._store).
+
+    The table keeps the rows; the column copies are wrapped here as :class:`StoreColumns`.
+    """
+    table: Any = module.BlockTable
+
+    class NativeStore(table):  # type: ignore[misc]
+        """BlockStore with its rows in C (kvagent/_native/_store.pyx): identical observables."""
+
+        __slots__ = ()
+
+        def __init__(
+            self, min_free: int = _COMPACT_MIN_FREE, step_rows: int = _COMPACT_STEP_ROWS
+        ) -> None:  # the table's __cinit__ takes the thresholds
+            pass
+
+        def columns(self) -> StoreColumns:
+            """A parent-first copy of the store: the columns themselves when already ordered, else rebuilt."""
+            if self.rows_parent_first():
+                return StoreColumns(*self.column_copies())
+            return self.replay_columns()
+
+        def replay_columns(self) -> StoreColumns:
+            """The exact reference order of :meth:`replay_order`, as columns."""
+            return StoreColumns(*self.replay_column_copies())
+
+        def replay_order(self) -> Iterator[tuple[int, int | None, int, MmExtraInfo | None]]:
+            """BlockStore.replay_order: every block, a resident parent before its children."""
+            entry = self.row_entry
+            for row in self.replay_rows():
+                yield entry(row)
+
+    NativeStore.__name__ = NativeStore.__qualname__ = "NativeBlockStore"
+    store_class: type[ResidentStore] = NativeStore
+    return store_class
+
+
+def _native_store_class() -> type[ResidentStore] | None:
+    module = _native.store
+    return None if module is None else native_store_class(module)
+
+
+# The compiled store when built and not switched off (KVAGENT_NO_NATIVE=1), else None.
+NativeBlockStore: type[ResidentStore] | None = _native_store_class()
+# What the index makes a store with.
+new_block_store: Callable[[], ResidentStore] = BlockStore if NativeBlockStore is None else NativeBlockStore

@@ -432,6 +432,8 @@ def test_apply_run_leaves_a_failing_store_out_of_the_ring(monkeypatch: pytest.Mo
         original(self, parent, hashes, *rest)
 
     monkeypatch.setattr(BlockStore, "store", failing)
+    # The Python store, whatever store the index would make (the compiled one does not call BlockStore.store).
+    monkeypatch.setattr("kvagent.index.recovery_index.new_block_store", BlockStore)
     events = [
         RouterEvent(FIRST.worker_id, DEVICE, W, event_id, Stored(None, (block,), (block,)), SLOT_RANK)
         for event_id, block in ((1, 11), (2, 13), (3, 15))
