@@ -345,13 +345,18 @@ class StreamFollower:
 
     # --- follow -----------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Catch up, then follow every stream live until cancelled; Redis failures are retried."""
+        """Catch up, then follow every stream live until cancelled; Redis failures are retried.
+
+        Started once caught up and, with a ``group``, a member of it on every stream found: an entry written
+        after that is delivered through the group.
+        """
         started = False
         backoff = 0.1
         try:
             while True:
                 try:
                     await self.catch_up()
+                    await self._join_groups()
                     if not started:
                         task_status.started()
                         started = True
@@ -362,6 +367,9 @@ class StreamFollower:
                     self._last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("stream_read_failed", error=self._last_error)
                     self._client = None  # a fresh connection (and fresh group reads) after the outage
+                    # A Redis restarted without its data lost the groups with the streams (XREADGROUP then
+                    # answers NOGROUP): join every group again, at each replica's position (BUSYGROUP: kept).
+                    self._grouped.clear()
                     await trio.sleep(backoff)
                     backoff = min(2 * backoff, 5.0)
         finally:
@@ -374,8 +382,6 @@ class StreamFollower:
             if not replicas:
                 await self._sleep_ms(self._block_ms)
                 return
-            if self._group is not None:
-                await self._ensure_groups(replicas)
             streams = {r.keys.events: (r.position if self._group is None else ">") for r in replicas}
             by_key = {r.keys.events: r for r in replicas}
             read = partial(_xread, streams=streams, group=self._group, consumer=self._consumer)
@@ -398,9 +404,14 @@ class StreamFollower:
             if needs_snapshot:
                 return
 
-    async def _ensure_groups(self, replicas: list[SlotReplica]) -> None:
+    async def _join_groups(self) -> None:
+        """Create the group on every caught-up replica's stream not joined yet, at the replica's position.
+
+        At the position, not at ``$``: entries written since the catch-up's last read are delivered too.
+        ``MKSTREAM``: the head can exist before the writer's first entry.
+        """
         group = self._group
-        todo = [r for r in replicas if r.slot not in self._grouped]
+        todo = [r for r in self.replicas.values() if r.loaded and r.slot not in self._grouped]
         if not todo or group is None:
             return
 

@@ -18,12 +18,18 @@ from tests.support.redis_server import PrivateRedis
 from tests.support.stream_sim import SimulatedSlot, canonical_state, run_writers
 
 
-def _config(url: str, prefix: str, maxlen: int = 10_000, entry_events: int = 256) -> StreamConfig:
+def _config(
+    url: str,
+    prefix: str,
+    maxlen: int = 10_000,
+    entry_events: int = 256,
+    heartbeat_interval: float = 0.2,
+) -> StreamConfig:
     target = StreamTarget(url)
     return StreamConfig(
         target,
         prefix=prefix,
-        heartbeat_interval=0.2,
+        heartbeat_interval=heartbeat_interval,
         backoff_initial=0.05,
         maxlen=maxlen,
         entry_events=entry_events,
@@ -247,13 +253,31 @@ async def test_reader_started_cold_after_many_events(
             nursery.cancel_scope.cancel()
 
 
+def _group_info(client: redis.Redis, key: str) -> list[tuple[bytes, int, bytes]]:
+    """(name, pending, last-delivered-id) of every consumer group of the stream ``key``."""
+    info: Any = client.xinfo_groups(key)
+    return [(g["name"], g["pending"], g["last-delivered-id"]) for g in info]
+
+
+def _consumers(client: redis.Redis, key: str, group: str) -> list[bytes]:
+    info: Any = client.xinfo_consumers(key, group)
+    return [c["name"] for c in info]
+
+
+# No heartbeats during these tests: an idle writer would keep delivering entries to the group, so
+# "every delivered entry is acknowledged" would hold only between two heartbeats.
+QUIET = 3600.0
+
+
 async def test_consumer_group_members_split_the_slots(redis_server: str, redis_prefix: str) -> None:
-    config = _config(redis_server, redis_prefix)
+    config = _config(redis_server, redis_prefix, heartbeat_interval=QUIET)
     slots = [SimulatedSlot.create(n, config) for n in (20, 21)]
     target = StreamTarget(redis_server)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await run_writers(slots, nursery)
+            for slot in slots:
+                await slot.flushed()  # the heads exist: each member finds its slot when it starts
             members = [
                 StreamFollower(
                     target,
@@ -267,6 +291,12 @@ async def test_consumer_group_members_split_the_slots(redis_server: str, redis_p
             ]
             for member in members:
                 await nursery.start(member.run)
+            with redis.Redis.from_url(redis_server) as client:
+                for slot in slots:
+                    assert slot.writer is not None
+                    # A started member is in its group already, so every later entry goes through it.
+                    groups = _group_info(client, slot.writer.keys.events)
+                    assert [name for name, _, _ in groups] == [b"routers"]
             for slot in slots:
                 slot.set_ready(1, ready=True)
                 slot.step(700)
@@ -275,12 +305,49 @@ async def test_consumer_group_members_split_the_slots(redis_server: str, redis_p
                 assert canonical_state(member.replicas[slot.name].index) == canonical_state(slot.index)
                 assert list(member.replicas) == [slot.name]
             with redis.Redis.from_url(redis_server) as client:
-                for slot in slots:
+                for i, slot in enumerate(slots):
                     assert slot.writer is not None
-                    info: Any = client.xinfo_groups(slot.writer.keys.events)
-                    assert [g["name"] for g in info] == [b"routers"]
-                    assert info[0]["pending"] == 0  # every delivered entry was acknowledged once applied
-                    assert cursor_of_id(info[0]["last-delivered-id"]) == 700  # delivered through the group
+                    key = slot.writer.keys.events
+                    # Delivered through the group up to the last entry, each acknowledged once applied
+                    # (a member acknowledges before it reports progress), and only to this slot's member.
+                    assert _group_info(client, key) == [(b"routers", 0, b"700-0")]
+                    assert _consumers(client, key, "routers") == [f"r{i}".encode()]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_group_member_rejoins_its_group_after_redis_lost_it(
+    private_redis: PrivateRedis, redis_prefix: str
+) -> None:
+    """Redis restarted without its data: the group is gone with the stream, and the member creates it again."""
+    config = _config(private_redis.url, redis_prefix, heartbeat_interval=QUIET)
+    slot = SimulatedSlot.create(22, config)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await run_writers([slot], nursery)
+            slot.set_ready(1, ready=True)
+            slot.step(300)
+            await slot.flushed()
+            member = StreamFollower(
+                private_redis.target(),
+                prefix=redis_prefix,
+                slots=[slot.name],
+                block_ms=100,
+                group="routers",
+                consumer="r0",
+            )
+            await nursery.start(member.run)
+            await private_redis.stop()
+            assert slot.writer is not None
+            slot.step(100)
+            await _failed(slot.writer)
+            await private_redis.start()
+            await slot.flushed()
+            await member.wait_until(_at(slot.name, 400))
+            slot.step(50)
+            await member.wait_until(_at(slot.name, 450))
+            assert canonical_state(member.replicas[slot.name].index) == canonical_state(slot.index)
+            with private_redis.client() as client:
+                assert _group_info(client, slot.writer.keys.events) == [(b"routers", 0, b"450-0")]
             nursery.cancel_scope.cancel()
 
 
