@@ -224,6 +224,8 @@ class StreamFollower:
         self._failures = 0
         self._last_error: str | None = None
         self._progress = trio.Event()
+        # Inside a round of live reads: entries applied whose acknowledgments (XACK) are not all sent yet.
+        self._acknowledging = False
 
     def statistics(self) -> FollowerStatistics:
         replicas = list(self.replicas.values())
@@ -250,8 +252,11 @@ class StreamFollower:
                 await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
 
     async def wait_until(self, predicate: Callable[[StreamFollower], bool]) -> None:
-        """Return once ``predicate(self)`` holds (checked after every round of reads)."""
-        while not predicate(self):
+        """Return once ``predicate(self)`` holds (checked after every round of reads).
+
+        Never in the middle of a round: in a group, every entry applied so far is acknowledged by then.
+        """
+        while self._acknowledging or not predicate(self):
             await self._progress.wait()
 
     # --- one pass ---------------------------------------------------------------------------------
@@ -389,17 +394,21 @@ class StreamFollower:
             if not answer:
                 return  # idle for a block: let the caller look at the heads again
             needs_snapshot = False
-            for raw_key, entries in answer:
-                replica = by_key[_text(raw_key)]
-                ok = self._apply_entries(replica, entries)
-                if self._group is not None and entries:
-                    ids = [raw_id for raw_id, _ in entries]
-                    await self._call(partial(_ack, key=replica.keys.events, group=self._group, ids=ids))
-                if not ok:
-                    replica.loaded = False
-                    needs_snapshot = True
-                elif self._on_update is not None and entries:
-                    self._on_update(replica)
+            self._acknowledging = self._group is not None
+            try:
+                for raw_key, entries in answer:
+                    replica = by_key[_text(raw_key)]
+                    ok = self._apply_entries(replica, entries)
+                    if self._group is not None and entries:
+                        ids = [raw_id for raw_id, _ in entries]
+                        await self._call(partial(_ack, key=replica.keys.events, group=self._group, ids=ids))
+                    if not ok:
+                        replica.loaded = False
+                        needs_snapshot = True
+                    elif self._on_update is not None and entries:
+                        self._on_update(replica)
+            finally:
+                self._acknowledging = False
             self._note_progress()
             if needs_snapshot:
                 return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,7 @@ import attrs
 import pytest
 import redis
 import trio
+import trio.testing
 
 from kvagent._util.redis_target import StreamTarget
 from kvagent.publish.stream_writer import StreamConfig, StreamWriter
@@ -312,6 +314,68 @@ async def test_consumer_group_members_split_the_slots(redis_server: str, redis_p
                     # (a member acknowledges before it reports progress), and only to this slot's member.
                     assert _group_info(client, key) == [(b"routers", 0, b"700-0")]
                     assert _consumers(client, key, "routers") == [f"r{i}".encode()]
+            nursery.cancel_scope.cancel()
+
+
+class _HeldAcks(redis.Redis):
+    """A client whose XACK waits for the test (an acknowledgment still on its way, held deterministically)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(connection_pool=redis.ConnectionPool.from_url(url, socket_timeout=5))
+        self.entered = trio.Event()
+        self.release = threading.Event()
+
+    def xack(self, name: Any, groupname: Any, *ids: Any) -> Any:
+        trio.from_thread.run_sync(self.entered.set)  # called from the follower's worker thread
+        assert self.release.wait(timeout=20), "the test never released the acknowledgment"
+        return super().xack(name, groupname, *ids)
+
+
+async def test_a_member_is_never_seen_between_applying_and_acknowledging(
+    redis_server: str, redis_prefix: str
+) -> None:
+    """``wait_until`` holds back until the round's XACKs are sent: then nothing it applied is still pending."""
+    config = _config(redis_server, redis_prefix, heartbeat_interval=QUIET)
+    slot = SimulatedSlot.create(23, config)
+
+    def held_client() -> redis.Redis:
+        client = _HeldAcks(redis_server)
+        clients.append(client)
+        return client
+
+    clients: list[_HeldAcks] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await run_writers([slot], nursery)
+            await slot.flushed()
+            member = StreamFollower(
+                StreamTarget(redis_server),
+                prefix=redis_prefix,
+                slots=[slot.name],
+                block_ms=100,
+                group="routers",
+                consumer="r0",
+                client_factory=held_client,
+            )
+            await nursery.start(member.run)
+            slot.step(100)
+            (client,) = clients
+            await client.entered.wait()
+            assert member.replicas[slot.name].cursor == 100  # applied, its acknowledgment held
+            returned = trio.Event()
+
+            async def waiter() -> None:
+                await member.wait_until(_at(slot.name, 100))
+                returned.set()
+
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not returned.is_set()
+            client.release.set()
+            await returned.wait()
+            with redis.Redis.from_url(redis_server) as check:
+                assert slot.writer is not None
+                assert _group_info(check, slot.writer.keys.events) == [(b"routers", 0, b"100-0")]
             nursery.cancel_scope.cancel()
 
 
