@@ -224,6 +224,8 @@ class StreamFollower:
         self._failures = 0
         self._last_error: str | None = None
         self._progress = trio.Event()
+        # Inside a round of live reads: entries applied whose acknowledgments (XACK) are not all sent yet.
+        self._acknowledging = False
 
     def statistics(self) -> FollowerStatistics:
         replicas = list(self.replicas.values())
@@ -250,8 +252,11 @@ class StreamFollower:
                 await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
 
     async def wait_until(self, predicate: Callable[[StreamFollower], bool]) -> None:
-        """Return once ``predicate(self)`` holds (checked after every round of reads)."""
-        while not predicate(self):
+        """Return once ``predicate(self)`` holds (checked after every round of reads).
+
+        Never in the middle of a round: in a group, every entry applied so far is acknowledged by then.
+        """
+        while self._acknowledging or not predicate(self):
             await self._progress.wait()
 
     # --- one pass ---------------------------------------------------------------------------------
@@ -345,13 +350,18 @@ class StreamFollower:
 
     # --- follow -----------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Catch up, then follow every stream live until cancelled; Redis failures are retried."""
+        """Catch up, then follow every stream live until cancelled; Redis failures are retried.
+
+        Started once caught up and, with a ``group``, a member of it on every stream found: an entry written
+        after that is delivered through the group.
+        """
         started = False
         backoff = 0.1
         try:
             while True:
                 try:
                     await self.catch_up()
+                    await self._join_groups()
                     if not started:
                         task_status.started()
                         started = True
@@ -362,6 +372,9 @@ class StreamFollower:
                     self._last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("stream_read_failed", error=self._last_error)
                     self._client = None  # a fresh connection (and fresh group reads) after the outage
+                    # A Redis restarted without its data lost the groups with the streams (XREADGROUP then
+                    # answers NOGROUP): join every group again, at each replica's position (BUSYGROUP: kept).
+                    self._grouped.clear()
                     await trio.sleep(backoff)
                     backoff = min(2 * backoff, 5.0)
         finally:
@@ -374,8 +387,6 @@ class StreamFollower:
             if not replicas:
                 await self._sleep_ms(self._block_ms)
                 return
-            if self._group is not None:
-                await self._ensure_groups(replicas)
             streams = {r.keys.events: (r.position if self._group is None else ">") for r in replicas}
             by_key = {r.keys.events: r for r in replicas}
             read = partial(_xread, streams=streams, group=self._group, consumer=self._consumer)
@@ -383,24 +394,33 @@ class StreamFollower:
             if not answer:
                 return  # idle for a block: let the caller look at the heads again
             needs_snapshot = False
-            for raw_key, entries in answer:
-                replica = by_key[_text(raw_key)]
-                ok = self._apply_entries(replica, entries)
-                if self._group is not None and entries:
-                    ids = [raw_id for raw_id, _ in entries]
-                    await self._call(partial(_ack, key=replica.keys.events, group=self._group, ids=ids))
-                if not ok:
-                    replica.loaded = False
-                    needs_snapshot = True
-                elif self._on_update is not None and entries:
-                    self._on_update(replica)
+            self._acknowledging = self._group is not None
+            try:
+                for raw_key, entries in answer:
+                    replica = by_key[_text(raw_key)]
+                    ok = self._apply_entries(replica, entries)
+                    if self._group is not None and entries:
+                        ids = [raw_id for raw_id, _ in entries]
+                        await self._call(partial(_ack, key=replica.keys.events, group=self._group, ids=ids))
+                    if not ok:
+                        replica.loaded = False
+                        needs_snapshot = True
+                    elif self._on_update is not None and entries:
+                        self._on_update(replica)
+            finally:
+                self._acknowledging = False
             self._note_progress()
             if needs_snapshot:
                 return
 
-    async def _ensure_groups(self, replicas: list[SlotReplica]) -> None:
+    async def _join_groups(self) -> None:
+        """Create the group on every caught-up replica's stream not joined yet, at the replica's position.
+
+        At the position, not at ``$``: entries written since the catch-up's last read are delivered too.
+        ``MKSTREAM``: the head can exist before the writer's first entry.
+        """
         group = self._group
-        todo = [r for r in replicas if r.slot not in self._grouped]
+        todo = [r for r in self.replicas.values() if r.loaded and r.slot not in self._grouped]
         if not todo or group is None:
             return
 

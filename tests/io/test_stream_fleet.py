@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,7 @@ import attrs
 import pytest
 import redis
 import trio
+import trio.testing
 
 from kvagent._util.redis_target import StreamTarget
 from kvagent.publish.stream_writer import StreamConfig, StreamWriter
@@ -18,12 +20,18 @@ from tests.support.redis_server import PrivateRedis
 from tests.support.stream_sim import SimulatedSlot, canonical_state, run_writers
 
 
-def _config(url: str, prefix: str, maxlen: int = 10_000, entry_events: int = 256) -> StreamConfig:
+def _config(
+    url: str,
+    prefix: str,
+    maxlen: int = 10_000,
+    entry_events: int = 256,
+    heartbeat_interval: float = 0.2,
+) -> StreamConfig:
     target = StreamTarget(url)
     return StreamConfig(
         target,
         prefix=prefix,
-        heartbeat_interval=0.2,
+        heartbeat_interval=heartbeat_interval,
         backoff_initial=0.05,
         maxlen=maxlen,
         entry_events=entry_events,
@@ -247,13 +255,31 @@ async def test_reader_started_cold_after_many_events(
             nursery.cancel_scope.cancel()
 
 
+def _group_info(client: redis.Redis, key: str) -> list[tuple[bytes, int, bytes]]:
+    """(name, pending, last-delivered-id) of every consumer group of the stream ``key``."""
+    info: Any = client.xinfo_groups(key)
+    return [(g["name"], g["pending"], g["last-delivered-id"]) for g in info]
+
+
+def _consumers(client: redis.Redis, key: str, group: str) -> list[bytes]:
+    info: Any = client.xinfo_consumers(key, group)
+    return [c["name"] for c in info]
+
+
+# No heartbeats during these tests: an idle writer would keep delivering entries to the group, so
+# "every delivered entry is acknowledged" would hold only between two heartbeats.
+QUIET = 3600.0
+
+
 async def test_consumer_group_members_split_the_slots(redis_server: str, redis_prefix: str) -> None:
-    config = _config(redis_server, redis_prefix)
+    config = _config(redis_server, redis_prefix, heartbeat_interval=QUIET)
     slots = [SimulatedSlot.create(n, config) for n in (20, 21)]
     target = StreamTarget(redis_server)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await run_writers(slots, nursery)
+            for slot in slots:
+                await slot.flushed()  # the heads exist: each member finds its slot when it starts
             members = [
                 StreamFollower(
                     target,
@@ -267,6 +293,12 @@ async def test_consumer_group_members_split_the_slots(redis_server: str, redis_p
             ]
             for member in members:
                 await nursery.start(member.run)
+            with redis.Redis.from_url(redis_server) as client:
+                for slot in slots:
+                    assert slot.writer is not None
+                    # A started member is in its group already, so every later entry goes through it.
+                    groups = _group_info(client, slot.writer.keys.events)
+                    assert [name for name, _, _ in groups] == [b"routers"]
             for slot in slots:
                 slot.set_ready(1, ready=True)
                 slot.step(700)
@@ -275,12 +307,111 @@ async def test_consumer_group_members_split_the_slots(redis_server: str, redis_p
                 assert canonical_state(member.replicas[slot.name].index) == canonical_state(slot.index)
                 assert list(member.replicas) == [slot.name]
             with redis.Redis.from_url(redis_server) as client:
-                for slot in slots:
+                for i, slot in enumerate(slots):
                     assert slot.writer is not None
-                    info: Any = client.xinfo_groups(slot.writer.keys.events)
-                    assert [g["name"] for g in info] == [b"routers"]
-                    assert info[0]["pending"] == 0  # every delivered entry was acknowledged once applied
-                    assert cursor_of_id(info[0]["last-delivered-id"]) == 700  # delivered through the group
+                    key = slot.writer.keys.events
+                    # Delivered through the group up to the last entry, each acknowledged once applied
+                    # (a member acknowledges before it reports progress), and only to this slot's member.
+                    assert _group_info(client, key) == [(b"routers", 0, b"700-0")]
+                    assert _consumers(client, key, "routers") == [f"r{i}".encode()]
+            nursery.cancel_scope.cancel()
+
+
+class _HeldAcks(redis.Redis):
+    """A client whose XACK waits for the test (an acknowledgment still on its way, held deterministically)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(connection_pool=redis.ConnectionPool.from_url(url, socket_timeout=5))
+        self.entered = trio.Event()
+        self.release = threading.Event()
+
+    def xack(self, name: Any, groupname: Any, *ids: Any) -> Any:
+        trio.from_thread.run_sync(self.entered.set)  # called from the follower's worker thread
+        assert self.release.wait(timeout=20), "the test never released the acknowledgment"
+        return super().xack(name, groupname, *ids)
+
+
+async def test_a_member_is_never_seen_between_applying_and_acknowledging(
+    redis_server: str, redis_prefix: str
+) -> None:
+    """``wait_until`` holds back until the round's XACKs are sent: then nothing it applied is still pending."""
+    config = _config(redis_server, redis_prefix, heartbeat_interval=QUIET)
+    slot = SimulatedSlot.create(23, config)
+
+    def held_client() -> redis.Redis:
+        client = _HeldAcks(redis_server)
+        clients.append(client)
+        return client
+
+    clients: list[_HeldAcks] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await run_writers([slot], nursery)
+            await slot.flushed()
+            member = StreamFollower(
+                StreamTarget(redis_server),
+                prefix=redis_prefix,
+                slots=[slot.name],
+                block_ms=100,
+                group="routers",
+                consumer="r0",
+                client_factory=held_client,
+            )
+            await nursery.start(member.run)
+            slot.step(100)
+            (client,) = clients
+            await client.entered.wait()
+            assert member.replicas[slot.name].cursor == 100  # applied, its acknowledgment held
+            returned = trio.Event()
+
+            async def waiter() -> None:
+                await member.wait_until(_at(slot.name, 100))
+                returned.set()
+
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not returned.is_set()
+            client.release.set()
+            await returned.wait()
+            with redis.Redis.from_url(redis_server) as check:
+                assert slot.writer is not None
+                assert _group_info(check, slot.writer.keys.events) == [(b"routers", 0, b"100-0")]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_group_member_rejoins_its_group_after_redis_lost_it(
+    private_redis: PrivateRedis, redis_prefix: str
+) -> None:
+    """Redis restarted without its data: the group is gone with the stream, and the member creates it again."""
+    config = _config(private_redis.url, redis_prefix, heartbeat_interval=QUIET)
+    slot = SimulatedSlot.create(22, config)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await run_writers([slot], nursery)
+            slot.set_ready(1, ready=True)
+            slot.step(300)
+            await slot.flushed()
+            member = StreamFollower(
+                private_redis.target(),
+                prefix=redis_prefix,
+                slots=[slot.name],
+                block_ms=100,
+                group="routers",
+                consumer="r0",
+            )
+            await nursery.start(member.run)
+            await private_redis.stop()
+            assert slot.writer is not None
+            slot.step(100)
+            await _failed(slot.writer)
+            await private_redis.start()
+            await slot.flushed()
+            await member.wait_until(_at(slot.name, 400))
+            slot.step(50)
+            await member.wait_until(_at(slot.name, 450))
+            assert canonical_state(member.replicas[slot.name].index) == canonical_state(slot.index)
+            with private_redis.client() as client:
+                assert _group_info(client, slot.writer.keys.events) == [(b"routers", 0, b"450-0")]
             nursery.cancel_scope.cancel()
 
 

@@ -76,9 +76,41 @@ def _command(binary: str, port: int, directory: Path) -> list[str]:
 
 def _pings(port: int) -> bool:
     try:
-        return bool(redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1).ping())
+        with redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1) as client:
+            return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+def _stop(process: subprocess.Popen[bytes], sig: signal.Signals = signal.SIGTERM) -> None:
+    """Signal ``process`` and reap it (SIGKILL if it is still there after 10 s)."""
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _spawn(binary: str, port: int, directory: Path) -> subprocess.Popen[bytes]:
+    with (directory / "redis.log").open("ab") as log_file:
+        return subprocess.Popen(_command(binary, port, directory), stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def _wait_serving(process: subprocess.Popen[bytes], port: int, directory: Path) -> None:
+    """Return once the spawned server answers PING (the one start loop of both fixtures); else stop it.
+
+    Blocking: the session fixture calls it directly, PrivateRedis from a worker thread.
+    """
+    deadline = time.monotonic() + START_TIMEOUT
+    # An external process's readiness has no event to wait on: poll PING, up to a deadline.
+    while not _pings(port):
+        if process.poll() is not None or time.monotonic() > deadline:
+            _stop(process, signal.SIGKILL)
+            log = (directory / "redis.log").read_text()[-2000:]
+            raise RuntimeError(f"redis-server did not start: {log}")
+        time.sleep(0.02)
 
 
 class PrivateRedis:
@@ -91,7 +123,7 @@ class PrivateRedis:
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.log_path = directory / "redis.log"
-        self._process: trio.Process | None = None
+        self._process: subprocess.Popen[bytes] | None = None
 
     def target(self, **kwargs: float) -> StreamTarget:
         return StreamTarget(self.url, **kwargs)  # type: ignore[arg-type]
@@ -101,28 +133,16 @@ class PrivateRedis:
 
     async def start(self) -> None:
         assert self._process is None, "already running"
-        with self.log_path.open("ab") as log_file:
-            self._process = await trio.lowlevel.open_process(
-                _command(self._binary, self.port, self.directory), stdout=log_file, stderr=subprocess.STDOUT
-            )
-        with trio.fail_after(START_TIMEOUT):
-            # An external process's readiness has no event to wait on: poll PING.
-            while not await trio.to_thread.run_sync(_pings, self.port):
-                if self._process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited: {self.log_path.read_text()[-2000:]}")
-                await trio.sleep(0.02)
+        # Owned before the wait: a start cancelled half-way still leaves the process to stop().
+        self._process = process = _spawn(self._binary, self.port, self.directory)
+        await trio.to_thread.run_sync(_wait_serving, process, self.port, self.directory)
 
     async def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         process, self._process = self._process, None
         if process is None:
             return
-        process.send_signal(sig)
-        with trio.move_on_after(10, shield=True) as scope:
-            await process.wait()
-        if scope.cancelled_caught:
-            process.kill()
-            with trio.move_on_after(5, shield=True):
-                await process.wait()
+        with trio.CancelScope(shield=True):  # bounded: _stop kills after 10 s
+            await trio.to_thread.run_sync(_stop, process, sig)
 
 
 @pytest.fixture(scope="session")
@@ -131,27 +151,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = redis_binary()
     directory = tmp_path_factory.mktemp("redis")
     port = _free_port()
-    with (directory / "redis.log").open("wb") as log_file:
-        process = subprocess.Popen(
-            _command(binary, port, directory), stdout=log_file, stderr=subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + START_TIMEOUT
-            # Outside any Trio run: polling the external process's startup is the only option.
-            while not _pings(port):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(
-                        f"redis-server did not start: {(directory / 'redis.log').read_text()[-2000:]}"
-                    )
-                time.sleep(0.02)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    process = _spawn(binary, port, directory)
+    try:
+        _wait_serving(process, port, directory)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(process)
 
 
 @pytest.fixture
@@ -164,8 +172,8 @@ def redis_prefix() -> str:
 async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
     """A started PrivateRedis, stopped after the test."""
     server = PrivateRedis(redis_binary(), tmp_path / "redis")
-    await server.start()
     try:
+        await server.start()
         yield server
     finally:
         await server.stop()
