@@ -34,9 +34,11 @@ from kvagent.model.events import (
     Stored,
 )
 
-__all__ = ["NATIVE", "REASON", "IngestCore", "columns", "core", "describe", "store"]
+__all__ = ["DISABLED", "NATIVE", "REASON", "IngestCore", "columns", "core", "describe", "store"]
 
 DISABLE_VARIABLE = "KVAGENT_NO_NATIVE"
+# Read once at import: the switch must hold for the whole process (see the module docstring).
+DISABLED: bool = os.environ.get(DISABLE_VARIABLE, "") not in ("", "0")
 
 
 class IngestCore(Protocol):
@@ -65,7 +67,7 @@ class IngestCore(Protocol):
 
 
 def _load() -> tuple[IngestCore | None, str]:
-    if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):
+    if DISABLED:
         return None, f"disabled by {DISABLE_VARIABLE}"
     if importlib.util.find_spec("kvagent._native._ingest") is None:
         return None, "not built"  # a bare clone, or an install without a C compiler
@@ -98,7 +100,7 @@ NATIVE: bool = core is not None
 
 def _load_extension(name: str) -> tuple[ModuleType | None, str]:
     """A compiled module beside ``_ingest`` (the same switch turns it off), or None and why not."""
-    if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):
+    if DISABLED:
         return None, f"disabled by {DISABLE_VARIABLE}"
     if importlib.util.find_spec(f"kvagent._native.{name}") is None:
         return None, "not built"

@@ -194,19 +194,19 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
     (
         "late_batches",
         "Raw batches that arrived out of order and were applied in order",
-        _listener(lambda listener: listener.late),
+        _listener(lambda listener: listener.late_batches),
     ),
-    ("engine_disconnects", "Engine connections dropped (SUB monitor)", _listener(lambda s: s.disconnects)),
+    ("engine_disconnects", "Engine connections dropped (SUB monitor)", _listener(lambda s: s.engine_disconnects)),
     ("replay_requests", "Replay requests sent to the engine", _listener(lambda s: s.replay_requests)),
     (
         "ingest_sheds",
         "Times queued raw batches were shed to stay under the byte bound",
-        _listener(lambda s: s.sheds),
+        _listener(lambda s: s.ingest_sheds),
     ),
     (
         "ingest_shed_bytes",
         "Raw payload bytes shed to stay under the byte bound",
-        _listener(lambda s: s.shed_bytes),
+        _listener(lambda s: s.ingest_shed_bytes),
     ),
     (
         "withdrawals",

@@ -39,6 +39,7 @@ from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material, with_model
 from kvagent.publish.republisher import RepublishConfig
 from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT
+from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = [
@@ -227,9 +228,9 @@ def _shed_after_problem(seconds: float) -> str | None:
 
 
 def _ingest_budget_problem(budget: int) -> str | None:
-    # Each half of the budget (the listener's, the coordinator's queue) must hold two of the largest
-    # payloads, or every such batch would shed (ListenerOptions refuses less too).
-    least = 4 * MAX_PAYLOAD_BYTES
+    # IngestBudget owns the rule (each half holds two of the largest payloads); here it is said in the
+    # operator's units before ListenerOptions would refuse it.
+    least = IngestBudget.least_total(MAX_PAYLOAD_BYTES)
     if budget >= least:
         return None
     return (

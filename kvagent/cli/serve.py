@@ -392,7 +392,9 @@ async def _opened_discovery(url: str, options: dict[str, Any]) -> AsyncIterator[
 async def run_serve(config: ServeConfig) -> int:
     configure_logging(config.log_format, logging.getLevelNamesMapping()[config.log_level.upper()])
     keep_large_allocations_mapped()  # resident state: about 45 B less RSS per block (docs/performance.md)
-    if not _native.NATIVE:  # the pure-Python ingest path works the same, at a higher CPU cost per event
+    # The pure-Python ingest path works the same, at a higher CPU cost per event: worth a warning unless the
+    # operator chose it (KVAGENT_NO_NATIVE; `kvagent --version` says which core runs either way).
+    if not _native.NATIVE and not _native.DISABLED:
         log.warning("native_core_unavailable", reason=_native.REASON)
     warn_if_models_unnamed(config)
     check_distinct_addresses(config)

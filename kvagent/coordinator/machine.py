@@ -116,8 +116,6 @@ class SlotCoordinator:
         self.fast_path = True
         # The compiled core's plain-chunk pass (kvagent/_native), or None: the Python one. Tests run both.
         self.native = _native.core
-        # The Trio shell installs the real backlog probe (the core never sees the channel itself).
-        self._ingress_queue_depth: Callable[[], int] = lambda: 0
 
     # -- read-only views ---------------------------------------------------------------------------
 
@@ -136,13 +134,6 @@ class SlotCoordinator:
     def statistics(self) -> CoordinatorStatistics:
         """The counters so far; ``ingress_queue_depth`` is 0 (the queue belongs to the Trio shell)."""
         return self.counters.statistics()
-
-    def ingress_queue_depth(self) -> int:
-        """Chunks admitted but not yet handled (read by the metrics endpoint at scrape time)."""
-        return self._ingress_queue_depth()
-
-    def bind_ingress_queue_depth(self, probe: Callable[[], int]) -> None:
-        self._ingress_queue_depth = probe
 
     # -- the outbound id lease (lease.py) ----------------------------------------------------------
 

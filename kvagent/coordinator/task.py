@@ -515,5 +515,4 @@ def open_coordinator(
     progress = trio.lowlevel.ParkingLot()
     task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup, meter, lease, progress)
     handle = CoordinatorHandle(control_send, ingress_send, wakeup, core, meter, lease, progress)
-    core.bind_ingress_queue_depth(lambda: handle.ingress_backlog)
     return handle, task.run

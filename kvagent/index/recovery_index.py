@@ -28,9 +28,11 @@ from kvagent.index.answers import (
     TreeDumpFailedAnswer,
 )
 from kvagent.index.ring import EventRing, RingEvents, RingRange, RingSegment, segment_append
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, ResidentStore, new_block_store
+from kvagent.index.store import ResidentStore, new_block_store
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
+    FLAG_DEAD,
+    FLAG_PARENT,
     RESET_ALL,
     U64_MAX,
     Cleared,

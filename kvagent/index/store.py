@@ -34,12 +34,9 @@ from types import ModuleType
 from typing import Any, NamedTuple, Protocol
 
 from kvagent import _native
-from kvagent.model.events import MmExtraInfo
+from kvagent.model.events import FLAG_DEAD, FLAG_PARENT, FLAG_ROOT, MmExtraInfo
 
 __all__ = [
-    "FLAG_DEAD",
-    "FLAG_PARENT",
-    "FLAG_ROOT",
     "BlockStore",
     "NativeBlockStore",
     "ResidentStore",
@@ -55,9 +52,6 @@ _COMPACT_STEP_ROWS = 256
 # Rows sharing one base row in the dict (bounds the scan that finds a row from its base).
 _BASE_SPAN = 16
 
-FLAG_ROOT = 0  # a resident block without a parent
-FLAG_PARENT = 1  # a resident block whose parent hash is in the parents column
-FLAG_DEAD = 2  # a removed block's row: all zeros, skipped by every reader
 
 # bytes.translate table turning the flag column into a 0/1 "row is live" mask for itertools.compress.
 _LIVE_MASK = bytes(0 if value == FLAG_DEAD else 1 for value in range(256))

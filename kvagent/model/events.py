@@ -14,6 +14,9 @@ import attrs
 from kvagent.model.ids import CacheOwnerId
 
 __all__ = [
+    "FLAG_DEAD",
+    "FLAG_PARENT",
+    "FLAG_ROOT",
     "U32_MAX",
     "U64_MAX",
     "CLEARED",
@@ -49,6 +52,12 @@ MAX_CHUNK_EVENTS = 128
 MAX_CHUNK_BLOCKS = 8192
 MAX_COALESCED_BLOCKS = 128
 MAX_RAW_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+# The flag of each row of a block-store column set, shared by the index's columns and the dumps and stream
+# snapshots that carry them as they are (docs/protocol.md, compact tree dumps).
+FLAG_ROOT = 0  # a resident block without a parent
+FLAG_PARENT = 1  # a resident block whose parent hash is in the parents column
+FLAG_DEAD = 2  # a removed block's row (all zeros) or padding: skipped by every reader
 
 if TYPE_CHECKING:
     # What mypy checks: immutable value types, exactly as @attrs.frozen(slots=True).

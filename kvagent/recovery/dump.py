@@ -34,9 +34,11 @@ import msgpack
 
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot, RecoveryIndex
 from kvagent.index.ring import RingEvents, RingRange, RingSegment
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, FLAG_ROOT
 from kvagent.model.errors import KvAgentError, RecoveryClientError
 from kvagent.model.events import (
+    FLAG_DEAD,
+    FLAG_PARENT,
+    FLAG_ROOT,
     RESET_ALL,
     MmExtraInfo,
     ResetScope,

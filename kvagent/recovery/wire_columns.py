@@ -29,8 +29,7 @@ import msgpack
 
 from kvagent import _native
 from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, Route
-from kvagent.index.store import FLAG_PARENT, FLAG_ROOT
-from kvagent.model.events import ResidencyDomain, StorageTier
+from kvagent.model.events import FLAG_PARENT, FLAG_ROOT, ResidencyDomain, StorageTier
 from kvagent.model.ids import CacheOwnerId
 from kvagent.wire.router_event import (
     EVENT_TEMPLATES,

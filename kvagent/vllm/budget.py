@@ -37,10 +37,15 @@ class IngestBudget:
     def __attrs_post_init__(self) -> None:
         if self.max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be positive, got {self.max_payload_bytes}")
-        if self.total < 4 * self.max_payload_bytes:
+        if self.total < self.least_total(self.max_payload_bytes):
             raise ValueError(
                 f"ingress_bytes ({self.total}) must be at least 4 x max_payload_bytes ({self.max_payload_bytes})"
             )
+
+    @staticmethod
+    def least_total(max_payload_bytes: int) -> int:
+        """The smallest budget that lets each half hold two of the largest payloads: 4 x the largest."""
+        return 4 * max_payload_bytes
 
     @property
     def listener_bytes(self) -> int:

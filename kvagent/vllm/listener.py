@@ -139,15 +139,15 @@ class ListenerStatistics:
         lost_batches: batches that can never be applied (reported to the coordinator as source loss).
         restarts_seen: confirmed new engine incarnations (in place, or found on reconnect).
         duplicates: live batches dropped because the same bytes were already applied.
-        reorder_overflows: held live batches dropped (shed) to stay within the byte bound.
+        shed_held_batches: batches SourceSync held (reorder window, replay) and dropped when the listener shed.
         filtered: events dropped by normalization, by reason.
         unpublished_blocks: stored blocks normalization could not publish (block size or missing tokens).
-        late: batches that arrived out of order and still applied in order (within the reorder window).
+        late_batches: batches that arrived out of order and still applied in order (within the reorder window).
         resets: Worker resets signalled (history lost, or a new engine).
         degradations: times the source went degraded.
-        disconnects / reconnects: the engine's connection dropping and coming back (SUB monitor).
+        engine_disconnects / reconnects: the engine's connection dropping and coming back (SUB monitor).
         replay_requests / replay_replies: replay requests sent and replies received.
-        sheds / shed_bytes: times the listener dropped its queued batches to stay under its byte bound.
+        ingest_sheds / ingest_shed_bytes: times the listener dropped its queued batches to stay under its byte bound.
         held_bytes: payload bytes the listener holds now (inbox and SourceSync), a gauge.
     """
 
@@ -159,18 +159,18 @@ class ListenerStatistics:
     lost_batches: int
     restarts_seen: int
     duplicates: int
-    reorder_overflows: int
+    shed_held_batches: int
     filtered: Mapping[str, int]
     unpublished_blocks: int
-    late: int = 0
+    late_batches: int = 0
     resets: int = 0
     degradations: int = 0
-    disconnects: int = 0
+    engine_disconnects: int = 0
     reconnects: int = 0
     replay_requests: int = 0
     replay_replies: int = 0
-    sheds: int = 0
-    shed_bytes: int = 0
+    ingest_sheds: int = 0
+    ingest_shed_bytes: int = 0
     held_bytes: int = 0
 
 
@@ -200,24 +200,25 @@ class ListenerCounters:
             decode_errors=self.decode_errors,
             filtered=dict(self.filtered),  # a copy: the snapshot never changes afterwards
             unpublished_blocks=self.unpublished_blocks,
-            disconnects=reader.disconnects if reader is not None else 0,
+            engine_disconnects=reader.engine_disconnects if reader is not None else 0,
             reconnects=reader.reconnects if reader is not None else 0,
-            sheds=reader.sheds if reader is not None else 0,
-            shed_bytes=reader.shed_bytes if reader is not None else 0,
+            ingest_sheds=reader.ingest_sheds if reader is not None else 0,
+            ingest_shed_bytes=reader.ingest_shed_bytes if reader is not None else 0,
             replay_replies=replay.replies if replay is not None else 0,
             held_bytes=held,
             **sync,
         )
 
 
+# SourceSync's counters the listener reports, under the same names (one name per counter).
 _SYNC_NAMES = (
     "gaps",
     "repaired_batches",
     "lost_batches",
     "restarts_seen",
     "duplicates",
-    "reorder_overflows",
-    "late",
+    "shed_held_batches",
+    "late_batches",
     "resets",
     "degradations",
     "replay_requests",
@@ -225,19 +226,8 @@ _SYNC_NAMES = (
 
 
 def _sync_counts(stats: SyncStatistics) -> dict[str, int]:
-    """SourceSync's counters under the listener's statistic names."""
-    return {
-        "gaps": stats.gaps,
-        "repaired_batches": stats.repaired,
-        "lost_batches": stats.lost_batches,
-        "restarts_seen": stats.restarts,
-        "duplicates": stats.duplicates,
-        "reorder_overflows": stats.shed_batches,
-        "late": stats.late,
-        "resets": stats.resets,
-        "degradations": stats.degradations,
-        "replay_requests": stats.replay_requests,
-    }
+    """SourceSync's counters the listener reports."""
+    return {name: getattr(stats, name) for name in _SYNC_NAMES}
 
 
 class _Stop(Exception):

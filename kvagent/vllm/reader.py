@@ -263,9 +263,9 @@ class LiveReader:
         self._shed_held = shed_held  # drops what SourceSync holds; returns the bytes freed
         self.messages = 0
         self.pauses = 0
-        self.sheds = 0
-        self.shed_bytes = 0
-        self.disconnects = 0
+        self.ingest_sheds = 0
+        self.ingest_shed_bytes = 0
+        self.engine_disconnects = 0
         self.reconnects = 0
         self._engine_connected: bool | None = None  # None: never connected yet
         self._largest_message = 0
@@ -371,9 +371,9 @@ class LiveReader:
 
     def _shed(self) -> None:
         freed = self.inbox.drop_live() + self._shed_held()
-        self.sheds += 1
-        self.shed_bytes += freed
-        log.warning("vllm_listener_shed", freed_bytes=freed, bound=self.bytes_bound, sheds=self.sheds)
+        self.ingest_sheds += 1
+        self.ingest_shed_bytes += freed
+        log.warning("vllm_listener_shed", freed_bytes=freed, bound=self.bytes_bound, ingest_sheds=self.ingest_sheds)
         # Close and re-open: libzmq's queue goes with the old socket. What was lost is a gap for SourceSync.
         self._monitor_scope.cancel()
         old = self._subscription
@@ -434,7 +434,7 @@ class LiveReader:
         if event == zmq.EVENT_DISCONNECTED:
             if self._engine_connected:
                 self._engine_connected = False
-                self.disconnects += 1
+                self.engine_disconnects += 1
                 log.warning("vllm_engine_disconnected", endpoint=self.endpoint)
                 self.inbox.put_link(False)
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -200,7 +200,7 @@ class SourceSync(SourceSyncBase[M]):
         if self._disconnected:
             return
         self._disconnected = True
-        self._c.disconnects += 1
+        self._c.engine_disconnects += 1
         if self._restore is None:
             # A READY held back after a shed is what the reconnect restores (and _signal holds back again).
             self._restore = READY if self._ready_when_proven else self._state
@@ -235,7 +235,13 @@ class SourceSync(SourceSyncBase[M]):
             self._deferring = True
             self._request(ReplayPurpose.ANCHOR, strict=True)
         else:
-            self._await_identity = True
+            # Without replay a seq proves nothing here: a dropped connection is most often a restarted engine,
+            # which numbers its batches from 0 again, and the SUB may miss its first ones, so its next seq can
+            # be the last applied + 1 by chance. The history is reset and the next batch decides, as at a cold
+            # start: from seq 0 it is the new engine's whole history (ready), else it joins mid-stream.
+            self._drop_stale()
+            self._restore = None
+            self._lose_history(None, "reconnected without a replay socket: which engine answers cannot be told")
         self._settle(now)
 
     def on_timer(self, now: float) -> None:
@@ -250,15 +256,15 @@ class SourceSync(SourceSyncBase[M]):
         ready, until a live batch received after the shed has been applied in order (issue #28).
         """
         freed = self.held_bytes
-        self._c.shed_batches += len(self._held) + len(self._deferred)  # (replies kept ahead: below)
-        self._c.shed_bytes += freed
-        self._c.shed_batches += len(self._ahead)
+        self._c.shed_held_batches += len(self._held) + len(self._deferred)  # (replies kept ahead: below)
+        self._c.shed_held_bytes += freed
+        self._c.shed_held_batches += len(self._ahead)
         self._held.clear()
         self._deferred.clear()
         self._ahead.clear()
         self.held_bytes = 0
         self._hold_since = None
-        self._c.sheds += 1
+        self._c.ingest_sheds += 1
         self._unproven, self._proof_seq = True, None
         if self._disconnected:
             pass  # the reconnect shows what _restore holds, and _signal keeps READY back until the proof
@@ -296,11 +302,8 @@ class SourceSync(SourceSyncBase[M]):
             self._held[seq] = (digest, nbytes, message)
             self.held_bytes += nbytes
         else:
-            if self._await_identity:  # rule 6 without replay: the next seq proves the same engine
-                self._await_identity = False
-                self._show_restored()
             if self._held:
-                self._c.late += 1
+                self._c.late_batches += 1
             self._apply(seq, digest, message)
             self._drain_held(now)
 
@@ -331,11 +334,10 @@ class SourceSync(SourceSyncBase[M]):
     def _accept_first(self, seq: int, digest: int, message: M) -> None:
         """The first batch after a start without bootstrap, or after a reset with no known continuation."""
         self._unanchored = False
-        self._await_identity = False
         lost = max(0, seq - self._loss_base)
         # Nothing was applied since the start or the last reset, so from seq 0 the history is complete.
         state = READY if seq == 0 else DEGRADED
-        self._signal(state, lost=lost, reason="joined mid-stream" if lost else "history complete from seq 0")
+        self._signal(state, lost=lost, reason="joined mid-stream" if seq else "history complete from seq 0")
         self._applied = seq - 1
         self._apply(seq, digest, message)
 
@@ -490,14 +492,14 @@ class SourceSync(SourceSyncBase[M]):
     def _new_engine_seen(self, seq: int, digest: int, nbytes: int, message: M, reason: str) -> None:
         """Rule 5 from a live batch ``seq`` of a confirmed new engine."""
         if seq == 0:
-            self._c.restarts += 1
+            self._c.restarts_seen += 1
             self._drop_stale()
             self._begin_incarnation(0, reason)
             self._apply(0, digest, message)
         elif self._has_replay:
             self._new_engine_confirmed(reason)  # this batch comes again in the replay from 0
         else:
-            self._c.restarts += 1
+            self._c.restarts_seen += 1
             self._drop_stale()
             self._begin_incarnation(seq, reason)
             self._apply(seq, digest, message)
@@ -506,7 +508,7 @@ class SourceSync(SourceSyncBase[M]):
         """A new incarnation: drop every batch held or deferred so far (which engine sent one received
         around a reconnect cannot be told) and replay the new one's history from 0; the batches received
         from now on are the new engine's and wait for its first reply."""
-        self._c.restarts += 1
+        self._c.restarts_seen += 1
         self._drop_stale()
         self._deferring = True
         self._new_engine_pending = True
@@ -530,7 +532,6 @@ class SourceSync(SourceSyncBase[M]):
         self._c.history_losses += 1
         base = self._loss_base if self._unanchored else self._applied + 1
         lost = 0 if next_start is None else max(0, next_start - base)
-        self._await_identity = False
         self._forget_digests()
         if next_start is None:
             self._unanchored = True
@@ -576,7 +577,6 @@ class SourceSync(SourceSyncBase[M]):
             or self._deferring
             or self._replay is not None
             or self._unanchored
-            or self._await_identity
             or self._disconnected
             or self._unproven
             or self._applied < 0  # the first apply goes the slow way (it records _ever_applied)

@@ -62,11 +62,11 @@ class SyncStatistics:
         state: the source state last signalled (DISCONNECTED while the engine's connection is down).
         applied_seq: the last applied seq of the current incarnation (-1: none since the start or a reset).
         applied: batches applied (live and replayed).
-        repaired: batches applied from replay replies.
+        repaired_batches: batches applied from replay replies.
         held: live batches held now (reorder window, during a replay, or awaiting an identity check).
         held_bytes: their payload bytes.
         gaps: times the live stream skipped ahead of the next expected seq.
-        late: live batches that arrived after a successor and filled the hole in time.
+        late_batches: live batches that arrived after a successor and filled the hole in time.
         duplicates: batches dropped because that seq was already applied with the same bytes (live
             copies, replay overlap) or was verified to be a late batch of the same engine.
         stale_dropped: held live batches dropped because they came from an engine found to be replaced.
@@ -74,44 +74,44 @@ class SyncStatistics:
         history_losses: times history was found lost (a reset and DEGRADED followed).
         resets: Worker resets signalled.
         degradations: transitions to DEGRADED.
-        restarts: new engine incarnations confirmed.
+        restarts_seen: new engine incarnations confirmed.
         suspected_restarts: live seqs at or below the last applied with no digest to compare (checked by
             replay).
         ambiguous: restart suspicions the replay socket never answered (treated as a new engine).
-        disconnects, reconnects: connection drops and returns reported by the shell.
+        engine_disconnects, reconnects: connection drops and returns reported by the shell.
         replay_requests, replay_cancels: RequestReplay and CancelReplay actions emitted.
         replay_holes: answers with a hole mid-answer (re-requested from the hole).
         replay_attempts_without_progress: answers that applied nothing (timeouts, empty, errors).
         replay_stray: replies or ends with no request outstanding or below its start (ignored).
-        shed_batches, shed_bytes: held batches dropped by :meth:`SourceSync.shed`.
-        sheds: calls of :meth:`SourceSync.shed` (each leaves the history unproven until a later live batch
+        shed_held_batches, shed_held_bytes: held batches dropped by :meth:`SourceSync.shed`.
+        ingest_sheds: calls of :meth:`SourceSync.shed` (each leaves the history unproven until a later live batch
             applies in order).
     """
 
     state: SourceState
     applied_seq: int
     applied: int
-    repaired: int
+    repaired_batches: int
     held: int
     held_bytes: int
     gaps: int
-    late: int
+    late_batches: int
     duplicates: int
     stale_dropped: int
     lost_batches: int
     history_losses: int
     resets: int
     degradations: int
-    restarts: int
+    restarts_seen: int
     suspected_restarts: int
     ambiguous: int
-    disconnects: int
+    engine_disconnects: int
     reconnects: int
     replay_requests: int
     replay_cancels: int
     replay_holes: int
     replay_attempts_without_progress: int
     replay_stray: int
-    shed_batches: int
-    shed_bytes: int
-    sheds: int
+    shed_held_batches: int
+    shed_held_bytes: int
+    ingest_sheds: int

@@ -37,26 +37,26 @@ class SyncCounters:
     """The counters of :class:`SyncStatistics` that are plain increments."""
 
     gaps: int = 0
-    late: int = 0
+    late_batches: int = 0
     duplicates: int = 0
     stale_dropped: int = 0
     lost_batches: int = 0
     history_losses: int = 0
     resets: int = 0
     degradations: int = 0
-    restarts: int = 0
+    restarts_seen: int = 0
     suspected_restarts: int = 0
     ambiguous: int = 0
-    disconnects: int = 0
+    engine_disconnects: int = 0
     reconnects: int = 0
     replay_requests: int = 0
     replay_cancels: int = 0
     replay_holes: int = 0
     replay_attempts_without_progress: int = 0
     replay_stray: int = 0
-    shed_batches: int = 0
-    shed_bytes: int = 0
-    sheds: int = 0
+    shed_held_batches: int = 0
+    shed_held_bytes: int = 0
+    ingest_sheds: int = 0
 
 
 class SourceSyncBase(Generic[M]):
@@ -114,7 +114,6 @@ class SourceSyncBase(Generic[M]):
         self._new_engine_pending = False  # confirmed new incarnation, waiting for its replay from 0
         self._disconnected = False
         self._restore: SourceState | None = None  # the state to show once a reconnect is verified
-        self._await_identity = False  # reconnected without replay: the next live batch decides
         self._trust_late = False
         self._replay: ReplayPurpose | None = None
         self._replay_start = 0
@@ -160,7 +159,7 @@ class SourceSyncBase(Generic[M]):
             state=self._state,
             applied_seq=self._applied,
             applied=self._applied_count,
-            repaired=self._repaired,
+            repaired_batches=self._repaired,
             held=len(self._held) + len(self._deferred) + len(self._ahead),
             held_bytes=self.held_bytes,
             **attrs.asdict(c),
@@ -229,7 +228,6 @@ class SourceSyncBase(Generic[M]):
 
     def _drop_stale(self) -> None:
         self._cancel()
-        self._await_identity = False
         self._c.stale_dropped += len(self._held) + len(self._deferred)
         self._held.clear()
         self._deferred.clear()

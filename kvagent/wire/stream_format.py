@@ -38,6 +38,8 @@ import msgpack
 
 from kvagent.model.errors import CodecError
 from kvagent.model.events import (
+    FLAG_DEAD,
+    FLAG_PARENT,
     U64_MAX,
     MmExtraInfo,
     ResidencyDomain,
@@ -84,8 +86,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-# The dump's row flags (docs/protocol.md, compact tree dumps): a root, a row with a parent, a padding row.
-_ROOT, _PARENT, _DEAD = 0, 1, 2
 
 
 def slots_key(prefix: str) -> str:
@@ -315,7 +315,7 @@ def _le_array(data: bytes, rows: int, field: str) -> array[int]:
     return column
 
 
-_LIVE = bytes(0 if flag == _DEAD else 1 for flag in range(256))  # flags -> 1 for a live row, 0 for padding
+_LIVE = bytes(0 if flag == FLAG_DEAD else 1 for flag in range(256))  # flags -> 1 for a live row, 0 for padding
 
 
 def _compacted(columns: SnapshotColumns) -> tuple[bytes, bytes, bytes, bytes, list[list[object]]]:
@@ -395,7 +395,7 @@ class StreamSnapshot:
 
     @property
     def blocks(self) -> int:
-        return sum(len(g.flags) - g.flags.count(_DEAD) for g in self.groups)
+        return sum(len(g.flags) - g.flags.count(FLAG_DEAD) for g in self.groups)
 
     def events(self) -> Iterator[RouterEvent]:
         """Every resident block as a one-block Stored event, parents first (ids are positions, from 0)."""
@@ -405,11 +405,11 @@ class StreamSnapshot:
             for row, (block, parent, tokens, flag) in enumerate(
                 zip(g.hashes, g.parents, g.tokens, g.flags, strict=True)
             ):
-                if flag == _DEAD:
+                if flag == FLAG_DEAD:
                     continue
                 info = mm.get(row) if mm else None
                 data = Stored(
-                    parent if flag == _PARENT else None,
+                    parent if flag == FLAG_PARENT else None,
                     (block,),
                     (tokens,),
                     None if info is None else (info,),
@@ -428,7 +428,7 @@ def _decode_group(raw: object, field: str) -> _Group:
         source_raw = raw["state_source"]
         source = None if source_raw is None else state_source_from_wire(source_raw, f"{field}.state_source")
         flags = bytes(raw["flags"])
-        if len(flags) != rows or any(flag > _DEAD for flag in set(flags)):
+        if len(flags) != rows or any(flag > FLAG_DEAD for flag in set(flags)):
             raise CodecError(f"{field}.flags must be {rows} bytes of 0, 1 or 2")
         mm: dict[int, MmExtraInfo] = {}
         for row, info in raw["mm"]:

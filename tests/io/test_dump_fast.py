@@ -21,9 +21,11 @@ from trio_websocket import open_websocket_url
 
 import kvagent.index.store
 from kvagent.index.recovery_index import DumpSnapshot, EventsAnswer, RecoveryIndex
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore, StoreColumns
+from kvagent.index.store import BlockStore, StoreColumns
 from kvagent.model.events import (
     CLEARED,
+    FLAG_DEAD,
+    FLAG_PARENT,
     MmExtraInfo,
     MmObject,
     Removed,

@@ -129,10 +129,10 @@ async def test_a_flood_of_1_mib_batches_keeps_rss_under_the_byte_budget() -> Non
     peak = max(samples)
     print(
         f"flood: {sent} batches of {int(payload_bytes) / MiB:.2f} MiB sent in {FLOOD_SECONDS:.0f} s, "
-        f"{stats.messages} received, {stats.batches} applied, {stats.sheds} sheds ({stats.shed_bytes / MiB:.0f} MiB); "
+        f"{stats.messages} received, {stats.batches} applied, {stats.ingest_sheds} sheds ({stats.ingest_shed_bytes / MiB:.0f} MiB); "
         f"RSS baseline {baseline / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB "
         f"(+{(peak - baseline) / MiB:.0f} MiB; budget {BUDGET / MiB:.0f} MiB + overhead {OVERHEAD / MiB:.0f} MiB)"
     )
-    assert stats.batches > 0 and stats.sheds > 0, "the flood outran the agent and was shed"
+    assert stats.batches > 0 and stats.ingest_sheds > 0, "the flood outran the agent and was shed"
     assert sent > stats.messages, "the flood was faster than ingest"
     assert peak <= baseline + BUDGET + OVERHEAD, f"RSS grew by {(peak - baseline) / MiB:.0f} MiB"

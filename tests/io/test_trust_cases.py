@@ -19,7 +19,7 @@ def figures(rig: TrustRig, case: str) -> None:
     print(
         f"{case}: state={rig.state} dump={len(rig.dump())} truth={len(rig.truth())} "
         f"replay_requests={stats.replay_requests} (engine served {rig.engine.replay_requests}) "
-        f"repaired={stats.repaired_batches} lost={stats.lost_batches} gaps={stats.gaps} late={stats.late} "
+        f"repaired={stats.repaired_batches} lost={stats.lost_batches} gaps={stats.gaps} late={stats.late_batches} "
         f"duplicates={stats.duplicates} restarts={stats.restarts_seen} resets={rig.worker_resets()} "
         f"degradations={stats.degradations}"
     )
@@ -107,7 +107,7 @@ async def test_one_percent_adjacent_swaps_converge_without_loss() -> None:
             assert rig.state == "ready"
             assert rig.dump() == rig.truth()
             assert stats.lost_batches == 0 and rig.worker_resets() == 0 and stats.restarts_seen == 0
-            assert stats.late >= rig.engine.swapped - 1  # each swap applied in order, late
+            assert stats.late_batches >= rig.engine.swapped - 1  # each swap applied in order, late
 
 
 async def test_a_killed_engine_is_disconnected_at_once_and_its_revival_decides_the_reset() -> None:

@@ -47,7 +47,7 @@ async def test_a_batch_of_one_8192_block_store_then_more_batches_all_arrive(bloc
             assert stats.messages == 42 and stats.batches == 42
             assert rig.state == "ready"
             assert rig.dump() == rig.truth()
-            assert stats.sheds == 0 and stats.lost_batches == 0 and rig.worker_resets() == 0
+            assert stats.ingest_sheds == 0 and stats.lost_batches == 0 and rig.worker_resets() == 0
 
 
 async def wait_quiet(rig: TrustRig, quiet: float = 0.5) -> None:
@@ -92,10 +92,10 @@ async def test_after_a_flood_past_the_budget_the_slot_is_exact_or_not_ready(repl
             await wait_quiet(rig)
             stats = rig.listener()
             print(
-                f"flood: state={rig.state} sheds={stats.sheds} messages={stats.messages} batches={stats.batches} "
+                f"flood: state={rig.state} sheds={stats.ingest_sheds} messages={stats.messages} batches={stats.batches} "
                 f"dump={len(rig.dump())} truth={len(rig.truth())}"
             )
-            assert stats.sheds > 0, "the burst must pass the ingest budget"
+            assert stats.ingest_sheds > 0, "the burst must pass the ingest budget"
             check_exact_or_not_ready(rig)
             await rig.settle()  # a batch after the flood: the gap shows, and is repaired or counted lost
             check_exact_or_not_ready(rig)

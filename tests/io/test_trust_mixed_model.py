@@ -149,6 +149,8 @@ async def scenario(seed: int, replay: bool, operations: list[tuple[str, int]]) -
 # The cases first, with and without replay: an oversized batch between small ones, a flood.
 @example(seed=28, replay=True, operations=[("live", 8), ("oversized", 8192), ("live", 8), ("flood", 200)])
 @example(seed=28, replay=False, operations=[("oversized", 8193), ("live", 8), ("flood", 200), ("swap", 0)])
+# Found by this test: a restart whose first batch goes unseen, so the new engine's next seq is the old last + 1.
+@example(seed=0, replay=False, operations=[("restart", 1)])
 @given(st.integers(0, 1 << 16), st.booleans(), st.lists(operation, min_size=1, max_size=5))
 def test_exact_or_not_ready_after_every_step(seed: int, replay: bool, operations: list[tuple[str, int]]) -> None:
     async def main() -> None:

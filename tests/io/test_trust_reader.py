@@ -116,7 +116,7 @@ async def test_a_killed_engine_is_reported_disconnected_and_its_revival_connecte
                 assert await inbox.next_link() == LinkItem(True)
                 await engine.wait_for_subscriber()  # the SUB re-subscribed by itself
                 await engine.publish_batch(store(1))
-                assert (reader.disconnects, reader.reconnects) == (1, 1)
+                assert (reader.engine_disconnects, reader.reconnects) == (1, 1)
             nursery.cancel_scope.cancel()
 
 
@@ -132,7 +132,7 @@ async def test_the_first_connection_is_not_a_reconnect() -> None:
                     await inbox.changed.wait()
                 await trio.testing.wait_all_tasks_blocked()
                 assert [type(item) for item in inbox.take_all()] == [LiveItem]
-                assert (reader.disconnects, reader.reconnects) == (0, 0)
+                assert (reader.engine_disconnects, reader.reconnects) == (0, 0)
             nursery.cancel_scope.cancel()
 
 
@@ -149,24 +149,24 @@ async def test_a_flood_is_shed_never_held_past_the_bound_and_reading_goes_on() -
                 await engine.wait_for_subscriber()
                 filler = b"x" * payload_bytes
                 seq = 0
-                while reader.sheds < 3:  # nobody takes from the inbox: only shedding keeps it bounded
-                    await engine.wait_for_subscriber(1 + reader.sheds)  # each shed re-subscribes
+                while reader.ingest_sheds < 3:  # nobody takes from the inbox: only shedding keeps it bounded
+                    await engine.wait_for_subscriber(1 + reader.ingest_sheds)  # each shed re-subscribes
                     await engine.publish_frames([engine.topic, seq.to_bytes(8, "big"), filler])
                     seq += 1
                     await trio.testing.wait_all_tasks_blocked()
                 message_bytes = len(engine.topic) + 8 + payload_bytes
                 assert inbox.most_live_bytes <= bound + message_bytes, "at most one message past the bound"
-                assert held.shed_calls == reader.sheds and held.bytes == 0
-                assert reader.shed_bytes >= 3 * (bound - 4 * payload_bytes)
+                assert held.shed_calls == reader.ingest_sheds and held.bytes == 0
+                assert reader.ingest_shed_bytes >= 3 * (bound - 4 * payload_bytes)
                 # The shed re-opened the SUB (a new subscription, no disconnect) and reading goes on.
-                await engine.wait_for_subscriber(1 + reader.sheds)
-                assert (reader.disconnects, reader.reconnects) == (0, 0)
-                sheds = reader.sheds
+                await engine.wait_for_subscriber(1 + reader.ingest_sheds)
+                assert (reader.engine_disconnects, reader.reconnects) == (0, 0)
+                sheds = reader.ingest_sheds
                 inbox.take_all()
                 await engine.publish_frames([engine.topic, seq.to_bytes(8, "big"), b"after"])
                 while not inbox.live_bytes:
                     await inbox.changed.wait()
-                assert reader.sheds == sheds
+                assert reader.ingest_sheds == sheds
                 assert [item.frames[2] for item in inbox.take_all() if isinstance(item, LiveItem)][-1] == b"after"
             nursery.cancel_scope.cancel()
 
@@ -187,7 +187,7 @@ async def test_a_re_open_while_the_engine_is_down_reports_its_return() -> None:
                 assert await inbox.next_link() == LinkItem(True)
                 await engine.wait_for_subscriber()
                 await engine.publish_frames([engine.topic, (0).to_bytes(8, "big"), b"x"])  # sheds at once
-                while not reader.sheds:
+                while not reader.ingest_sheds:
                     await inbox.changed.wait()
                 await engine.wait_for_subscriber(2)  # the re-opened SUB
                 engine.kill()
@@ -209,7 +209,7 @@ async def test_over_the_bound_the_reader_pauses_and_resumes_without_loss_when_ro
                 while not reader.pauses:
                     await inbox.changed.wait()
                 await trio.testing.wait_all_tasks_blocked()
-                assert reader.sheds == 0
+                assert reader.ingest_sheds == 0
                 message_bytes = len(engine.topic) + 8 + payload_bytes
                 assert inbox.live_bytes <= bound + message_bytes
                 seqs: list[int] = []
@@ -220,7 +220,7 @@ async def test_over_the_bound_the_reader_pauses_and_resumes_without_loss_when_ro
                     elif isinstance(item, LiveItem):
                         seqs.append(int.from_bytes(item.frames[1], "big"))
                 assert seqs == list(range(20)), "nothing was lost: a burst waits, it is not shed"
-                assert reader.sheds == 0
+                assert reader.ingest_sheds == 0
             nursery.cancel_scope.cancel()
 
 

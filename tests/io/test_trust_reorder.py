@@ -39,7 +39,7 @@ async def test_one_percent_swaps_in_3000_batches_publish_no_reset(seed: int) -> 
             stats = rig.listener()
             print(
                 f"seed {seed}: {rig.engine.swapped} swaps, replay requests {stats.replay_requests}, "
-                f"late {stats.late}, duplicates {stats.duplicates}, resets {rig.worker_resets()}"
+                f"late {stats.late_batches}, duplicates {stats.duplicates}, resets {rig.worker_resets()}"
             )
             assert rig.engine.swapped > 15 and stats.replay_requests >= 20
             assert rig.worker_resets() == 0 and stats.restarts_seen == 0 and stats.lost_batches == 0

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvagent.index.store as index_store
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT, BlockStore
-from kvagent.model.events import MmExtraInfo, MmObject
+from kvagent.index.store import BlockStore
+from kvagent.model.events import FLAG_DEAD, FLAG_PARENT, MmExtraInfo, MmObject
 
 INFO = MmExtraInfo((MmObject(5, ()),))
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import TypeVar
 
+import attrs
 import pytest
 
 from kvagent.agent.host import SlotState, SlotStateKind
 from kvagent.agent.http import answer_request, parse_request
-from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
+from kvagent.agent.metrics import (
+    _SLOT_COUNTERS,
+    _SLOT_GAUGES,
+    HttpStatistics,
+    MetricSources,
+    readiness,
+    render_metrics,
+)
 from kvagent.agent.slot import SlotStatistics
 from kvagent.coordinator.machine import CoordinatorStatistics
 from kvagent.discovery.etcd import EtcdStatistics
@@ -20,6 +29,8 @@ from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
 from tests.support.ids import IDENTITY
+
+T = TypeVar("T")
 
 COORDINATOR = CoordinatorStatistics(
     events_in=10,
@@ -51,7 +62,7 @@ LISTENER = ListenerStatistics(
     lost_batches=105,
     restarts_seen=0,
     duplicates=0,
-    reorder_overflows=0,
+    shed_held_batches=0,
     filtered={},
     unpublished_blocks=0,
 )
@@ -272,3 +283,41 @@ def test_readyz_names_a_slot_the_host_could_not_run() -> None:
         "b": {"ready": False, "state": "failed", "reason": "engine endpoint refused"},
         "c": {"ready": False, "state": "starting", "reason": "the slot is starting"},
     }
+
+
+def _numbered(cls: type[T], start: int, **fixed: object) -> T:
+    """An instance of the frozen statistics class ``cls`` whose int fields hold distinct values."""
+    values: dict[str, object] = {}
+    for offset, field in enumerate(attrs.fields(cls)):  # type: ignore[arg-type]
+        if field.name in fixed:
+            values[field.name] = fixed[field.name]
+        elif field.type in (int, "int"):
+            values[field.name] = start + offset
+    return cls(**values)
+
+
+def test_each_slot_counter_has_one_name_from_statistics_to_metric() -> None:
+    """A counter is called the same in its component's statistics() and in its metric family (issue #26
+    item 7): reading each family back from statistics whose fields all differ finds the field of that name."""
+    coordinator = _numbered(CoordinatorStatistics, 1000, events_filtered={}, quarantines={})
+    listener = _numbered(ListenerStatistics, 2000, filtered={})
+    withdrawal = _numbered(WithdrawalStatistics, 3000)
+    stats = SlotStatistics(coordinator=coordinator, listener=listener, withdrawal=withdrawal)
+    view = SimpleNamespace(statistics=stats)
+    by_value = {
+        getattr(component, field.name): (prefix, field.name)
+        for component, prefix in ((coordinator, ""), (listener, ""), (withdrawal, "withdrawal_"))
+        for field in attrs.fields(type(component))
+        if isinstance(getattr(component, field.name), int)
+    }
+    for family, _help, read in (*_SLOT_COUNTERS, *_SLOT_GAUGES):
+        try:
+            value = read(view)  # type: ignore[arg-type]
+        except AttributeError:
+            continue  # a gauge read from the status or the index, not from statistics()
+        if value not in by_value:
+            continue
+        prefix, field_name = by_value[value]
+        assert family in (field_name, prefix + field_name), (
+            f"kvagent_{family} reads the statistic {field_name!r}: one counter, two names"
+        )

@@ -57,8 +57,8 @@ def test_same_engine_gap_covered_continues_without_reset_and_is_ready_once_caugh
     assert reply(sync, 9) == [], "a reply of the cancelled answer is stray"
     assert live(sync, 10) == applied(10)
     stats = sync.statistics()
-    assert (stats.state, stats.resets, stats.lost_batches, stats.restarts) == (READY, 0, 0, 0)
-    assert (stats.applied_seq, stats.applied, stats.repaired) == (10, 5, 3)
+    assert (stats.state, stats.resets, stats.lost_batches, stats.restarts_seen) == (READY, 0, 0, 0)
+    assert (stats.applied_seq, stats.applied, stats.repaired_batches) == (10, 5, 3)
 
 
 def test_same_engine_with_nothing_new_is_ready_after_the_anchor_alone() -> None:
@@ -90,7 +90,7 @@ def test_a_different_engine_at_the_anchor_is_a_new_engine_replayed_from_0() -> N
     assert end(sync) == [RequestReplay(2)]
     assert end(sync) == []
     stats = sync.statistics()
-    assert (stats.state, stats.resets, stats.restarts) == (READY, 1, 1)
+    assert (stats.state, stats.resets, stats.restarts_seen) == (READY, 1, 1)
 
 
 def test_an_engine_that_no_longer_holds_the_anchor_is_taken_as_new_and_degraded_if_its_buffer_starts_late() -> (

@@ -48,7 +48,7 @@ def test_one_percent_swaps_with_replay_answers_in_send_order_publish_no_reset(se
     stats = sync.statistics()
     assert swaps > 10
     assert driver.resets() == 0, f"{driver.resets()} resets for {swaps} swaps ({stats})"
-    assert stats.restarts == 0 and stats.history_losses == 0 and stats.lost_batches == 0
+    assert stats.restarts_seen == 0 and stats.history_losses == 0 and stats.lost_batches == 0
     assert driver.state is READY
     assert driver.index == engine.resident
 
@@ -91,5 +91,5 @@ def test_a_strict_anchor_answered_after_its_successor_proves_the_same_engine() -
     assert reply(sync, 10) == []  # the anchor (9) comes after its successor
     reply(sync, 9)
     stats = sync.statistics()
-    assert stats.restarts == 0 and stats.resets == 0 and stats.state is READY
+    assert stats.restarts_seen == 0 and stats.resets == 0 and stats.state is READY
     assert stats.duplicates == 1  # the late batch, proven the same engine's

@@ -18,8 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvagent.index.ring import EventRing
-from kvagent.index.store import FLAG_DEAD, FLAG_PARENT
-from kvagent.model.events import U64_MAX, Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
+from kvagent.model.events import (
+    FLAG_DEAD,
+    FLAG_PARENT,
+    U64_MAX,
+    Removed,
+    ResidencyDomain,
+    RouterEvent,
+    StorageTier,
+    Stored,
+)
 from kvagent.recovery import wire_columns
 from kvagent.wire.router_event import EVENT_TEMPLATES, Encoding, encode_event
 from tests.support.ids import OWNER
