@@ -334,6 +334,8 @@ class SourceSync(SourceSyncBase[M]):
     def _accept_first(self, seq: int, digest: int, message: M) -> None:
         """The first batch after a start without bootstrap, or after a reset with no known continuation."""
         self._unanchored = False
+        if seq == 0 and self._ever_applied:
+            self._c.restarts_seen += 1  # seq 0 again after a reset: only a new engine starts there
         lost = max(0, seq - self._loss_base)
         # Nothing was applied since the start or the last reset, so from seq 0 the history is complete.
         state = READY if seq == 0 else DEGRADED

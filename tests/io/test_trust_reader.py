@@ -256,11 +256,17 @@ async def test_a_batch_after_quiet_is_read_at_once_and_followers_wait_out_the_wi
             await trio.testing.wait_all_tasks_blocked()
             taken += inbox.take_all()
             assert sum(isinstance(item, LiveItem) for item in taken) == 1  # ...but they were not read yet
-            mock_clock.jump(window)
-            await _live_count(inbox, 4, taken)  # read together once the window is over
-            await trio.testing.wait_all_tasks_blocked()
+            # Read once the window is over. libzmq's I/O thread may not have queued every follower by then
+            # (a loaded machine): the reader takes what is there and waits out one more window for the rest.
+            for _window in range(3):
+                mock_clock.jump(window)
+                await trio.testing.wait_all_tasks_blocked()
+                taken += inbox.take_all()
+                if sum(isinstance(item, LiveItem) for item in taken) == 4:
+                    break
+                assert subscription.sub.socket.poll(GUARD * 1000, zmq.POLLIN) == zmq.POLLIN
             assert reader.messages == 4
-            assert reader.coalesced_waits == 2
+            assert 2 <= reader.coalesced_waits <= 4
             seqs = [int.from_bytes(item.frames[1], "big") for item in taken if isinstance(item, LiveItem)]
             assert seqs == sorted(seqs)
         nursery.cancel_scope.cancel()

@@ -376,6 +376,8 @@ def test_rule6_without_replay_a_new_engine_seen_from_seq_0_is_ready() -> None:
     sync.take_actions()
     assert live(sync, 0, engine=1) == [Signal(state=READY, reason="history complete from seq 0"), *applied(0)]
     assert live(sync, 1, engine=1) == applied(1)
+    stats = sync.statistics()
+    assert (stats.restarts_seen, stats.resets, stats.lost_batches) == (1, 1, 0)
 
 
 def test_rule6_without_replay_a_gap_after_a_reconnect_is_history_lost() -> None:
@@ -575,8 +577,9 @@ def test_issue_adjacent_swaps_converge_without_loss_reset_or_replay() -> None:
 
 
 @pytest.mark.parametrize("has_replay", [True, False], ids=["replay", "no-replay"])
-def test_issue_reconnect_of_the_same_engine_is_disconnected_then_ready_without_reset(has_replay: bool) -> None:
-    """With replay the 40 batches sent while disconnected are repaired; without, they are lost (reset)."""
+def test_issue_reconnect_of_the_same_engine_is_ready_again_with_replay_and_reset_without(has_replay: bool) -> None:
+    """With replay the 40 batches sent while disconnected are repaired, and no reset; without, the reconnect
+    resets (rule 6) and they are counted lost."""
     driver = simulated(has_replay=has_replay)
     publish(driver, 30)
     driver.disconnect(queued_after=5)
