@@ -492,8 +492,9 @@ class ServeConfig:
     )
     coalesce_window: float = option(
         0.02,
-        help="under a steady event stream, read the engine's batches together once per this window "
-        "(0: wake for every batch; a batch after a quiet spell is read at once)",
+        help="under a steady event stream, read the engine's batches together once per this window, or "
+        "sooner when they would fill libzmq's queue (0: wake for every batch; a batch after a quiet spell "
+        "is read at once)",
         flags=("--coalesce-window",),
         metavar="SECONDS",
         parse=float,

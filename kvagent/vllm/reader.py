@@ -63,6 +63,7 @@ __all__ = [
     "LinkItem",
     "LiveItem",
     "LiveReader",
+    "ReadPacing",
     "ReplayEndItem",
     "ReplyItem",
     "unreachable_endpoint_hint",
@@ -225,6 +226,57 @@ class _Subscription:
         self.sub.close()
 
 
+class ReadPacing:
+    """How long the reader waits after a drain that received batches and emptied the SUB (sans-IO).
+
+    Under a steady stream the reader, processor and coordinator should wake once per ``window`` with several
+    batches instead of once per batch (docs/performance.md: paced CPU). A wait must never pace the engine,
+    though: libzmq's queue holds ``queue`` (the RCVHWM) messages and the rest waits in the engine's send
+    queue, so a reader that always waited the window would read at most one queue per window, whatever the
+    engine sends (a default ``kvagent serve`` burst was paced to 65k events/s at 47% of a core). So:
+
+    - a round (what was read since the last wait) of three quarters of the queue or more means the queue
+      filled while the reader waited (libzmq's writer learns of reads only every half queue, so a full
+      queue holds between half and all of it): no wait, read on;
+    - otherwise the wait is the window, or the time the stream takes to fill half the queue at the rate
+      measured over the last period of at least one window, whichever is shorter.
+
+    A batch after a quiet spell is read at once (the reader waits for the socket, not here), and a burst
+    waits at most one window, at its start.
+    """
+
+    __slots__ = ("_period_first_message", "_period_start", "_rate", "full_rounds", "waits", "waited_seconds", "window")
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.waits = 0  # waits chosen
+        self.full_rounds = 0  # rounds that found the queue (about) full, read on without a wait
+        self.waited_seconds = 0.0  # their sum (chosen, not measured)
+        self._rate = 0.0  # messages per second over the last whole period
+        self._period_start: float | None = None
+        self._period_first_message = 0
+
+    def wait_after(self, round_messages: int, messages: int, queue: int, now: float | None = None) -> float:
+        """The wait after a drain that emptied the SUB: ``round_messages`` read since the last wait,
+        ``messages`` read in all, a ``queue`` of that many messages; ``now`` defaults to Trio's clock."""
+        window = self.window
+        if window <= 0:
+            return 0.0
+        now = trio.current_time() if now is None else now
+        if self._period_start is None:
+            self._period_start, self._period_first_message = now, messages
+        elif (elapsed := now - self._period_start) >= window:
+            self._rate = (messages - self._period_first_message) / elapsed
+            self._period_start, self._period_first_message = now, messages
+        if 4 * round_messages >= 3 * queue:
+            self.full_rounds += 1
+            return 0.0
+        wait = window if self._rate <= 0 else min(window, queue / (2 * self._rate))
+        self.waits += 1
+        self.waited_seconds += wait
+        return wait
+
+
 class LiveReader:
     """Owns the SUB (re-opened after every shed) and feeds the inbox; see the module docstring."""
 
@@ -253,7 +305,7 @@ class LiveReader:
         self.shed_after = shed_after
         self.connect_warning_after = connect_warning_after
         self.coalesce_window = coalesce_window
-        self.coalesced_waits = 0  # drains that waited out the window before reading on
+        self.pacing = ReadPacing(coalesce_window)
         # trio.current_time() of the last drain that received a live message (None: none yet).
         self.last_live_at: float | None = None
         self.connect_warnings = 0
@@ -297,6 +349,7 @@ class LiveReader:
             self.close()
 
     async def _read(self, nursery: trio.Nursery) -> None:
+        round_start = self.messages  # the message count when the reader last waited
         while True:
             subscription = self._subscription
             assert subscription is not None
@@ -309,22 +362,24 @@ class LiveReader:
                     self._live_waiter = None
             if outcome is _Drained.SLICE_OVER:
                 await trio.lowlevel.checkpoint()  # let the processor and others run
-            elif outcome is _Drained.AGAIN and self.messages != received and self.coalesce_window > 0:
+            elif outcome is _Drained.AGAIN and self.messages != received and (
+                wait := self.pacing.wait_after(self.messages - round_start, self.messages, self._current_rcvhwm)
+            ):
                 # Something arrived and the queue is empty: the next batches of a steady stream are read
-                # together after the window, so the whole pipeline wakes once per window, not once per
-                # batch. A lone batch was already read at once; only a batch that follows another within
-                # the window waits, at most the window.
-                self.coalesced_waits += 1
-                await trio.sleep(self.coalesce_window)
+                # together after the wait, so the whole pipeline wakes once per wait, not once per batch.
+                await trio.sleep(wait)
+                round_start = self.messages
             elif outcome is _Drained.FULL:
                 await self._wait_for_room_or_shed()
                 if self._subscription is not subscription:
                     self._start_monitor(nursery)  # shed: a new socket, a new monitor
+                round_start = self.messages
             else:
                 try:
                     await subscription.sub.wait_readable()
                 except zmq.ZMQError as exc:
                     raise ListenerError(f"ZMQ receive failed: {exc}") from exc
+                round_start = self.messages
 
     def _over_bound(self) -> bool:
         return self.inbox.nbytes + self._held_bytes() > self.bytes_bound

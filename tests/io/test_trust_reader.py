@@ -11,7 +11,7 @@ import zmq
 
 from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
-from kvagent.vllm.reader import Inbox, InboxItem, LinkItem, LiveItem, LiveReader
+from kvagent.vllm.reader import Inbox, InboxItem, LinkItem, LiveItem, LiveReader, ReadPacing
 
 GUARD = 10  # seconds: a hang guard only
 
@@ -246,7 +246,7 @@ async def test_a_batch_after_quiet_is_read_at_once_and_followers_wait_out_the_wi
             await engine.publish_batch(store(0))
             await _live_count(inbox, 1, taken)  # no clock movement needed: read at once
             await trio.testing.wait_all_tasks_blocked()
-            assert reader.coalesced_waits == 1  # ...and the reader now waits out the window
+            assert reader.pacing.waits == 1  # ...and the reader now waits out the window
             for n in (1, 2, 3):
                 await engine.publish_batch(store(n))
             subscription = reader._subscription
@@ -266,7 +266,7 @@ async def test_a_batch_after_quiet_is_read_at_once_and_followers_wait_out_the_wi
                     break
                 assert subscription.sub.socket.poll(GUARD * 1000, zmq.POLLIN) == zmq.POLLIN
             assert reader.messages == 4
-            assert 2 <= reader.coalesced_waits <= 4
+            assert 2 <= reader.pacing.waits <= 4
             seqs = [int.from_bytes(item.frames[1], "big") for item in taken if isinstance(item, LiveItem)]
             assert seqs == sorted(seqs)
         nursery.cancel_scope.cancel()
@@ -283,5 +283,74 @@ async def test_without_a_window_the_reader_never_waits_between_batches() -> None
                 for n in range(5):
                     await engine.publish_batch(store(n))
                 await _live_count(inbox, 5, taken)
-                assert reader.coalesced_waits == 0
+                assert reader.pacing.waits == 0
             nursery.cancel_scope.cancel()
+
+
+class RecordingPacing(ReadPacing):
+    """The reader's own pacing, remembering each wait it chose."""
+
+    def __init__(self, window: float) -> None:
+        super().__init__(window)
+        self.chosen: list[float] = []
+
+    def wait_after(self, round_messages: int, messages: int, queue: int, now: float | None = None) -> float:
+        wait = super().wait_after(round_messages, messages, queue, now)
+        self.chosen.append(wait)
+        return wait
+
+
+async def test_the_coalesce_window_never_paces_a_burst_and_returns_after_it(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A burst that fills libzmq's queue while the reader waits is read on without waiting out the window
+    again (the old reader waited a window per queue: a burst paced at one queue per window). Whatever the
+    queue held when the window ended (half of it at least: libzmq's writer stops there), the rate it shows
+    makes every later wait shorter than the window, or none at all. A lone batch
+    after a quiet spell waits the whole window again. Virtual time: it moves by the test's jumps, or when
+    every task has been blocked for 2 real seconds (the reader's waits, and a hang guard)."""
+    window = 5.0
+    mock_clock.autojump_threshold = 2.0
+    with trio.fail_after(1000 * window):
+        async with trio.open_nursery() as nursery:
+            engine = FakeVllmEngine()
+            await nursery.start(engine.run)
+            async with reading(engine, coalesce_window=window) as (reader, inbox):
+                pacing = reader.pacing = RecordingPacing(window)
+                await engine.wait_for_subscriber()
+                taken: list[InboxItem] = []
+                await engine.publish_batch(store(0))
+                await _live_count(inbox, 1, taken)
+                await trio.testing.wait_all_tasks_blocked()
+                assert pacing.chosen == [window]  # a lone batch, then the window
+                burst = 4 * reader._current_rcvhwm  # four queues' worth, sent while the reader waits
+                for n in range(1, burst + 1):
+                    await engine.publish_batch(store(n))
+                await _live_count(inbox, burst + 1, taken)
+                during_burst = pacing.chosen[1:]
+                assert all(wait < window for wait in during_burst), f"paced by the window: {during_burst}"
+                mock_clock.jump(100 * window)  # quiet
+                await engine.publish_batch(store(burst + 1))
+                await _live_count(inbox, burst + 2, taken)
+                await trio.testing.wait_all_tasks_blocked()
+                assert pacing.chosen[-1] == window  # a steady stream is coalesced again
+                seqs = [int.from_bytes(item.frames[1], "big") for item in taken if isinstance(item, LiveItem)]
+                assert seqs == sorted(seqs) and len(seqs) == burst + 2
+            nursery.cancel_scope.cancel()
+
+
+def test_pacing_waits_the_window_below_half_a_queue_per_window_and_less_above() -> None:
+    pacing = ReadPacing(0.02)
+    assert pacing.wait_after(1, 1, queue=32, now=0.0) == 0.02  # no rate known yet: the window
+    # 40 messages in the next 20 ms (2,000 a second): half a queue takes 8 ms, so the wait is 8 ms.
+    assert pacing.wait_after(20, 41, queue=32, now=0.02) == 32 / (2 * 2000)
+    assert pacing.wait_after(24, 65, queue=32, now=0.025) == 0.0  # 3/4 of a queue since the wait: read on
+    assert pacing.wait_after(23, 88, queue=32, now=0.03) == 32 / (2 * 2000)  # less: the rate decides
+    assert pacing.full_rounds == 1
+    assert pacing.wait_after(1, 89, queue=32, now=10.0) == 0.02  # quiet for seconds: the window again
+    assert ReadPacing(0.0).wait_after(1, 1, queue=32, now=0.0) == 0.0  # no window, no wait
+    # 250 a second (the paced 2k-events/s stream): 5 per window, far below half a queue: the whole window.
+    steady = ReadPacing(0.02)
+    for step in range(10):
+        wait = steady.wait_after(5, 5 * (step + 1), queue=32, now=0.02 * step)
+    assert wait == 0.02 and steady.waits == 10
