@@ -371,6 +371,7 @@ class SubscribeGapError(RecoveryClientError):
     """A gap the agent can no longer fill from its ring (only a full snapshot would repair it)."""
 
 
+@asynccontextmanager
 async def subscribe(
     ws_url: str,
     slot: str,
@@ -379,14 +380,20 @@ async def subscribe(
     from_cursor: int | None = None,
     publisher_id: int | None = None,
     context: zmq.Context[Any] | None = None,
-) -> AsyncIterator[RouterEvent]:
+) -> AsyncIterator[AsyncIterator[RouterEvent]]:
     """Every outbound event of one slot exactly once, in id order, from the ZMQ event plane.
 
-    The event plane is lossy by design (PUB high-water mark, slow joiners); whenever the next message
-    starts after ``last + 1``, the missing ids are fetched with the websocket ``recover`` op before
-    anything newer is yielded.  ``from_cursor`` is the last id the caller already holds (None: start at
-    the first message that arrives).  A gap older than the agent's ring raises SubscribeGapError; a
-    message that is not a kv-state-events-v2 publication is skipped, a malformed one raises CodecError.
+    ``async with subscribe(...) as events: async for event in events: ...``.  The event plane is lossy by
+    design (PUB high-water mark, slow joiners); whenever the next message starts after ``last + 1``, the
+    missing ids are fetched with the websocket ``recover`` op before anything newer is yielded.
+    ``from_cursor`` is the last id the caller already holds (None: start at the first message that
+    arrives).  A gap older than the agent's ring raises SubscribeGapError; a message that is not a
+    kv-state-events-v2 publication is skipped, a malformed one raises CodecError.
+
+    A context manager rather than a bare async generator because the websocket connection runs a task of
+    its own: its nursery must be entered and left by the caller's task, never held open across a
+    generator's ``yield`` (python-trio/trio#638), which corrupts Trio's scope stack when the caller stops
+    iterating early or is cancelled.
     """
     ctx = context if context is not None else zmq.Context.instance()
     sock = ctx.socket(zmq.SUB)
@@ -394,28 +401,34 @@ async def subscribe(
     sock.setsockopt(zmq.SUBSCRIBE, EVENT_PLANE_TOPIC)
     sock.connect(event_plane_endpoint)
     sub = TrioSocket(sock)
-    last = from_cursor
     try:
         async with connect_slot(ws_url, slot) as client:
             if publisher_id is None:
                 publisher_id = (await client.status()).identity.publisher_id
-            while True:
-                frames = await sub.recv_multipart()
-                if not is_event_plane_message(frames):
-                    continue
-                publisher, _first, events = decode_event_plane_message(frames)
-                if publisher != publisher_id or not events:
-                    continue
-                if last is not None and events[0].event_id > last + 1:
-                    async for event in _repair(client, last, events[0].event_id):
-                        last = event.event_id
-                        yield event
-                for event in events:
-                    if last is None or event.event_id > last:
-                        last = event.event_id
-                        yield event
+            yield _repaired_plane(sub, client, publisher_id, from_cursor)
     finally:
         sub.close()
+
+
+async def _repaired_plane(
+    sub: TrioSocket, client: RecoveryClient, publisher_id: int, last: int | None
+) -> AsyncIterator[RouterEvent]:
+    """The plane's events after ``last``, gaps filled from the ring; opens no scope that spans a yield."""
+    while True:
+        frames = await sub.recv_multipart()
+        if not is_event_plane_message(frames):
+            continue
+        publisher, _first, events = decode_event_plane_message(frames)
+        if publisher != publisher_id or not events:
+            continue
+        if last is not None and events[0].event_id > last + 1:
+            async for event in _repair(client, last, events[0].event_id):
+                last = event.event_id
+                yield event
+        for event in events:
+            if last is None or event.event_id > last:
+                last = event.event_id
+                yield event
 
 
 async def _repair(client: RecoveryClient, last: int, next_published: int) -> AsyncIterator[RouterEvent]:

@@ -478,17 +478,35 @@ async def test_subscribe_repairs_event_plane_gaps(nursery: trio.Nursery) -> None
 
         nursery.start_soon(publish)
         received: list[int] = []
-        stream = subscribe(url, "a", endpoint, from_cursor=15)
-        async for event in stream:
-            assert event == events[event.event_id - 1]
-            received.append(event.event_id)
-            if event.event_id == 30:
-                break
-        await stream.aclose()  # type: ignore[attr-defined]
+        async with subscribe(url, "a", endpoint, from_cursor=15) as stream:
+            async for event in stream:
+                assert event == events[event.event_id - 1]
+                received.append(event.event_id)
+                if event.event_id == 30:
+                    break
         assert received == list(range(16, 31))
 
         # A gap older than the ring (cursor 2, oldest buffered 15) cannot be repaired exactly once.
         nursery.start_soon(publish)
         with pytest.raises(SubscribeGapError):
-            async for _ in subscribe(url, "a", endpoint, from_cursor=2):
-                pass
+            async with subscribe(url, "a", endpoint, from_cursor=2) as stream:
+                async for _ in stream:
+                    pass
+
+        # A consumer cancelled while its own loop body waits (the iterator suspended at its yield) leaves
+        # Trio's scope stack whole: the websocket's nursery belongs to the caller's `async with`, never to a
+        # suspended generator (python-trio/trio#638; as a bare async generator this raised "Nursery stack
+        # corrupted" when the consumer's task exited).
+        nursery.start_soon(publish)
+        first = trio.Event()
+
+        async def consume_then_wait() -> None:
+            async with subscribe(url, "a", endpoint, from_cursor=15) as stream:
+                async for _ in stream:
+                    first.set()
+                    await trio.sleep_forever()
+
+        async with trio.open_nursery() as consumers:
+            consumers.start_soon(consume_then_wait)
+            await first.wait()
+            consumers.cancel_scope.cancel()

@@ -47,18 +47,19 @@ async def test_dropped_event_plane_messages_are_repaired_through_recover() -> No
 
                 async def consume() -> None:
                     nonlocal progressed
-                    async for event in subscribe(
+                    async with subscribe(
                         f"ws://127.0.0.1:{info.port}",
                         "s0",
                         plane.last_endpoint,
                         from_cursor=start_cursor,
                         context=context,
-                    ):
-                        received.append(event)
-                        progressed.set()
-                        progressed = trio.Event()
-                        if len(received) % 50 == 0:
-                            await trio.sleep(0.02)  # a deliberately slow reader: the plane's HWM of 1 drops
+                    ) as events:
+                        async for event in events:
+                            received.append(event)
+                            progressed.set()
+                            progressed = trio.Event()
+                            if len(received) % 50 == 0:
+                                await trio.sleep(0.02)  # a deliberately slow reader: the plane's HWM drops
 
                 nursery.start_soon(consume)
                 # Slow joiner: probe until the subscriber sees the stream.
