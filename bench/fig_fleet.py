@@ -29,8 +29,8 @@ import trio
 from bench.fleet_sim import SimulatedSlot, canonical_state
 from bench.harness import FigureResult, Row
 from kvagent._util.redis_target import StreamTarget
-from kvagent.publish.stream_writer import StreamConfig
-from kvagent.recovery.stream_reader import StreamFollower
+from kvagent.stream.reader import StreamFollower
+from kvagent.stream.writer import StreamConfig
 
 NAME = "fleet"
 TITLE = "Fleet: slots' events into one redis-server, one reader rebuilding all"

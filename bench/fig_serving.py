@@ -173,7 +173,7 @@ def one_run(
     stalled: int = 0, script: str | None = None, extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """A fresh server, paced ingest, N clients (and ``stalled`` never-reading followers); the tally plus
-    loss and CPU figures.  ``script``: a server variant run in place of ``kvagent`` (bench/tws_server.py)."""
+    loss and CPU figures.  ``script``: a server variant run in place of ``kvagent``."""
     publisher.request_subscriber_wait()
     server = _Server(publisher.endpoint, workdir, list(extra), script)
     try:
@@ -288,41 +288,3 @@ def _rows(result: FigureResult, clients: int, runs: list[dict[str, Any]], client
         Row(f"unanswered, {label}", float(unanswered), "requests", higher_is_better=False,
             target="0", note="no answer and no error frame within 10 s, or cut by a close (max of runs)"),
     ]
-
-
-# --- side by side: kvagent's own websocket connection against trio-websocket (issue #26) -------------
-
-SERVERS = {"own": None, "trio-websocket": str(Path(__file__).with_name("tws_server.py"))}
-COMPARE_COUNTS = (64, 256)
-COMPARE_STALLED = (0, 16)  # never-reading followers beside the clients
-STALLED_SEND_DEADLINE = "2"  # so the stalled followers are cut inside the measured window
-
-
-def compare(repetitions: int = 3, seconds: float = 8.0) -> dict[str, Any]:
-    """Both servers at 64 and 256 clients, with and without never-reading followers.
-
-    The servers alternate within every repetition, so foreign load on the shared machine falls on both
-    alike.  Every configuration passes ``--send-deadline 2`` (the stalled followers must be cut inside
-    the 8 s window; the others never come near it).
-    """
-    results: dict[str, list[dict[str, Any]]] = {}
-    batches = int(INGEST_RATE / EVENTS_PER_BATCH * (seconds + WARMUP + 4))
-    extra = ("--send-deadline", STALLED_SEND_DEADLINE)
-    with Publisher(batches) as publisher, tempfile.TemporaryDirectory() as tmp:
-        for _ in range(repetitions):
-            for clients in COMPARE_COUNTS:
-                for stalled in COMPARE_STALLED:
-                    for server, script in SERVERS.items():
-                        run = summarize(one_run(
-                            publisher, clients, seconds, Path(tmp), True, stalled=stalled, script=script,
-                            extra=extra,
-                        ))
-                        key = f"{server} {clients} clients, {stalled} stalled"
-                        results.setdefault(key, []).append(run)
-                        print(f"   {key}: {json.dumps(run)}", flush=True)
-    return results
-
-
-if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("serving_compare.json")
-    out.write_text(json.dumps(compare(), indent=1))

@@ -36,7 +36,7 @@ from kvagent.model.ids import (
     StableDpSlotId,
 )
 from kvagent.model.status import AgentStatus, AttachmentStatus
-from kvagent.publish.stream_writer import StreamConfig, StreamWriter
+from kvagent.stream.writer import StreamConfig, StreamWriter
 
 __all__ = ["SimulatedSlot", "canonical_state", "run_writers", "slot_owner"]
 

@@ -18,7 +18,7 @@ import trio
 
 from kvagent.model.errors import SinkError
 from kvagent.model.events import RouterEvent
-from kvagent.vllm.fake_engine import (
+from kvagent.simulator.engine import (
     VLLM_REPLAY_HWM,
     FakeVllmEngine,
     ResidentTruth,

@@ -15,7 +15,7 @@ from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol, WorkerWithDp
 from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import Attachment, AttachmentSource
 from kvagent.publish.republisher import RepublishConfig
-from kvagent.publish.stream_writer import StreamConfig
+from kvagent.stream.writer import StreamConfig
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = ["AttachmentConfig", "SlotAgentConfig"]

@@ -25,9 +25,9 @@ from kvagent.discovery.etcd import EtcdStatistics
 from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
 from kvagent.persist.writer import PersistenceState, PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
-from kvagent.publish.stream_writer import StreamWriterStatistics
 from kvagent.publish.zmq_plane import EventPlaneStatistics
 from kvagent.recovery.protocol import ServerStatistics
+from kvagent.stream.writer import StreamWriterStatistics
 from kvagent.vllm.listener import ListenerStatistics
 
 __all__ = [

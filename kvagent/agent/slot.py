@@ -56,7 +56,7 @@ from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, Pers
 from kvagent.persist.writer import PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.sinks import EventSink
-from kvagent.publish.stream_writer import StreamWriterStatistics
+from kvagent.stream.writer import StreamWriterStatistics
 from kvagent.vllm.listener import ListenerStatistics
 
 __all__ = ["SlotAgent", "SlotStatistics", "open_slot_agent", "slot_rungs"]

@@ -32,7 +32,7 @@ from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus
 from kvagent.publish.republisher import VllmRepublisher
 from kvagent.publish.sinks import EventSink, FanoutSink, NullSink
-from kvagent.publish.stream_writer import StreamWriter
+from kvagent.stream.writer import StreamWriter
 
 __all__ = ["SlotParts", "TimedSlotCoordinator", "build_slot", "open_republisher"]
 

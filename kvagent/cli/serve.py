@@ -44,7 +44,7 @@ from kvagent.model.ids import derive_worker_id
 from kvagent.publish.sinks import EventSink
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
-from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
+from kvagent.simulator.engine import FakeVllmEngine, SimulatedWorkload, run_simulated_engine
 from kvagent.vllm.listener import ListenerOptions
 
 __all__ = ["run_serve"]

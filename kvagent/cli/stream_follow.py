@@ -20,7 +20,7 @@ import trio
 from kvagent._util.redis_target import StreamTarget
 from kvagent.cli.logs import configure_logging
 from kvagent.model.errors import ConfigError
-from kvagent.recovery.stream_reader import SlotReplica, StreamFollower
+from kvagent.stream.reader import SlotReplica, StreamFollower
 from kvagent.wire.router_event import router_event_to_json
 
 __all__ = ["add_stream_follow_parser", "run_stream_follow"]

@@ -9,7 +9,7 @@ import attrs
 from kvagent._util.redis_target import StreamTarget, parse_stream_url
 from kvagent.cli.options import option
 from kvagent.model.errors import ConfigError
-from kvagent.publish.stream_writer import StreamConfig
+from kvagent.stream.writer import StreamConfig
 
 __all__ = ["StreamSettings", "stream_config", "stream_problems"]
 

@@ -25,7 +25,7 @@ from kvagent.cli.serve import slot_agent_config
 from kvagent.model.errors import CodecError
 from kvagent.model.status import AgentStatus, PersistenceStatus
 from kvagent.persist.store import SCHEMA_VERSION, SlotIdentityRecord, SlotStore
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
+from kvagent.simulator.engine import FakeVllmEngine, block_removed, block_stored
 from tests.support.ids import IDENTITY
 from tests.support.serve import Client, ServeProcess, client, follow_until, serve
 

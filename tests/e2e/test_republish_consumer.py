@@ -17,8 +17,8 @@ import trio
 import zmq
 
 from kvagent.model.events import StorageTier
-from kvagent.vllm.fake_engine import FakeVllmEngine, SimulatedWorkload
-from kvagent.vllm.fake_events import block_stored
+from kvagent.simulator.engine import FakeVllmEngine, SimulatedWorkload
+from kvagent.simulator.events import block_stored
 from tests.support.serve import Client, ServeProcess, client, serve
 from tests.support.vllm_consumer import VllmStyleConsumer
 

@@ -13,9 +13,9 @@ import redis
 import trio
 
 from kvagent._util.redis_target import StreamTarget
-from kvagent.recovery.stream_reader import StreamFollower
+from kvagent.stream.format import EventsEntry, SnapshotEntry, StreamKeys, decode_entry
+from kvagent.stream.reader import StreamFollower
 from kvagent.wire.router_event import router_event_to_json
-from kvagent.wire.stream_format import EventsEntry, SnapshotEntry, StreamKeys, decode_entry
 from tests.e2e.test_durability import event_ids, kill9, open_rig, wait_persisted
 from tests.support.serve import client, follow_until
 

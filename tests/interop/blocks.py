@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from kvagent.model.hashing import local_block_hash
-from kvagent.vllm.fake_engine import (
+from kvagent.simulator.engine import (
     all_blocks_cleared,
     block_removed,
     block_stored,

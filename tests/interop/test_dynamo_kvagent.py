@@ -20,7 +20,7 @@ import pytest
 import trio
 import zmq
 
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed
+from kvagent.simulator.engine import FakeVllmEngine, block_removed
 from tests.interop.blocks import BLOCK_SIZE, BlockMaker, PrefixClosedWorkload, stored
 from tests.interop.dynamo import (
     DynamoIndexer,

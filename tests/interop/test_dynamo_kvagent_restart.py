@@ -20,7 +20,7 @@ import pytest
 import trio
 import zmq
 
-from kvagent.vllm.fake_engine import FakeVllmEngine
+from kvagent.simulator.engine import FakeVllmEngine
 from tests.interop.blocks import BLOCK_SIZE, PrefixClosedWorkload
 from tests.interop.dynamo import DynamoIndexer, IndexerDump, run_indexer
 from tests.interop.link import LossyLink

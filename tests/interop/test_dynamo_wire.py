@@ -15,7 +15,7 @@ from typing import Literal
 import pytest
 import trio
 
-from kvagent.vllm.fake_engine import FakeVllmEngine, all_blocks_cleared, block_removed, block_stored
+from kvagent.simulator.engine import FakeVllmEngine, all_blocks_cleared, block_removed, block_stored
 from tests.interop.blocks import (
     BLOCK_SIZE,
     Block,

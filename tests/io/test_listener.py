@@ -20,8 +20,8 @@ from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import IngressChunk, RouterEvent, SourceState
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus
+from kvagent.simulator.engine import FakeVllmEngine, block_stored
 from kvagent.testing import RecordingSink
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from kvagent.vllm.listener import (
     LISTENER_TERMINATED,
     ListenerCounters,

@@ -30,7 +30,7 @@ from kvagent.persist.store import (
 )
 from kvagent.persist.writer import PersistenceOptions, PersistenceState, PersistenceWriter
 from kvagent.publish.republisher import RepublishConfig
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
+from kvagent.simulator.engine import FakeVllmEngine, block_stored
 from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import IDENTITY, OWNER, WORKER
 from tests.support.recovery import FakeSlot

@@ -12,7 +12,7 @@ import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import WireDecodeError
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
+from kvagent.simulator.engine import FakeVllmEngine, block_stored
 from kvagent.vllm.replay import ReplayClient, ReplayReply, ReplayTimeouts, parse_replay_reply
 from kvagent.wire.vllm_events import END_SEQ
 from tests.support.fakes import ReplayRouter

@@ -31,9 +31,9 @@ from kvagent.model.status import AgentStatus
 from kvagent.publish.republish_state import RepublishState, ResyncGate, SnapshotAnswer
 from kvagent.publish.republisher import RepublishConfig, VllmRepublisher, offset_endpoint
 from kvagent.publish.sinks import FanoutSink
+from kvagent.simulator.engine import FakeVllmEngine, block_stored
 from kvagent.testing import RecordingSink
 from kvagent.vllm.decode import decode_payload
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from tests.support.agent import XpubEngine, batch, gpu_store, is_store_of, wait_for_event
 from tests.support.ids import OWNER
 from tests.support.vllm_consumer import END_SEQ, VllmStyleConsumer

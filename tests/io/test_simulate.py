@@ -10,14 +10,7 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.vllm.decode import (
-    RawAllBlocksCleared,
-    RawBlockRemoved,
-    RawBlockStored,
-    decode,
-    decode_payload,
-)
-from kvagent.vllm.fake_engine import (
+from kvagent.simulator.engine import (
     NONE_HASH,
     FakeVllmEngine,
     SimulatedWorkload,
@@ -28,6 +21,13 @@ from kvagent.vllm.fake_engine import (
     chain_block_hash,
     fold_hash,
     run_simulated_engine,
+)
+from kvagent.vllm.decode import (
+    RawAllBlocksCleared,
+    RawBlockRemoved,
+    RawBlockStored,
+    decode,
+    decode_payload,
 )
 from tests.support.vectors import load_live
 

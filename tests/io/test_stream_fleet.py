@@ -13,9 +13,9 @@ import trio
 import trio.testing
 
 from kvagent._util.redis_target import StreamTarget
-from kvagent.publish.stream_writer import StreamConfig, StreamWriter
-from kvagent.recovery.stream_reader import StreamFollower
-from kvagent.wire.stream_format import EventsEntry, SnapshotEntry, StreamKeys, cursor_of_id, decode_entry
+from kvagent.stream.format import EventsEntry, SnapshotEntry, StreamKeys, cursor_of_id, decode_entry
+from kvagent.stream.reader import StreamFollower
+from kvagent.stream.writer import StreamConfig, StreamWriter
 from tests.support.redis_server import PrivateRedis
 from tests.support.stream_sim import SimulatedSlot, canonical_state, run_writers
 

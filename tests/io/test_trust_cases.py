@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from kvagent.vllm.fake_engine import VLLM_REPLAY_HWM, SimulatedWorkload, block_stored
+from kvagent.simulator.engine import VLLM_REPLAY_HWM, SimulatedWorkload, block_stored
 from tests.io.trust_harness import BLOCK, ChurnWorkload, TrustRig, open_rig
 
 GUARD = 120  # seconds: a hang guard only

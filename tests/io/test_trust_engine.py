@@ -11,7 +11,7 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.vllm.fake_engine import (
+from kvagent.simulator.engine import (
     FakeVllmEngine,
     ResidentTruth,
     all_blocks_cleared,

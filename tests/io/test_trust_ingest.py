@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvagent.vllm.fake_engine import block_stored
+from kvagent.simulator.engine import block_stored
 from kvagent.vllm.listener import ListenerOptions
 from tests.io.trust_harness import BLOCK, TrustRig, open_rig
 

@@ -17,7 +17,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvagent.vllm.fake_engine import block_removed, block_stored
+from kvagent.simulator.engine import block_removed, block_stored
 from kvagent.vllm.listener import ListenerOptions
 from tests.io.trust_harness import BLOCK, TrustRig, open_rig
 

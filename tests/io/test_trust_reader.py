@@ -9,8 +9,8 @@ import trio
 import trio.testing
 import zmq
 
+from kvagent.simulator.engine import FakeVllmEngine, block_stored
 from kvagent.vllm.budget import IngestBudget
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_stored
 from kvagent.vllm.reader import Inbox, InboxItem, LinkItem, LiveItem, LiveReader, ReadPacing
 
 GUARD = 10  # seconds: a hang guard only

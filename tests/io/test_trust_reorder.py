@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from kvagent.vllm.fake_engine import VLLM_REPLAY_HWM, SimulatedWorkload
+from kvagent.simulator.engine import VLLM_REPLAY_HWM, SimulatedWorkload
 from tests.io.trust_harness import BLOCK, open_rig
 
 GUARD = 120  # seconds: a hang guard only

@@ -1,6 +1,6 @@
 """A real slot agent attached to a fake vLLM engine over real ZMQ, and what issue #14's tests compare.
 
-``truth`` is what the engine really holds (:class:`~kvagent.vllm.fake_events.ResidentTruth`), ``dump`` the
+``truth`` is what the engine really holds (:class:`~kvagent.simulator.events.ResidentTruth`), ``dump`` the
 agent's Worker GPU residency for the attached worker; :meth:`TrustRig.settle` publishes a sentinel batch and
 waits until the agent has applied it, so everything published before it has been judged.
 """
@@ -17,8 +17,8 @@ import zmq
 from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.model.events import StorageTier, WorkerWithDpRank
+from kvagent.simulator.engine import FakeVllmEngine, block_removed, block_stored
 from kvagent.testing import RecordingSink
-from kvagent.vllm.fake_engine import FakeVllmEngine, block_removed, block_stored
 from kvagent.vllm.listener import ListenerCounters, ListenerOptions, ListenerStatistics
 from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import OWNER

@@ -1,4 +1,4 @@
-"""The stream's bytes (kvagent/wire/stream_format.py) and the sans-IO replica (SlotReplica), without Redis."""
+"""The stream's bytes (kvagent/stream/format.py) and the sans-IO replica (SlotReplica), without Redis."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError
 from kvagent.model.events import U64_MAX
-from kvagent.recovery.stream_reader import SlotReplica
-from kvagent.wire.stream_format import (
+from kvagent.stream.format import (
     EventsEntry,
     HeartbeatEntry,
     SlotHead,
@@ -28,6 +27,7 @@ from kvagent.wire.stream_format import (
     encode_status_entry,
     event_entry_id,
 )
+from kvagent.stream.reader import SlotReplica
 from tests.support.stream_sim import SimulatedSlot, canonical_state
 
 

@@ -24,7 +24,7 @@ from kvagent._util.redis_target import StreamTarget
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError, IndexApplyError
 from kvagent.model.status import AgentStatus
-from kvagent.wire.stream_format import (
+from kvagent.stream.format import (
     EventsEntry,
     HeartbeatEntry,
     SlotHead,

@@ -9,7 +9,7 @@ restarts, a killed and revived process, raw frames). Its ``truth`` is what it re
 :class:`SimulatedWorkload` produces realistic GPU prefix-cache events: requests sharing system prompts,
 chained block hashes derived as vLLM's ``sha256_cbor`` does (§7.2), LRU evictions at capacity with one
 remove per block (§8), rare prefix-cache resets, and some CPU offload stores/removes. The hash and event
-builders live in :mod:`kvagent.vllm.fake_events` (re-exported here).
+builders live in :mod:`kvagent.simulator.events` (re-exported here).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import trio
 import zmq
 
 from kvagent._util.zmqtrio import TrioSocket
-from kvagent.vllm.fake_events import (
+from kvagent.simulator.events import (
     NONE_HASH,
     Event,
     ResidentTruth,

@@ -7,7 +7,7 @@ anyway) and appends it with ``XADD <last cursor>-0 MAXLEN ~ N``; when the ring n
 stream's top (Redis was down long enough, or the stream is new or lost), it writes a fresh snapshot and a
 ``snap`` marker instead.  Every ``snapshot_every`` entries it refreshes the snapshot, so a cold reader needs
 at most about one snapshot plus ``maxlen`` entries.  Status changes and idle heartbeats go in the stream too
-(docs/fleet.md has the format, ``kvagent/wire/stream_format.py`` the bytes).
+(docs/fleet.md has the format, ``kvagent/stream/format.py`` the bytes).
 
 redis-py's sync client runs in a worker thread, one call at a time, owned by this task alone.  Failures are
 counted and logged once per outage; the task backs off exponentially and, on reconnecting, re-reads the
@@ -30,7 +30,7 @@ from kvagent._util.redis_target import StreamTarget
 from kvagent.model.errors import ConfigError
 from kvagent.model.events import RouterEvent
 from kvagent.model.status import AgentStatus, AttachmentStatus
-from kvagent.wire.stream_format import (
+from kvagent.stream.format import (
     SlotHead,
     SnapshotLike,
     StreamKeys,
