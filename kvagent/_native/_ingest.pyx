@@ -9,8 +9,8 @@ state, so the Python path, which defines the behaviour, takes it:
   ``[ts, events, rank]`` envelope with map-form ``BlockStored`` / ``BlockRemoved`` events that
   ``AttachmentNormalizer.normalize`` would take on its inline plain path (framework ownership, device medium,
   local, no LoRA, salt, multimodal extra keys or duplicate hash, whole blocks of the attachment's block
-  size, main attention). It packs the tokens, hashes each block with XXH3-64 (seed 1337, the vendored
-  xxhash.h) and builds the ``Stored`` / ``Removed`` / ``PlacementEvent`` values straight from their slots.
+  size, main attention). It packs the tokens, hashes each block with XXH3-64 (seed 1337; the system's
+  libxxhash when setup.py found it, else the xxhash package) and builds the ``Stored`` / ``Removed`` / ``PlacementEvent`` values straight from their slots.
   Attention groups the batch teaches are returned as writes for the caller to apply once the batch is
   accepted (its rank checked), so a declined or refused batch changes nothing.
 - :func:`stamp_plain_chunk` is ``coordinator/fastpath.py``'s loop: the plain check, coalescing only when an
@@ -38,11 +38,17 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void* op)
 
 cdef extern from "_support.h":
+    bint KV_SYSTEM_XXH3  # libxxhash's XXH3 compiled in (setup.py found it); else the xxhash package's
     uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
     Py_ssize_t kv_member_offset(object descr) except? -2
     object kv_alloc(PyTypeObject* type)
     void kv_set(PyObject* obj, Py_ssize_t offset, object value)
     PyObject* kv_get(PyObject* obj, Py_ssize_t offset)
+
+from xxhash import xxh3_64_intdigest as _package_xxh3  # the per-block hash when built without libxxhash
+
+# Where this build's XXH3 comes from (``kvagent --version`` does not say; docs/performance.md measures both).
+XXH3_SOURCE = "libxxhash" if KV_SYSTEM_XXH3 else "xxhash package"
 
 cdef enum:
     BASE_SEED = 1337
@@ -721,7 +727,10 @@ def normalize_payload(bytes payload, Py_ssize_t block_size, object rank, dict gr
             out[4 * k + 3] = (token >> 24) & 0xFF
         tokens_hashes = PyTuple_New(e.hash_count)
         for k in range(e.hash_count):
-            value = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(out + k * block_bytes, block_bytes, BASE_SEED))
+            if KV_SYSTEM_XXH3:
+                value = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(out + k * block_bytes, block_bytes, BASE_SEED))
+            else:
+                value = _package_xxh3(PyBytes_FromStringAndSize(<char*>out + k * block_bytes, block_bytes), BASE_SEED)
             Py_INCREF(value)
             PyTuple_SET_ITEM(tokens_hashes, k, value)
         _untrack(tokens_hashes)

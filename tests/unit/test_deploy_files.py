@@ -51,27 +51,57 @@ def lint(path: Path) -> None:
 # --- Dockerfile ---------------------------------------------------------------------------------------
 
 
-def test_dockerfile_is_slim_non_root_with_kvagent_as_entrypoint() -> None:
-    parser = DockerfileParser(str(DEPLOY / "Dockerfile"))
-    assert parser.baseimage == "python:3.11-slim"
-    instructions = [(item["instruction"], item["value"]) for item in parser.structure]
-    users = [value for instruction, value in instructions if instruction == "USER"]
-    assert users, "no USER: the container would run as root"
-    assert users[-1].split(":")[0] not in ("root", "0")
-    # The install runs as root (it writes site-packages); everything after the last USER does not.
-    order = [instruction for instruction, _ in instructions]
-    last_run = max(i for i, (instruction, value) in enumerate(instructions) if instruction == "RUN")
-    assert "pip install" in instructions[last_run][1]
-    assert order.index("USER") > last_run
-    assert json.loads(dict(instructions)["ENTRYPOINT"]) == ["kvagent"]
-    # The default command is a serve command line kvagent accepts.
-    command = json.loads(dict(instructions)["CMD"])
-    assert command[0] == "serve"
-    assert serve_config(command).slots[0].simulate
-    for _, value in (item for item in instructions if item[0] == "COPY"):
-        *sources, _target = value.split()
+def dockerfile_stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's stages, each its (instruction, value) pairs from its FROM on (comments left out)."""
+    stages: list[list[tuple[str, str]]] = []
+    for item in DockerfileParser(str(DEPLOY / "Dockerfile")).structure:
+        if item["instruction"] == "FROM":
+            stages.append([])
+        if item["instruction"] != "COMMENT":
+            assert stages, "an instruction before the first FROM"
+            stages[-1].append((item["instruction"], item["value"]))
+    return stages
+
+
+def test_dockerfile_builds_the_native_core_in_a_builder_stage() -> None:
+    builder, runtime = dockerfile_stages()  # exactly two stages
+    assert builder[0] == ("FROM", "python:3.11-slim AS builder")
+    runs = " && ".join(value for instruction, value in builder if instruction == "RUN")
+    # A C compiler and libxxhash's header (setup.py compiles XXH3 in from it), required, not merely tried.
+    assert re.search(r"apt-get install .*\bgcc\b", runs) and "libxxhash-dev" in runs
+    environment = " ".join(value for instruction, value in builder if instruction == "ENV")
+    assert "KVAGENT_XXHASH=system" in environment
+    assert "pip install" in runs and "/opt/kvagent" in runs
+    # The build fails unless the installed kvagent runs its native core.
+    assert re.search(r"kvagent --version .*grep -q \"native core: yes\$\"", runs), runs
+    copied = [value.split() for instruction, value in builder if instruction == "COPY"]
+    assert any("setup.py" in sources for *sources, _ in copied), "setup.py declares the extensions"
+    for *sources, _target in copied:
         for source in sources:
             assert (ROOT / source).exists(), f"COPY {source}: not in the build context (the repository root)"
+
+
+def test_dockerfile_runtime_stage_is_slim_non_root_with_kvagent_as_entrypoint() -> None:
+    runtime = dockerfile_stages()[-1]
+    assert runtime[0] == ("FROM", "python:3.11-slim")
+    instructions = dict(runtime)
+    # Only the builder's virtualenv comes in: no source, no compiler, no install from source here.
+    copies = [value for instruction, value in runtime if instruction == "COPY"]
+    assert copies == ["--from=builder /opt/kvagent /opt/kvagent"]
+    runs = " ".join(value for instruction, value in runtime if instruction == "RUN")
+    assert "pip install" not in runs and "apt-get" not in runs
+    assert "PATH=/opt/kvagent/bin:" in instructions["ENV"]
+    # Everything after the last USER runs unprivileged; the last RUN (writing /etc) comes before it.
+    order = [instruction for instruction, _ in runtime]
+    users = [value for instruction, value in runtime if instruction == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    last_run = max(i for i, instruction in enumerate(order) if instruction == "RUN")
+    assert order.index("USER") > last_run
+    assert json.loads(instructions["ENTRYPOINT"]) == ["kvagent"]
+    # The default command is a serve command line kvagent accepts.
+    command = json.loads(instructions["CMD"])
+    assert command[0] == "serve"
+    assert serve_config(command).slots[0].simulate
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------------
