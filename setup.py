@@ -57,7 +57,9 @@ def pkg_config_xxhash() -> list[str]:
     """pkg-config's compile flags for libxxhash ([] when pkg-config or its .pc file is absent)."""
     if shutil.which("pkg-config") is None:
         return []
-    found = subprocess.run(["pkg-config", "--cflags", "libxxhash"], capture_output=True, text=True, check=False)
+    found = subprocess.run(
+        ["pkg-config", "--cflags", "libxxhash"], capture_output=True, text=True, check=False
+    )
     return shlex.split(found.stdout) if found.returncode == 0 else []
 
 

@@ -5,6 +5,8 @@ from typing import Any
 
 from kvagent.model.events import PlacementEvent, RouterEvent, Stored
 
+XXH3_SOURCE: str  # "libxxhash" (compiled in from the system's header) or "xxhash package" (setup.py)
+
 def configure(
     stored: type,
     removed: type,

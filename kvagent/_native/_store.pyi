@@ -6,6 +6,11 @@ from typing import Any
 
 from kvagent.model.events import MmExtraInfo, RouterEvent
 
+class Scratch:
+    """A growable u64 buffer the compiled store converts hashes into (no Python-visible method)."""
+
+    def __init__(self) -> None: ...
+
 class BlockTable:
     min_free: int
     step_rows: int
