@@ -1,7 +1,7 @@
 """HTTP tree dump of 1M resident blocks (``GET /v1/slots/{slot}/dump``): time and the server's peak memory.
 
 The server runs in its own process (``python -m bench.fig_http_dump --serve BLOCKS``: an index built
-directly, served by :func:`kvagent.agent.http.serve_http`), so its memory is measured apart from the
+directly, served by :func:`kvagent.agent.http_routes.serve_http`), so its memory is measured apart from the
 client's: after the index is built its peak-RSS mark is reset (``/proc/PID/clear_refs``), and after each
 dump ``VmHWM - VmRSS(before)`` is what answering cost it.  The baseline of the memory rows is the body
 size: a server that buffered its answer would need at least that much more.  The client streams the body
@@ -47,7 +47,7 @@ def _serve(blocks: int) -> None:
     import trio
 
     from bench.slot_fixture import BenchSlot, build_index
-    from kvagent.agent.http import serve_http
+    from kvagent.agent.http_routes import serve_http
     from kvagent.agent.metrics import MetricSources
 
     class ColdSlot(BenchSlot):

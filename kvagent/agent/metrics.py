@@ -3,8 +3,8 @@
 The hot paths only increment plain private counters; nothing here runs per event. When ``/metrics`` is
 scraped, the collector takes one frozen snapshot per component (each slot's :class:`SlotStatistics`, the
 recovery server's, the event plane's, the etcd backend's, the HTTP surface's) and maps its fields to metric
-families.  :func:`readiness` is what ``/readyz`` answers.  The HTTP server itself is
-:mod:`kvagent.agent.http`.
+families.  :func:`readiness` is what ``/readyz`` answers.  The routes are
+:mod:`kvagent.agent.http_routes`, the HTTP server :mod:`kvagent.recovery.http`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvagent.model.status import ATTACHMENT_STATES, DETACHED, AgentStatus
 from kvagent.persist.writer import PersistenceState, PersistenceStatistics
 from kvagent.publish.republisher import RepublisherStatistics
 from kvagent.publish.zmq_plane import EventPlaneStatistics
+from kvagent.recovery.http import HttpStatistics
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.stream.writer import StreamWriterStatistics
 from kvagent.vllm.listener import ListenerStatistics
@@ -41,32 +42,6 @@ __all__ = [
 
 # Every value of ``AgentStatus.state``: the attachment states, and "detached" for a slot without one.
 SLOT_STATES = (*ATTACHMENT_STATES, DETACHED)
-
-
-@attrs.frozen(slots=True)
-class HttpStatistics:
-    """A snapshot of the HTTP surface's counters (:class:`kvagent.agent.http.HttpStats`).
-
-    Attributes:
-        connections_open: HTTP connections being served now.
-        connections_total: HTTP connections accepted (refused ones included).
-        connections_refused: connections answered 503 because ``max_connections`` were open.
-        requests: requests by route (``metrics``, ``healthz``, ``readyz``, ``slots``, ``status``, ``dump``,
-            ``other``), so a client cannot grow the label set with made-up paths.
-        responses: responses by HTTP status code.
-        request_timeouts: connections closed because their request did not arrive within the deadline.
-        send_timeouts: answers abandoned because the client did not take a piece within the send deadline.
-        dump_bytes: body bytes of ``/v1/slots/{slot}/dump`` answers sent.
-    """
-
-    connections_open: int = 0
-    connections_total: int = 0
-    connections_refused: int = 0
-    requests: Mapping[str, int] = attrs.field(factory=dict)
-    responses: Mapping[int, int] = attrs.field(factory=dict)
-    request_timeouts: int = 0
-    send_timeouts: int = 0
-    dump_bytes: int = 0
 
 
 @attrs.frozen
@@ -196,7 +171,11 @@ _SLOT_COUNTERS: tuple[tuple[str, str, _Reading], ...] = (
         "Raw batches that arrived out of order and were applied in order",
         _listener(lambda listener: listener.late_batches),
     ),
-    ("engine_disconnects", "Engine connections dropped (SUB monitor)", _listener(lambda s: s.engine_disconnects)),
+    (
+        "engine_disconnects",
+        "Engine connections dropped (SUB monitor)",
+        _listener(lambda s: s.engine_disconnects),
+    ),
     ("replay_requests", "Replay requests sent to the engine", _listener(lambda s: s.replay_requests)),
     (
         "ingest_sheds",

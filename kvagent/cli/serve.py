@@ -20,7 +20,7 @@ from kvagent.agent.advertising import advertised_zmq_endpoint, http_url, recover
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.agent.durable import slot_state_path
 from kvagent.agent.host import Host, open_host
-from kvagent.agent.http import serve_http
+from kvagent.agent.http_routes import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.agent.slot import SlotAgent
 from kvagent.cli.bind_check import check_distinct_addresses

@@ -17,7 +17,7 @@ import trio.testing
 
 from kvagent import SlotAgent
 from kvagent.agent.host import SlotRegistry
-from kvagent.agent.http import serve_http
+from kvagent.agent.http_routes import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.discovery.base import DiscoveryRecord
 from kvagent.discovery.memory import MemoryDiscovery

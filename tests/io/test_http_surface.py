@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -18,11 +18,12 @@ import msgpack
 import pytest
 import trio
 
-from kvagent.agent.http import HttpOptions, HttpStats, serve_http
+from kvagent.agent.http_routes import serve_http
 from kvagent.agent.metrics import MetricSources
 from kvagent.cli.main import build_parser, serve_config_from_args
 from kvagent.model.events import Removed, ResidencyDomain, RouterEvent, StorageTier, Stored
 from kvagent.model.status import AttachmentStatus
+from kvagent.recovery.http import HttpOptions, HttpRequest, HttpStats, Response, run_http_server
 from tests.support.ids import WORKER
 from tests.support.recovery import FakeSlot, raw_request, start_server
 from tests.support.serve import serve
@@ -71,6 +72,47 @@ def mixed_slot(name: str = "a") -> FakeSlot:
 
 def attached(slot: FakeSlot, state: str) -> None:
     slot.set_status(attachment=AttachmentStatus(1, WORKER, state == "ready", 0, state))
+
+
+async def test_the_server_answers_with_the_callable_it_is_given_and_bounds_its_streams() -> None:
+    """recovery/http.py knows no route: what it answers is its caller's, and it tells the caller when
+    ``max_dumps`` streamed answers are being sent (the agent's routes refuse a dump then)."""
+    asked: list[tuple[bytes, bool]] = []
+
+    def slow_pieces() -> Iterator[bytes]:
+        yield b"first,"
+        yield b"x" * (4 << 20)  # more than the loopback buffers take: the stream stays open until read
+
+    def answer(request: HttpRequest, *, streams_allowed: bool) -> Response:
+        asked.append((request.target, streams_allowed))
+        if request.target == b"/stream":
+            return Response(200, b"text/plain", stream=slow_pieces(), route="stream")
+        return Response(200, b"text/plain", b"echo " + request.target, route="echo")
+
+    stats = HttpStats()
+    options = HttpOptions(max_dumps=1, send_deadline=TIMEOUT)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(run_http_server, answer, options=options, stats=stats))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                echoed = await http.get("/any/path?q=1")
+                assert (echoed.status_code, echoed.text) == (200, "echo /any/path?q=1")
+                async with http.stream("GET", "/stream") as streaming:
+                    assert streaming.status_code == 200
+                    # The head came after the count went up; the 4 MiB piece is not taken yet.
+                    assert stats.dumps_streaming == 1
+                    await http.get("/while-streaming")
+                    body = b"".join([chunk async for chunk in streaming.aiter_bytes()])
+                assert body.startswith(b"first,") and len(body) == 6 + (4 << 20)
+                await http.get("/after")
+            nursery.cancel_scope.cancel()
+    assert asked == [
+        (b"/any/path?q=1", True),
+        (b"/stream", True),
+        (b"/while-streaming", False),
+        (b"/after", True),
+    ]
+    assert stats.statistics().requests == {"echo": 3, "stream": 1}
 
 
 async def test_routes_answer_and_unknown_ones_are_json_404_or_405() -> None:
@@ -191,7 +233,7 @@ async def _open_stalled(port: int, path: bytes) -> trio.SocketStream:
 
 
 def _body_size(slot: FakeSlot) -> int:
-    from kvagent.agent.http import _dump
+    from kvagent.agent.http_routes import _dump
 
     response = _dump(slot, False)  # type: ignore[arg-type]
     assert response.stream is not None

@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from kvagent.agent.host import SlotState, SlotStateKind
-from kvagent.agent.http import answer_request, parse_request
+from kvagent.agent.http_routes import answer_request
 from kvagent.agent.metrics import (
     _SLOT_COUNTERS,
     _SLOT_GAUGES,
@@ -26,6 +26,7 @@ from kvagent.discovery.withdrawal import WithdrawalStatistics
 from kvagent.model.events import WorkerWithDpRank
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
+from kvagent.recovery.http import parse_request
 from kvagent.recovery.protocol import ServerStatistics
 from kvagent.vllm.listener import ListenerStatistics
 from tests.support.ids import IDENTITY

@@ -1,31 +1,24 @@
-"""The HTTP surface (``kvagent serve --http HOST:PORT``): metrics, health, readiness, slot status and dumps.
+"""The HTTP server beside the websocket server (``recovery/server.py``): h11 connections, the accept loop,
+the deadlines and the bounds; what each request is answered is the caller's (:class:`Answer`).
 
-Routes (GET and HEAD; any other method is 405, an unknown path or slot 404, both with a JSON body)::
-
-    /metrics                    Prometheus text (kvagent.agent.metrics)
-    /healthz                    200 while the process serves
-    /readyz                     200 iff every slot is attached and ready, else 503; JSON names each slot
-    /v1/slots                   JSON list: each slot's name, state, readiness and status
-    /v1/slots/{slot}/status     the websocket ``status`` op's status object
-    /v1/slots/{slot}/dump       the tree dump as one JSON document (msgpack with Accept: application/msgpack)
-
-``{slot}`` is percent-decoded.  h11 parses each request and frames each answer: a malformed request (a bad
-request line, a missing or repeated ``Host`` on HTTP/1.1, conflicting lengths) is answered 400, a head
-longer than ``max_request_bytes`` 431 (h11's ``max_incomplete_event_size``: the bytes buffered for one
-head stay within it plus one read), HEAD gets GET's headers without the body, and a connection is kept
-alive between requests unless the client asks to close, speaks HTTP/1.0 or sent a body (a body is never
-read: no route takes one; the connection closes after the answer). The dump is the websocket dump's
-content (the same events, ids from 0, the same header fields), taken at one point of the slot's outbound
-stream (``last_event_id``: the index's snapshot is a copy of its columns, about 25 bytes a block) and
-encoded piece by piece as the client takes it: HTTP/1.1 clients get it chunked (a truncated answer lacks
-the final chunk), HTTP/1.0 ones until the close.
+``kvagent serve --http`` runs it with the agent's routes (``kvagent/agent/http_routes.py``: metrics,
+readiness, slot status and dumps; docs/http.md). h11 parses each request and frames each answer: a
+malformed request (a bad request line, a missing or repeated ``Host`` on HTTP/1.1, conflicting lengths) is
+answered 400, a head longer than ``max_request_bytes`` 431 (h11's ``max_incomplete_event_size``: the bytes
+buffered for one head stay within it plus one read), a version other than HTTP/1.0 and 1.1 505, HEAD gets
+GET's headers without the body, and a connection is kept alive between requests unless the client asks to
+close, speaks HTTP/1.0 or sent a body (a body is never read: the answerer sees only the head; the
+connection closes after the answer). A :class:`Response` with a ``stream`` is encoded piece by piece as the
+client takes it: HTTP/1.1 clients get it chunked (a truncated answer lacks the final chunk), HTTP/1.0 ones
+until the close.
 
 Bounds: each request head (the first, and each next one on a kept-alive connection) must arrive within
 ``request_timeout`` (a client trickling bytes is closed then too); a client that leaves a piece of an
 answer untaken for ``send_deadline`` loses its connection; at most ``max_connections`` connections are
-served (more get 503) and at most ``max_dumps`` dumps stream at once (more get 503 with Retry-After).
-Accepting is :func:`kvagent._util.listen.accept_loop`'s, which survives descriptor exhaustion, so a scrape
-still gets through while the websocket port is under attack.
+served (more get 503), and while ``max_dumps`` streamed answers are being sent the answerer is told
+``streams_allowed=False`` (so it refuses a new one before doing its work). Accepting is
+:func:`kvagent._util.listen.accept_loop`'s, which survives descriptor exhaustion, so a scrape still gets
+through while the websocket port is under attack.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
-from urllib.parse import unquote, urlsplit
+from typing import Protocol
 
 import attrs
 import h11
@@ -41,27 +34,24 @@ import structlog
 import trio
 
 from kvagent._util.listen import accept_loop, shed_pending_handshakes
-from kvagent.agent.metrics import HttpStatistics, MetricSources, readiness, render_metrics
-from kvagent.agent.slot import SlotAgent
-from kvagent.index.recovery_index import DumpSnapshot, TreeDumpFailedAnswer
-from kvagent.model.events import RESET_ALL
-from kvagent.recovery.dump import dump_document, snapshot_header
-from kvagent.wire.router_event import Encoding
 
 __all__ = [
+    "JSON",
+    "Answer",
     "HttpOptions",
     "HttpRequest",
+    "HttpStatistics",
     "HttpStats",
     "Response",
-    "answer_request",
+    "error_response",
+    "json_response",
     "parse_request",
-    "serve_http",
+    "run_http_server",
 ]
 
 log = structlog.get_logger(__name__)
 
 JSON = b"application/json"
-MSGPACK = b"application/msgpack"
 _MSGPACK_TYPES = (b"application/msgpack", b"application/x-msgpack", b"application/vnd.msgpack")
 _REASONS = {
     200: b"OK",
@@ -81,7 +71,7 @@ LINGER_BYTES = 1 << 20
 
 @attrs.frozen(slots=True)
 class HttpOptions:
-    """The HTTP surface's bounds (docs/http.md)."""
+    """The HTTP server's bounds (docs/http.md); ``max_dumps`` bounds the streamed answers at once."""
 
     max_connections: int = 64
     max_request_bytes: int = 8192
@@ -93,6 +83,32 @@ class HttpOptions:
         for field in attrs.fields(HttpOptions):
             if getattr(self, field.name) <= 0:
                 raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+
+
+@attrs.frozen(slots=True)
+class HttpStatistics:
+    """A snapshot of the HTTP surface's counters (:class:`HttpStats`).
+
+    Attributes:
+        connections_open: HTTP connections being served now.
+        connections_total: HTTP connections accepted (refused ones included).
+        connections_refused: connections answered 503 because ``max_connections`` were open.
+        requests: requests by route (:attr:`Response.route`: the answerer's fixed names, ``other`` for the
+            rest), so a client cannot grow the label set with made-up paths.
+        responses: responses by HTTP status code.
+        request_timeouts: connections closed because their request did not arrive within the deadline.
+        send_timeouts: answers abandoned because the client did not take a piece within the send deadline.
+        dump_bytes: body bytes of streamed answers sent (the agent's: ``/v1/slots/{slot}/dump``).
+    """
+
+    connections_open: int = 0
+    connections_total: int = 0
+    connections_refused: int = 0
+    requests: Mapping[str, int] = attrs.field(factory=dict)
+    responses: Mapping[int, int] = attrs.field(factory=dict)
+    request_timeouts: int = 0
+    send_timeouts: int = 0
+    dump_bytes: int = 0
 
 
 class HttpStats:
@@ -138,14 +154,14 @@ class Response:
     route: str = "other"
 
 
-def _json(status: int, value: object, route: str = "other", **headers: bytes) -> Response:
+def json_response(status: int, value: object, route: str = "other", **headers: bytes) -> Response:
     body = json.dumps(value, separators=(",", ":")).encode()
     extra = tuple((name.replace("_", "-").encode(), text) for name, text in headers.items())
     return Response(status, JSON, body, headers=extra, route=route)
 
 
-def _error(status: int, code: str, message: str, route: str = "other", **headers: bytes) -> Response:
-    return _json(status, {"error": {"code": code, "message": message}}, route, **headers)
+def error_response(status: int, code: str, message: str, route: str = "other", **headers: bytes) -> Response:
+    return json_response(status, {"error": {"code": code, "message": message}}, route, **headers)
 
 
 @attrs.frozen(slots=True)
@@ -181,94 +197,12 @@ def parse_request(head: bytes) -> HttpRequest | None:
     return _request_of(event) if isinstance(event, h11.Request) else None
 
 
-# --- routes -------------------------------------------------------------------------------------------
+class Answer(Protocol):
+    """What the server asks of its caller: the response to one parsed request (a stream's body is produced
+    as the client takes it). ``streams_allowed`` is False while ``max_dumps`` streamed answers are being
+    sent: a streamed answer must be refused then (503), before its work is done."""
 
-
-def _slot_entry(agent: SlotAgent) -> dict[str, object]:
-    status = agent.status()
-    return {
-        "name": agent.name,
-        "state": status.state,
-        "ready": status.state == "ready",
-        "status": status.to_json(),
-    }
-
-
-def _dump(agent: SlotAgent, msgpack_wanted: bool) -> Response:
-    """The slot's tree dump at one point of its stream, unfenced (the operator's full view), streamed."""
-    # A copy of the columns (a stale cached one is released first): later applies do not change it.
-    snapshot = agent.index.range_or_snapshot(None, None)
-    if isinstance(snapshot, TreeDumpFailedAnswer):  # never an empty dump in its place
-        return _error(500, "internal", f"worker tree dump failed: {snapshot.message}", "dump")
-    if not isinstance(snapshot, DumpSnapshot):  # impossible: a range without a start is always a dump
-        return _error(500, "internal", "the index answered a dump request with events", "dump")
-    header = {"kind": "tree_dump", **snapshot_header(snapshot, RESET_ALL)}
-    encoding = Encoding.MSGPACK if msgpack_wanted else Encoding.JSON
-    pieces = dump_document(encoding, header, snapshot.groups)
-    content_type = MSGPACK if msgpack_wanted else JSON
-    return Response(
-        200, content_type, stream=pieces, headers=_last_event_header(snapshot.last_event_id), route="dump"
-    )
-
-
-def _last_event_header(last_event_id: int) -> tuple[tuple[bytes, bytes], ...]:
-    return ((b"x-kvagent-last-event-id", str(last_event_id).encode()),)
-
-
-def _slot_route(
-    sources: MetricSources, segments: list[str], request: HttpRequest, dumps_allowed: bool
-) -> Response:
-    """``/v1/slots/{slot}/status`` and ``/v1/slots/{slot}/dump``."""
-    name, action = segments
-    route = action if action in ("status", "dump") else "other"
-    if route == "other":
-        return _error(404, "not_found", "unknown path: use /v1/slots/{slot}/status or /dump")
-    agent = next((agent for agent in sources.slots() if agent.name == name), None)
-    if agent is None:
-        return _error(404, "not_found", f"no slot named {name!r} is served here", route)
-    if route == "status":
-        return _json(200, agent.status().to_json(), route)
-    if request.method == b"HEAD":  # the headers a GET would get, without taking a snapshot
-        content_type = MSGPACK if request.wants_msgpack() else JSON
-        headers = _last_event_header(agent.index.current_event_id())
-        return Response(200, content_type, stream=(), headers=headers, route=route)
-    if not dumps_allowed:  # refused before the snapshot is copied
-        return _error(
-            503, "overloaded", "too many dumps are streaming; retry shortly", route, retry_after=b"1"
-        )
-    return _dump(agent, request.wants_msgpack())
-
-
-def answer_request(sources: MetricSources, request: HttpRequest, *, dumps_allowed: bool = True) -> Response:
-    """The response to one parsed request (a dump's body is still to be produced).
-
-    ``dumps_allowed`` False: a dump request is answered 503 (too many are streaming).
-    """
-    if request.method not in (b"GET", b"HEAD"):
-        return _error(405, "method_not_allowed", "only GET and HEAD are served", allow=b"GET, HEAD")
-    try:
-        path = urlsplit(request.target.decode("ascii")).path
-    except (UnicodeDecodeError, ValueError):
-        return _error(400, "bad_request", "the request target is not a valid URL")
-    if path == "/metrics":
-        return Response(
-            200, b"text/plain; version=0.0.4; charset=utf-8", render_metrics(sources), route="metrics"
-        )
-    if path == "/healthz":
-        return Response(200, b"text/plain; charset=utf-8", b"ok\n", route="healthz")
-    if path == "/readyz":
-        states = None if sources.slot_states is None else sources.slot_states()
-        ready, body = readiness(sources.slots(), states)
-        return _json(200 if ready else 503, body, "readyz")
-    segments = path.strip("/").split("/")
-    if segments[:2] == ["v1", "slots"]:
-        if len(segments) == 2:
-            agents = sorted(sources.slots(), key=lambda agent: agent.name)
-            return _json(200, [_slot_entry(agent) for agent in agents], "slots")
-        if len(segments) == 4:
-            # Split first, decode each segment after: an encoded '/' stays inside its segment.
-            return _slot_route(sources, [unquote(segments[2]), segments[3]], request, dumps_allowed)
-    return _error(404, "not_found", f"unknown path {path!r}")
+    def __call__(self, request: HttpRequest, *, streams_allowed: bool) -> Response: ...
 
 
 # --- the connection -----------------------------------------------------------------------------------
@@ -298,10 +232,10 @@ class _Connection:
     """One accepted connection: requests parsed and answers framed by h11, one at a time, until it closes."""
 
     def __init__(
-        self, stream: trio.SocketStream, sources: MetricSources, options: HttpOptions, stats: HttpStats
+        self, stream: trio.SocketStream, answer: Answer, options: HttpOptions, stats: HttpStats
     ) -> None:
         self.stream = stream
-        self.sources = sources
+        self.answer = answer
         self.options = options
         self.stats = stats
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=options.max_request_bytes)
@@ -368,12 +302,12 @@ class _Connection:
             request = _request_of(event)
             body = self.body_follows()
             self.unread_input = body
-            dumps_allowed = self.stats.dumps_streaming < self.options.max_dumps
+            streams_allowed = self.stats.dumps_streaming < self.options.max_dumps
             if event.http_version not in (b"1.0", b"1.1"):  # h11 reads any HTTP/x.y line
                 body = True  # answered, then closed
-                response = _error(505, "bad_request", "only HTTP/1.0 and HTTP/1.1 are served")
+                response = error_response(505, "bad_request", "only HTTP/1.0 and HTTP/1.1 are served")
             else:
-                response = answer_request(self.sources, request, dumps_allowed=dumps_allowed)
+                response = self.answer(request, streams_allowed=streams_allowed)
             await self.respond(response, close=body, head_only=request.method == b"HEAD")
             if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
                 return  # MUST_CLOSE (HTTP/1.0, Connection: close) or an unread body
@@ -384,15 +318,15 @@ class _Connection:
         """503 at once to a connection over ``max_connections`` (h11 lets a server answer before the
         request; its request is never read, so the close lingers)."""
         self.unread_input = True
-        refusal = _error(503, "overloaded", "too many HTTP connections", retry_after=b"1")
+        refusal = error_response(503, "overloaded", "too many HTTP connections", retry_after=b"1")
         with trio.move_on_after(REFUSAL_SECONDS):
             await self.respond(refusal, close=True)
 
     async def refuse_malformed(self, exc: h11.RemoteProtocolError) -> None:
         if exc.error_status_hint == 431:
-            refusal = _error(431, "too_large", "request head too large")
+            refusal = error_response(431, "too_large", "request head too large")
         else:
-            refusal = _error(exc.error_status_hint, "bad_request", f"malformed request: {exc}")
+            refusal = error_response(exc.error_status_hint, "bad_request", f"malformed request: {exc}")
         await self.respond(refusal, close=True)
 
     async def respond(self, response: Response, *, close: bool = False, head_only: bool = False) -> None:
@@ -420,12 +354,10 @@ class _Connection:
         await self.send(h11.EndOfMessage())
 
 
-async def _handle(
-    sources: MetricSources, options: HttpOptions, stats: HttpStats, stream: trio.SocketStream
-) -> None:
+async def _handle(answer: Answer, options: HttpOptions, stats: HttpStats, stream: trio.SocketStream) -> None:
     stats.connections_total += 1
     stats.connections_open += 1
-    connection = _Connection(stream, sources, options, stats)
+    connection = _Connection(stream, answer, options, stats)
     try:
         if stats.connections_open > options.max_connections:
             stats.connections_refused += 1
@@ -443,8 +375,8 @@ async def _handle(
             await stream.aclose()
 
 
-async def serve_http(
-    sources: MetricSources,
+async def run_http_server(
+    answer: Answer,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -452,15 +384,10 @@ async def serve_http(
     stats: HttpStats | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the HTTP surface until cancelled; ``started`` gets the bound port.
-
-    Unless ``sources`` already names an HTTP statistics source, ``/metrics`` includes this server's own.
-    """
+    """Serve HTTP on ``host:port`` with ``answer`` until cancelled; ``started`` gets the bound port."""
     options = options if options is not None else HttpOptions()
     stats = stats if stats is not None else HttpStats()
-    if sources.http is None:
-        sources = attrs.evolve(sources, http=stats.statistics)
-    handle = partial(_handle, sources, options, stats)
+    handle = partial(_handle, answer, options, stats)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
@@ -472,6 +399,3 @@ async def serve_http(
             )
         log.info("http_listening", host=host, port=bound_port)
         task_status.started(bound_port)
-
-
-serve_metrics = serve_http  # the name before the surface grew beyond /metrics
