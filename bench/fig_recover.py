@@ -256,28 +256,28 @@ def serve_ring_run(publisher: Any, ring: int, seconds: float, workdir: Any, pref
     publisher.request_subscriber_wait()
     # A state directory of its own (persistence on, as deployed; never another run's or another user's).
     state = tempfile.mkdtemp(dir=workdir)
-    server = fig_serving._Server(
+    server = fig_serving.start_server(
         publisher.endpoint, workdir, ["--ring-capacity", str(ring), "--state-dir", state]
     )
     try:
         publisher.wait_subscribed(fig_serving.SERVER_START_TIMEOUT)
-        base = fig_serving._cursor(server.url)
+        base = fig_serving._cursor(server.ws_url)
         # One stream (the publisher numbers every paced call from seq 0: a second call would look like an
         # engine restart), long enough for the prefill, the clients' warm-up and window, and a margin.
         publisher.paced(rate, prefill / rate + seconds + fig_serving.WARMUP + 3)
-        fig_serving._wait_cursor(server.url, base + prefill)
+        fig_serving._wait_cursor(server.ws_url, base + prefill)
         cpu_before = fig_serving._cpu_seconds(server.process.pid)
         publisher_before = fig_serving._cpu_seconds(publisher.pid or 0)
         busy_before = fig_serving._machine_busy_seconds()
         started = time.monotonic()
-        tally = fig_serving._run_clients(server.url, CLIENTS, seconds, True)
+        tally = fig_serving._run_clients(server.ws_url, CLIENTS, seconds, True)
         elapsed = time.monotonic() - started
         server_cpu = (fig_serving._cpu_seconds(server.process.pid) - cpu_before) / elapsed
         busy = (fig_serving._machine_busy_seconds() - busy_before) / elapsed
         busy -= (fig_serving._cpu_seconds(publisher.pid or 0) - publisher_before) / elapsed
         sent, _, _ = publisher.wait_sent()
         target = base + sent * EVENTS_PER_BATCH
-        cursor = fig_serving._wait_cursor(server.url, target)
+        cursor = fig_serving._wait_cursor(server.ws_url, target)
     finally:
         server.stop()
     tally.update(

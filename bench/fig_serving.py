@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 
 from bench.harness import FigureResult, Row, median, percentile
 from bench.publisher import Publisher
+from bench.serve_process import ServeProcess, start_serve
 from bench.serving_clients import client_process
 from bench.trace import EVENTS_PER_BATCH
 
@@ -59,47 +58,18 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _Server:
-    """A ``kvagent serve`` subprocess with one slot attached to the publisher."""
-
-    def __init__(self, endpoint: str, workdir: Path, extra: list[str], script: str | None = None) -> None:
-        # KVAGENT_BENCH_SERVER_SCRIPT: a script run in place of ``-m kvagent.cli.main`` with the same
-        # arguments (a profiling or tracing wrapper); ``script`` (a server variant) takes precedence.
-        script = script or os.environ.get("KVAGENT_BENCH_SERVER_SCRIPT")
-        command = [
-            sys.executable, *([script] if script else ["-m", "kvagent.cli.main"]), "serve",
-            "--slot", f"s0={endpoint}", "--topic", "kv-events", "--block-size", "16",
-            "--listen", "127.0.0.1:0", "--discovery", "memory",
-            "--token-file", str(workdir / "token"), "--status-interval", "3600",
-            "--max-connections", "1024", *extra,
-        ]
-        self.process = subprocess.Popen(
-            command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.url = self._wait_url()
-
-    def _wait_url(self) -> str:
-        started = time.monotonic()
-        assert self.process.stderr is not None
-        lines: list[str] = []
-        while time.monotonic() - started < SERVER_START_TIMEOUT:
-            line = self.process.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "serving" in line and "ws://" in line:
-                return "ws://" + line.split("ws://", 1)[1].split("/v1/slots", 1)[0]
-        self.process.kill()
-        raise RuntimeError("kvagent serve did not start:\n" + "".join(lines[-30:]))
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+def start_server(endpoint: str, workdir: Path, extra: list[str], script: str | None = None) -> ServeProcess:
+    """A ``kvagent serve`` process with one slot attached to the publisher, once it serves
+    (bench/serve_process.py). ``script`` (a server variant) runs in place of ``-m kvagent``, as does
+    ``KVAGENT_BENCH_SERVER_SCRIPT`` (a profiling or tracing wrapper) without one."""
+    args = [
+        "--slot", f"s0={endpoint}", "--topic", "kv-events", "--block-size", "16",
+        "--listen", "127.0.0.1:0", "--discovery", "memory",
+        "--token-file", str(workdir / "token"), "--status-interval", "3600",
+        "--max-connections", "1024", *extra,
+    ]
+    entry = None if script is None else [script]
+    return start_serve(args, workdir, entry=entry, timeout=SERVER_START_TIMEOUT)
 
 
 def _cursor(url: str) -> int:
@@ -175,17 +145,17 @@ def one_run(
     """A fresh server, paced ingest, N clients (and ``stalled`` never-reading followers); the tally plus
     loss and CPU figures.  ``script``: a server variant run in place of ``kvagent``."""
     publisher.request_subscriber_wait()
-    server = _Server(publisher.endpoint, workdir, list(extra), script)
+    server = start_server(publisher.endpoint, workdir, list(extra), script)
     try:
         publisher.wait_subscribed(SERVER_START_TIMEOUT)
-        base = _cursor(server.url)
+        base = _cursor(server.ws_url)
         publish_seconds = seconds + WARMUP + 3
         publisher.paced(INGEST_RATE, publish_seconds)
         ours_before = _cpu_seconds(server.process.pid) + _cpu_seconds(publisher.pid or 0)
         cpu_before = _cpu_seconds(server.process.pid)
         busy_before = _machine_busy_seconds()
         started = time.monotonic()
-        tally = _run_clients(server.url, clients, seconds, lite, stalled)
+        tally = _run_clients(server.ws_url, clients, seconds, lite, stalled)
         elapsed = time.monotonic() - started
         server_cpu = (_cpu_seconds(server.process.pid) - cpu_before) / elapsed
         ours = _cpu_seconds(server.process.pid) + _cpu_seconds(publisher.pid or 0) - ours_before
@@ -193,7 +163,7 @@ def one_run(
         other_cpu = (_machine_busy_seconds() - busy_before - ours - tally["client_cpu_seconds"]) / elapsed
         sent, first, last = publisher.wait_sent()
         target = base + sent * EVENTS_PER_BATCH
-        cursor = _wait_cursor(server.url, target)
+        cursor = _wait_cursor(server.ws_url, target)
     finally:
         server.stop()
     tally.update(

@@ -5,6 +5,9 @@ the in-process figures (bench/agent_run.py). Past its byte budget a deployed age
 repairs from the engine's replay ROUTER, to stay current; in a burst benchmark that would be loss, so here
 the listener stops reading instead and the publisher queues (its SNDHWM is 0). Dynamo's indexer does the
 same by nature (its SUB pushes back). Everything else is ``kvagent.cli.main``'s own code path.
+
+Started like every bench ``kvagent serve``: ``bench.serve_process.start_serve(args, workdir,
+entry=NEVER_SHED_ENTRY)``.
 """
 
 from __future__ import annotations

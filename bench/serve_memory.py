@@ -9,12 +9,9 @@ persisted minus its RSS once attached, divided by the resident blocks it reports
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -22,9 +19,9 @@ from typing import Any
 
 from bench.harness import PAGE_SIZE
 from bench.publisher import Publisher
+from bench.serve_process import start_serve
 from bench.trace import EVENTS_PER_BATCH
 
-_HTTP_LINE = re.compile(r"HTTP surface on (http://\S+)")
 _RESIDENT = re.compile(r'^kvagent_resident_blocks\{[^}]*slot="bench"[^}]*\} (\S+)$', re.MULTILINE)
 
 
@@ -34,14 +31,11 @@ def process_rss(pid: int) -> int:
 
 
 class _Serve:
-    """A ``kvagent serve`` subprocess with one slot attached to ``endpoint``; stderr collected by a thread."""
+    """A ``kvagent serve`` process with one slot attached to ``endpoint`` (bench/serve_process.py) and its
+    HTTP surface."""
 
     def __init__(self, endpoint: str, root: Path, extra: list[str]) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "kvagent.cli.main",
-            "serve",
+        args = [
             "--slot",
             f"bench={endpoint}",
             "--worker-id",
@@ -60,25 +54,10 @@ class _Serve:
             "3600",
             *extra,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
-        self.lines: list[str] = []
-        self._http = threading.Event()
-        self.http_url = ""
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._http.wait(60):
-            self.close()
-            raise RuntimeError("kvagent serve did not start:\n" + "\n".join(self.lines[-20:]))
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for raw in self.process.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
-            found = _HTTP_LINE.search(line)
-            if found and not self._http.is_set():
-                self.http_url = found.group(1)
-                self._http.set()
+        self.serve = start_serve(args, root)
+        self.process = self.serve.process
+        assert self.serve.http_url is not None  # --http was given: its line precedes the serving line
+        self.http_url = self.serve.http_url
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(self.http_url + path, timeout=30) as answer:
@@ -108,13 +87,7 @@ class _Serve:
             time.sleep(0.05)
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.serve.stop()
 
 
 def _cursor(status: dict[str, Any]) -> int:
