@@ -82,11 +82,15 @@ class ServeProcess:
         self._up.set()  # the output ended: the process is gone (wait_up tells which)
 
     def wait_up(self, timeout: float) -> None:
+        """Until the serving line; raises (the process stopped) when it exits or the timeout passes first."""
         if self._up.wait(timeout) and self.ws_url:
             return
-        code = self.process.poll()
-        self.stop()
-        what = f"exited with {code}" if code is not None else f"was not serving after {timeout:.0f} s"
+        if self._up.is_set():  # its output ended: it is exiting (reaped within the stop's bound)
+            self.stop()
+            what = f"exited with {self.process.returncode}"
+        else:
+            self.stop()
+            what = f"was not serving after {timeout:.0f} s"
         raise RuntimeError(f"kvagent serve {what}:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
