@@ -178,8 +178,8 @@ class AttachmentAdvertiser:
 
     @property
     def record(self) -> DiscoveryRecord | None:
-        """The ad that is, or may be, registered."""
-        return self._state.registered
+        """The ad that is, or may be, registered (counting one being registered now)."""
+        return self._state.held
 
     def record_for(self, attached: Attachment, ready_at_outbound_cursor: int) -> DiscoveryRecord:
         return attachment_advertisement(

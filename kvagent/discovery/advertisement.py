@@ -195,6 +195,11 @@ class AdvertisementState:
         )
 
     @property
+    def held(self) -> DiscoveryRecord | None:
+        """The ad that is, or may be, in discovery, counting one being registered now."""
+        return self.registered if self.registered is not None else self._registering()
+
+    @property
     def finished(self) -> bool:
         """Closing, and nothing is, or may be, registered: the driver is done."""
         return self.closing and self.registered is None and self.in_flight is None
