@@ -11,6 +11,9 @@
   first, and an unbounded queue of work items that senders put without waiting.  ``await inbox.receive(n)``
   gives the next control request, else up to ``n`` items, and sleeps only when both are empty.
 
+- :func:`checkpoint` and :func:`shielded_checkpoint`: a yield to the scheduler (that may be cancelled, or
+  not), named for what they are.
+
 Everything here is plain Trio (``trio.Event``); ``trio.lowlevel`` stays in the socket and ZMQ adapters.
 """
 
@@ -24,7 +27,7 @@ from typing import Generic, TypeVar
 import attrs
 import trio
 
-__all__ = ["Changed", "ControlFirstInbox", "InboxStatistics", "Request"]
+__all__ = ["Changed", "ControlFirstInbox", "InboxStatistics", "Request", "checkpoint", "shielded_checkpoint"]
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -35,14 +38,15 @@ class Changed:
     """A "something changed" notification with a version, so no waiter misses a change.
 
     ``version`` only grows.  :meth:`notify` bumps it and wakes every waiter; :meth:`wait` returns at once if
-    the version is already past ``since``.
+    the version is already past ``since``.  A notify nobody waits for costs an increment (no allocation),
+    so it fits a per-event path.
     """
 
     __slots__ = ("_event", "_version")
 
     def __init__(self) -> None:
         self._version = 0
-        self._event = trio.Event()
+        self._event: trio.Event | None = None  # made by the first waiter, set and dropped by the next notify
 
     @property
     def version(self) -> int:
@@ -50,18 +54,23 @@ class Changed:
 
     def notify(self) -> None:
         self._version += 1
-        self._event.set()
-        self._event = trio.Event()
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
 
     async def wait(self, since: int) -> None:
-        """Return once the version is past ``since`` (at once if it already is)."""
+        """Return once the version is past ``since``; at once, without a checkpoint, if it already is (as the
+        park loops it replaces: a consumer that keeps finding work does not yield here)."""
         while self._version == since:
+            if self._event is None:
+                self._event = trio.Event()
             await self._event.wait()
         if self._version < since:
             raise ValueError(f"version {since} was never reached (now {self._version})")
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        """Return once ``predicate()`` holds, looking again after each change (not a poll)."""
+        """Return once ``predicate()`` holds, looking again after each change (not a poll); at once, without
+        a checkpoint, if it already holds."""
         while True:
             since = self._version
             if predicate():
@@ -115,6 +124,17 @@ class Request(Generic[T]):
         return self._result  # type: ignore[return-value]  # set whenever no error was recorded
 
 
+async def checkpoint() -> None:
+    """Yield to the scheduler; raises Cancelled if cancelled (``trio.lowlevel.checkpoint``'s effect)."""
+    await trio.sleep(0)  # noqa: ASYNC115  (trio.lowlevel stays in the socket and ZMQ adapters)
+
+
+async def shielded_checkpoint() -> None:
+    """Yield to the scheduler without being cancelled (``trio.lowlevel.cancel_shielded_checkpoint``)."""
+    with trio.CancelScope(shield=True):
+        await trio.sleep(0)  # noqa: ASYNC115
+
+
 @attrs.frozen(slots=True)
 class InboxStatistics:
     """An inbox at one instant: requests and items waiting, and whether it is closed."""
@@ -146,9 +166,7 @@ class ControlFirstInbox(Generic[C, I]):
     # --- senders ---------------------------------------------------------------------------------------
     async def send_control(self, request: C) -> None:
         """Queue ``request``, waiting for room; cancelled while waiting, it is not queued."""
-        # A checkpoint first, as a channel's send: cancelled here, nothing is queued (trio.sleep(0), not
-        # trio.lowlevel.checkpoint(): trio.lowlevel stays in the socket and ZMQ adapters).
-        await trio.sleep(0)  # noqa: ASYNC115
+        await checkpoint()  # first, as a channel's send: cancelled here, nothing is queued
         while True:
             since = self._room.version
             if self._closed:

@@ -144,7 +144,9 @@ class AdvertisementState:
             return None
         registered, wanted = self.registered, self.wanted
         action: Action | None = None
-        if registered is not None and (registered != wanted or self._withdraw_due == ad_generation(registered)):
+        if registered is not None and (
+            registered != wanted or self._withdraw_due == ad_generation(registered)
+        ):
             action = Unregister(registered)
         elif wanted is not None and not (self.confirmed and registered == wanted):
             action = Register(wanted)

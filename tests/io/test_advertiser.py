@@ -56,7 +56,9 @@ class Rig:
         return self.advertiser.record_for(attachment(generation), cursor)
 
     def ads(self) -> list[DiscoveryRecord]:
-        return [record for record in self.discovery.records.values() if record.topic == KV_STATE_ATTACHMENTS_TOPIC]
+        return [
+            record for record in self.discovery.records.values() if record.topic == KV_STATE_ATTACHMENTS_TOPIC
+        ]
 
 
 @asynccontextmanager
@@ -86,7 +88,11 @@ async def test_the_open_attachment_is_advertised_while_ready_at_its_cursor() -> 
             assert rig.ads() == [rig.ad(1, 8)]
         assert rig.ads() == []  # the stop withdrew it
         statistics = rig.advertiser.statistics()
-        assert (statistics.registrations, statistics.withdrawals, statistics.required_withdrawals) == (2, 2, 1)
+        assert (statistics.registrations, statistics.withdrawals, statistics.required_withdrawals) == (
+            2,
+            2,
+            1,
+        )
 
 
 async def test_a_withdrawal_request_of_another_generation_is_fenced_off() -> None:

@@ -21,7 +21,11 @@ def test_the_nested_deadlines_fit(step: float) -> None:
 
 def test_the_default_step_gives_the_documented_figures() -> None:
     deadlines = StopDeadlines(5.0)
-    assert (deadlines.listener_join, deadlines.slot_task_shutdown, deadlines.slot_task_stop) == (2.0, 15.0, 20.0)
+    assert (deadlines.listener_join, deadlines.slot_task_shutdown, deadlines.slot_task_stop) == (
+        2.0,
+        15.0,
+        20.0,
+    )
 
 
 @pytest.mark.parametrize("step", [0.0, -1.0, float("nan")])
