@@ -206,6 +206,11 @@ class ControlFirstInbox(Generic[C, I]):
                 raise trio.EndOfChannel
             await self._arrived.wait(since)
 
+    async def wait(self) -> None:
+        """Return once something is queued or the inbox is closed, taking nothing (for a receiver that takes
+        with :meth:`take_control_nowait` / :meth:`take_items_nowait` and decides itself what to do at close)."""
+        await self._arrived.wait_for(lambda: bool(self._control or self._items) or self._closed)
+
     def receive_nowait(self, max_items: int = 1) -> C | list[I] | None:
         """As :meth:`receive`, but None instead of waiting."""
         if self._control:

@@ -129,6 +129,21 @@ async def test_the_receiver_sleeps_until_something_arrives() -> None:
     assert got == [[1, 2]]
 
 
+async def test_wait_returns_once_something_is_queued_or_the_inbox_closes() -> None:
+    inbox: ControlFirstInbox[str, int] = ControlFirstInbox(1)
+    with trio.fail_after(1):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(inbox.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            inbox.put_nowait(1)
+        assert inbox.items_queued == 1  # nothing was taken
+        assert inbox.take_items_nowait() == [1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(inbox.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            inbox.close()
+
+
 async def test_a_full_control_queue_makes_senders_wait_and_a_cancelled_sender_queues_nothing() -> None:
     inbox: ControlFirstInbox[str, int] = ControlFirstInbox(1)
     await inbox.send_control("first")
