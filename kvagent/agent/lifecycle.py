@@ -19,7 +19,7 @@ it.
 
 The shutdown (docs/spec/agent-semantics.md 7.8, steps 1-3) runs when the ladder stops this task: queued commands are
 refused, the command in progress finishes, then the current attachment is quarantined, its ad withdrawn
-and its listener stopped.  Stopping the coordinator, joining the supervisor and withdrawing the source ad
+and its listener stopped.  Stopping the coordinator, joining the advertiser and withdrawing the source ad
 are the outer rungs' (:mod:`kvagent.agent.slot`).
 """
 
@@ -256,7 +256,7 @@ class SlotLifecycle:
             raise KvAgentError("previous engine attachment has not fully detached", code="conflict")
 
     async def _attach(self, config: AttachmentConfig) -> AttachmentStatus:
-        """Barrier, listener, then the advertisement (if ready: else the keeper advertises it once ready)."""
+        """Barrier, listener, then the advertisement (if ready: else the advertiser registers it once ready)."""
         self._check_attachable(config)
         resume = None if self._durable is None else self._durable.take_resume_point(config)
         to_attach = config.to_attachment()
@@ -311,7 +311,9 @@ class SlotLifecycle:
         be open afterwards (a degraded attachment is advertised by the advertiser once ready)."""
         generation = attached.generation
         self._advertiser.open(attached)
-        await self._bounded("attachment advertisement", partial(self._advertiser.wait_registration, generation))
+        await self._bounded(
+            "attachment advertisement", partial(self._advertiser.wait_registration, generation)
+        )
         if not self._status.get().is_open_generation(generation):
             raise _ListenerTerminated
 

@@ -189,7 +189,7 @@ class SlotAgent:
         """Attach an engine: barrier, listener, then the advertisement (docs/spec/agent-semantics.md 7.4 order).
 
         The advertisement is registered only if the attachment is ready by then; a degraded or disconnected
-        attachment is attached all the same, and the ad keeper advertises it once it is ready.
+        attachment is attached all the same, and the advertiser registers its ad once it is ready.
         """
         return await self._lifecycle.attach(config)
 

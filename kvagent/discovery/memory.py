@@ -106,6 +106,7 @@ class MemoryDiscovery:
 
     async def wait_for_attempts(self, count: int, operation: str | None = None) -> list[OperationAttempt]:
         """Wait until at least ``count`` calls (of ``operation``, if given) were made; return them."""
+
         def made() -> list[OperationAttempt]:
             return [a for a in self.attempts if operation is None or a.operation == operation]
 

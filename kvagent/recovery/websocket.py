@@ -390,7 +390,9 @@ class WebSocket:
             while not core.close_received:
                 since = self._reader_wake.version
                 if not core.wants_data:
-                    await self._reader_wake.wait(since)  # the inbound bound: the rest waits in the peer's window
+                    await self._reader_wake.wait(
+                        since
+                    )  # the inbound bound: the rest waits in the peer's window
                     continue
                 try:
                     data = self._sock.recv(RECEIVE_BYTES)
