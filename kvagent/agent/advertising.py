@@ -1,12 +1,19 @@
-"""The attachment advertisement of one slot: registered only while the attachment is ready.
+"""The attachment advertisement of one slot: registered only while the open attachment is ready.
 
-The coordinator asks the withdrawal supervisor to withdraw the ad when the attachment leaves ready, or when
-its ``ready_at_outbound_cursor`` moves while ready (so withdrawals never wait on discovery).  The
-:class:`AttachmentAdKeeper` registers it again, with the current cursor, once the open attachment is ready
-and its ad is missing.  The registration is a step of the slot task (:mod:`kvagent.agent.lifecycle`), in
-order with attach, detach and quarantine, so it never advertises a generation that a detach or quarantine
-has closed; a lifecycle call interrupts (:meth:`~AttachmentAdKeeper.interrupt`) a registration that discovery
-keeps waiting rather than queue behind it.
+:class:`AttachmentAdvertiser` is its one owner: a single task (:meth:`~AttachmentAdvertiser.run`) drives the
+sans-IO :class:`~kvagent.discovery.advertisement.AdvertisementState` and makes every register and unregister
+call.  Its inputs never wait on discovery:
+
+- the slot task opens a generation at attach (its ad is wanted whenever the status cell says it is ready, at
+  the current ``ready_at_outbound_cursor``) and closes it at detach, quarantine, rollback and shutdown (the
+  fence: a closed generation is never advertised again); it then waits for ``withdrawn(g)`` where the seed
+  orders it (7.4, 7.8);
+- the coordinator asks (:meth:`~AttachmentAdvertiser.request_withdrawal`) that generation ``g``'s ad go when
+  the attachment leaves ready or its ready cursor moves;
+- the ladder stops it last (:meth:`~AttachmentAdvertiser.stop`): nothing is wanted, it ends once withdrawn.
+
+Failed calls are retried with backoff (100 ms doubling to 5 s) for as long as they are due: an ad left
+registered after its attachment failed would make routers trust a dead engine, so a withdrawal never gives up.
 
 It also builds the URLs a slot advertises (:func:`recovery_base_url`, :func:`slot_recovery_url`,
 :func:`advertised_zmq_endpoint`): a reachable host instead of a wildcard bind address, IPv6 in brackets,
@@ -17,23 +24,30 @@ from __future__ import annotations
 
 import functools
 import socket
-from collections.abc import Awaitable, Callable
 from urllib.parse import quote
 
 import attrs
 import structlog
 import trio
 
+from kvagent._util.sync import Changed
 from kvagent.coordinator.task import StatusCell
 from kvagent.discovery.ads import attachment_advertisement
+from kvagent.discovery.advertisement import (
+    Action,
+    AdvertisementState,
+    Outcome,
+    Register,
+    WithdrawalStatistics,
+)
 from kvagent.discovery.base import Discovery, DiscoveryRecord
-from kvagent.discovery.withdrawal import INITIAL_BACKOFF, MAX_BACKOFF, AttachmentRecordHolder
-from kvagent.model.errors import KvAgentError
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import Attachment
 
 __all__ = [
-    "AttachmentAdKeeper",
+    "INITIAL_BACKOFF",
+    "MAX_BACKOFF",
+    "AttachmentAdvertiser",
     "advertised_host",
     "advertised_zmq_endpoint",
     "http_url",
@@ -43,6 +57,9 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+INITIAL_BACKOFF = 0.1  # after a failed discovery call, doubling up to:
+MAX_BACKOFF = 5.0
 
 # Bind addresses that mean "every interface": no client can connect to them, so they are never advertised.
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
@@ -101,14 +118,8 @@ def advertised_zmq_endpoint(endpoint: str, advertise: str | None = None) -> str:
     return f"tcp://{advertised_host(host.strip('[]'), advertise)}:{port}"
 
 
-class AttachmentAdKeeper:
-    """Keeps the attachment ad registered exactly while the open attachment is ready (see module doc).
-
-    ``attached`` reads the slot's current attachment (the slot task sets it at attach, clears it at
-    detach); ``registered`` is the record this keeper, or attach, last registered successfully.  The
-    registration itself (:meth:`register_due`) is a step of the slot task; :meth:`run` only watches for an
-    ad falling due and hands the slot task that step.
-    """
+class AttachmentAdvertiser:
+    """The one owner of the slot's attachment advertisement (module doc): one task, inputs that never wait."""
 
     def __init__(
         self,
@@ -117,25 +128,60 @@ class AttachmentAdKeeper:
         kv_state_endpoint: str,
         recovery_url: str | None,
         discovery: Discovery,
-        holder: AttachmentRecordHolder,
         status: StatusCell,
-        request_withdrawal: Callable[[int], None],
-        attached: Callable[[], Attachment | None],
+        initial_backoff: float = INITIAL_BACKOFF,
+        max_backoff: float = MAX_BACKOFF,
     ) -> None:
         self._identity = identity
         self._kv_state_endpoint = kv_state_endpoint
         self._recovery_url = recovery_url
         self._discovery = discovery
-        self._holder = holder
         self._status = status
-        self._request_withdrawal = request_withdrawal
-        self._attached = attached
-        self.registered: DiscoveryRecord | None = None
-        self._closing = False
-        self._wakeup = trio.Event()  # set by lifecycle steps: look again
-        self._registration: trio.CancelScope | None = None
+        self._initial_backoff = initial_backoff
+        self._max_backoff = max_backoff
+        self._state = AdvertisementState()
+        self._open: Attachment | None = None  # the generation whose ad is wanted while it is ready
+        self._in_flight: trio.CancelScope | None = None
+        self._registration_error: Exception | None = None  # why the last failed registration failed
+        self.changed = Changed()  # any input, or a discovery call ended
 
-    def record(self, attached: Attachment, ready_at_outbound_cursor: int) -> DiscoveryRecord:
+    # --- the slot task's side --------------------------------------------------------------------------
+    def open(self, attached: Attachment) -> None:
+        """``attached`` is the slot's attachment: advertise it whenever it is ready."""
+        self._open = attached
+        self._update(derive=True)
+
+    def close(self, generation: int) -> None:
+        """``generation`` (and every older one) is closed: withdraw its ad, never advertise it again."""
+        if self._open is not None and self._open.generation <= generation:
+            self._open = None
+        self._state.close(generation)
+        self._update(derive=True)
+
+    async def wait_registration(self, generation: int) -> None:
+        """Attach's wait: return once ``generation``'s ad is registered (or no longer due); raise what
+        discovery raised if the registration failed (the driver retries it while it stays due)."""
+        after = self._state.completed_registrations
+        while True:
+            since = self.changed.version
+            outcome = self._state.registration_outcome(generation, after=after)
+            if outcome is True:
+                return
+            if outcome is False:
+                assert self._registration_error is not None, "a failed registration keeps its error"
+                raise self._registration_error
+            await self.changed.wait(since)
+
+    async def wait_withdrawn(self, generation: int) -> None:
+        """Return once no ad of ``generation`` is, or may be, registered (after :meth:`close`)."""
+        await self.changed.wait_for(lambda: self._state.withdrawn(generation))
+
+    @property
+    def record(self) -> DiscoveryRecord | None:
+        """The ad that is, or may be, registered (counting one being registered now)."""
+        return self._state.held
+
+    def record_for(self, attached: Attachment, ready_at_outbound_cursor: int) -> DiscoveryRecord:
         return attachment_advertisement(
             identity=self._identity,
             attachment=attrs.evolve(attached, ready_at_outbound_cursor=ready_at_outbound_cursor),
@@ -143,120 +189,94 @@ class AttachmentAdKeeper:
             recovery_url=self._recovery_url,
         )
 
-    def still_wanted(self, record: DiscoveryRecord, attached: Attachment) -> bool:
-        """``record`` is the ad of ``attached`` as it is now: ready, at the same cursor."""
-        status = self._status.get().attachment
-        return (
-            status is not None
-            and status.generation == attached.generation
-            and status.ready
-            and self.record(attached, status.ready_at_outbound_cursor) == record
-        )
+    # --- the coordinator's side ------------------------------------------------------------------------
+    def request_withdrawal(self, generation: int) -> None:
+        """Withdraw ``generation``'s ad (fenced: another generation's stays).  Never waits.
 
-    def note_registered(self, record: DiscoveryRecord, attached: Attachment) -> None:
-        """``record`` was registered; if the attachment left ready (or moved) meanwhile, have it withdrawn."""
-        self._holder.set(record)
-        self.registered = record
-        if not self.still_wanted(record, attached):
-            self._request_withdrawal(attached.generation)
-
-    def wake(self) -> None:
-        self._wakeup.set()
-
-    def interrupt(self) -> None:
-        """Cancel a registration in progress, so a lifecycle call never waits behind discovery."""
-        if self._registration is not None:
-            self._registration.cancel()
-
-    def close(self) -> None:
-        """Nothing is due any more (the slot is shutting down); a registration in progress is interrupted."""
-        self._closing = True
-        self.interrupt()
-        self.wake()
-
-    def due(self) -> tuple[DiscoveryRecord, Attachment] | None:
-        """The ad to register now: the attachment is open and ready, and its ad is not registered."""
-        attached, status = self._attached(), self._status.get().attachment
-        if self._closing or attached is None or status is None:
-            return None
-        if status.generation != attached.generation or not status.ready:
-            return None
-        record = self.record(attached, status.ready_at_outbound_cursor)
-        held = self._holder.record
-        if held is None:
-            return record, attached
-        if held != record:
-            return None  # an older ad of this attachment is still being withdrawn (the coordinator asked)
-        return None if held is self.registered else (record, attached)
-
-    async def run(
-        self,
-        register: Callable[[], Awaitable[bool | None]],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Each time the ad falls due, ``register()`` (the slot task runs :meth:`register_due`); failures
-        back off.  Ends when the slot refuses (it is shutting down)."""
-        task_status.started()
-        delay = INITIAL_BACKOFF
-        while True:
-            await self._wait_until_due()
-            try:
-                outcome = await register()
-            except KvAgentError:
-                return  # the slot task is shutting down: nothing will be due any more
-            if outcome is False:
-                await trio.sleep(delay)
-                delay = min(delay * 2, MAX_BACKOFF)
-            elif outcome:
-                delay = INITIAL_BACKOFF
-
-    async def register_due(self) -> bool | None:
-        """The slot task's step: register the ad if it is (still) due.
-
-        True once registered (or nothing is due any more), False if discovery failed, None if a lifecycle
-        call interrupted it.
+        Called from inside a coordinator step, whose status may be half-updated: the wanted ad is derived
+        again by the driver task, not here.
         """
-        due = self.due()
-        if due is None:
-            return True
-        record, attached = due
-        generation = attached.generation
-        with trio.CancelScope() as scope:
-            self._registration = scope
-            try:
-                await self._discovery.register(record)
-            except Exception as exc:
-                log.warning("attachment_ad_registration_failed", generation=generation, error=str(exc))
-            else:
-                log.info("attachment_ad_registered", generation=generation, record_id=record.record_id)
-                self.note_registered(record, attached)
-                return True
-            finally:
-                self._registration = None
-        # Failed or interrupted, it may have been registered all the same: every withdrawal targets it, and
-        # the keeper registers it again while the attachment stays ready.
-        self._holder.set(record)
-        return None if scope.cancelled_caught else False
+        self._state.withdraw(generation)
+        self._update(derive=False)
 
-    async def _wait_until_due(self) -> None:
-        while True:
-            if self._wakeup.is_set():
-                self._wakeup = trio.Event()
-            # Taken before looking, so a change in between sets one of them.
-            changes = (self._status.attachment_change(), self._holder.change(), self._wakeup)
-            if self.due() is not None:
-                return
-            await _wait_any(*changes)
+    # --- the ladder's side -----------------------------------------------------------------------------
+    async def stop(self) -> None:
+        """Nothing is wanted any more; :meth:`run` ends once whatever may be registered is withdrawn."""
+        self._open = None
+        self._state.close_all()
+        self._update(derive=False)
 
+    def statistics(self) -> WithdrawalStatistics:
+        return self._state.statistics()
 
-async def _wait_any(*events: trio.Event) -> None:
-    """Return once any of ``events`` is set."""
-    async with trio.open_nursery() as nursery:
-
-        async def wait_one(event: trio.Event) -> None:
-            await event.wait()
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The driver: one discovery call at a time, as the state asks; failures back off."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_status)
+            task_status.started()
+            delay = self._initial_backoff
+            while True:
+                since = self.changed.version
+                self._state.want(self._wanted())
+                action = self._state.next_action()
+                if action is None:
+                    if self._state.finished:
+                        break
+                    await self.changed.wait(since)
+                    continue
+                outcome = await self._perform(action)
+                self._state.done(action, outcome)
+                since = self.changed.version
+                self.changed.notify()  # waiters (attach, detach, shutdown) look again
+                if outcome == "failed":
+                    with trio.move_on_after(delay):
+                        await self.changed.wait(since + 1)  # a new input acts at once
+                    delay = min(delay * 2, self._max_backoff)
+                else:
+                    delay = self._initial_backoff
             nursery.cancel_scope.cancel()
 
-        for event in events:
-            nursery.start_soon(wait_one, event)
+    # --- internals -------------------------------------------------------------------------------------
+    def _wanted(self) -> DiscoveryRecord | None:
+        """The open attachment's ad, if the status cell says it is ready now."""
+        attached, status = self._open, self._status.get().attachment
+        if attached is None or status is None or status.generation != attached.generation or not status.ready:
+            return None
+        return self.record_for(attached, status.ready_at_outbound_cursor)
+
+    def _update(self, *, derive: bool) -> None:
+        if derive:
+            self._state.want(self._wanted())
+        if self._state.obsolete and self._in_flight is not None:
+            self._in_flight.cancel()  # never wait on discovery for an ad nobody wants any more
+        self.changed.notify()
+
+    async def _follow_status(self) -> None:
+        """The wanted ad follows the attachment's readiness (the cell's change event is not set by cursor
+        advances alone)."""
+        while True:
+            await self._status.attachment_change().wait()
+            self._update(derive=True)
+
+    async def _perform(self, action: Action) -> Outcome:
+        record = action.record
+        generation = record.metadata.get("attachment_generation")
+        with trio.CancelScope() as scope:
+            self._in_flight = scope
+            try:
+                if isinstance(action, Register):
+                    await self._discovery.register(record)
+                    log.info("attachment_ad_registered", generation=generation, record_id=record.record_id)
+                else:
+                    await self._discovery.unregister(record.topic, record.record_id)
+                    log.info("attachment_ad_withdrawn", generation=generation, record_id=record.record_id)
+                return "ok"
+            except Exception as exc:  # any backend failure is retried; Cancelled is not an Exception
+                event = "withdrawal_retry"
+                if isinstance(action, Register):
+                    event, self._registration_error = "attachment_ad_registration_failed", exc
+                log.warning(event, generation=generation, record_id=record.record_id, error=str(exc))
+                return "failed"
+            finally:
+                self._in_flight = None
+        return "cancelled"

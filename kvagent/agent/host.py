@@ -16,6 +16,7 @@ import trio
 import zmq
 
 from kvagent.agent.config import SlotAgentConfig
+from kvagent.agent.deadlines import StopDeadlines
 from kvagent.agent.durable import open_slot_state
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.slot import SlotAgent, open_slot_agent
@@ -180,7 +181,7 @@ class Host:
             self._states[config.name] = SlotState(SlotStateKind.FAILED, str(exc))
         finally:
             if claim is not None:  # after the slot's ads are withdrawn, never before
-                with trio.move_on_after(config.shutdown_step_timeout, shield=True):
+                with trio.move_on_after(StopDeadlines(config.shutdown_step_timeout).step, shield=True):
                     await claim.release()
             self.registry.remove(config.name)
             task.agent = None

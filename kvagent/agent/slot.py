@@ -3,27 +3,28 @@
 The ladder (:func:`slot_rungs`, run by :func:`kvagent.agent.ladder.run_ladder`), outermost first; each rung
 outlives every rung inside it and stops after them:
 
-    publishing     withdrawal supervisor (outlives every quarantine that asks it to withdraw an ad, and the
-                   slot task's withdrawals); republisher (outlives the coordinator, which publishes into it)
+    publishing     attachment advertiser (the one owner of the attachment ad: outlives every quarantine that
+                   asks it to withdraw the ad, and the slot task's withdrawals); republisher (outlives the
+                   coordinator, which publishes into it)
     persistence    persistence writer (its clean stop runs once nothing applies any more)
     coordinator    coordinator task (single owner of the slot's state)
-    lifecycle      slot task (single owner of attach, detach, quarantine, ad registration and shutdown, and of
-                   the listeners, one per attachment); ad registration (asks the slot task to register the
-                   attachment ad whenever it falls due)
+    lifecycle      slot task (single owner of attach, detach, quarantine and shutdown, and of the listeners, one
+                   per attachment)
 
 To add a component, add a :class:`~kvagent.agent.ladder.Child` (``run(*, task_status)`` and an optional
 graceful ``stop``) to the rung whose lifetime it needs in :func:`slot_rungs`; e.g. a stream writer fed by the
 coordinator's outbound events belongs in ``publishing`` beside the republisher.
 
 Shutdown follows the seed's order (docs/spec/agent-semantics.md 7.8): the slot task quarantines the current attachment,
-withdraws its advertisement and stops its listener; then the coordinator stops, the persistence writer
-records its clean stop, the supervisor drains and is joined; :func:`open_slot_agent` finally withdraws the
-source advertisement.  Every step is shielded and time-bounded so a stuck backend cannot hang the process.
+waits for its advertisement's withdrawal and stops its listener; then the coordinator stops, the persistence
+writer records its clean stop, the advertiser finishes its withdrawals and is joined; :func:`open_slot_agent`
+finally withdraws the source advertisement.  Every step is shielded and bounded by the slot's
+:class:`~kvagent.agent.deadlines.StopDeadlines`, so a stuck backend cannot hang the process.
 
-The attachment advertisement exists only while the attachment is ``ready``: the coordinator asks the
-withdrawal supervisor to withdraw it when the attachment leaves ready (or its ready cursor moves), and the
-ad registration task has the slot task register it again, with the new ``ready_at_outbound_cursor``, once
-the attachment is ready again (:mod:`kvagent.agent.advertising`).
+The attachment advertisement exists only while the attachment is ``ready``: the advertiser registers it at
+the current ``ready_at_outbound_cursor`` whenever the open attachment is ready, and withdraws it when the
+coordinator asks (the attachment left ready, or its ready cursor moved) or the slot task closes the
+generation (:mod:`kvagent.agent.advertising`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import zmq
 
 from kvagent._util.latency import LatencySnapshot
 from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
+from kvagent.agent.deadlines import StopDeadlines
 from kvagent.agent.durable import DurableSlot, open_slot_state, run_persistence, withdraw_stale_records
 from kvagent.agent.groups import unwrap_sole_exception
 from kvagent.agent.ladder import Child, Rung, run_ladder
@@ -48,8 +50,8 @@ from kvagent.agent.slot_parts import SlotParts, build_slot, open_republisher
 from kvagent.agent.staleness import last_event_age
 from kvagent.coordinator.machine import CoordinatorStatistics
 from kvagent.coordinator.task import StatusCell
+from kvagent.discovery.advertisement import WithdrawalStatistics
 from kvagent.discovery.base import Discovery
-from kvagent.discovery.withdrawal import WithdrawalStatistics, run_withdrawal_supervisor
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import KvAgentError
 from kvagent.model.status import AgentStatus, Attachment, AttachmentStatus, PersistenceStatus
@@ -69,7 +71,8 @@ class SlotStatistics:
     """One slot's counters at one instant (trio ``statistics()`` style).
 
     ``coordinator`` includes the coordinator task's ingress queue depth; ``listener`` is the listener of the
-    latest attachment (None before the first attach); ``withdrawal`` counts the attachment-ad withdrawals;
+    latest attachment (None before the first attach); ``withdrawal`` counts the attachment ad's registrations
+    and withdrawals;
     ``republish`` is the vLLM-compatible republisher's (None when the slot does not republish).
     """
 
@@ -93,7 +96,7 @@ class SlotAgent:
     what the call began (:mod:`kvagent.agent.lifecycle`).
     """
 
-    def __init__(self, parts: SlotParts, *, discovery: Discovery, zmq_context: zmq.Context[Any]) -> None:
+    def __init__(self, parts: SlotParts, *, zmq_context: zmq.Context[Any]) -> None:
         self.config = parts.config
         self.identity = parts.identity
         self._index = parts.index
@@ -103,15 +106,12 @@ class SlotAgent:
         self.durable = parts.durable
         self._stream_writer = parts.stream_writer
         self._core = parts.core
-        self._holder = parts.holder
+        self._advertiser = parts.advertiser
         self._lifecycle = SlotLifecycle(
             config=parts.config,
-            identity=parts.identity,
             coordinator=parts.coordinator,
             status=parts.status_cell,
-            discovery=discovery,
-            holder=parts.holder,
-            request_withdrawal=parts.request_withdrawal,
+            advertiser=parts.advertiser,
             durable=parts.durable,
             zmq_context=zmq_context,
         )
@@ -167,7 +167,7 @@ class SlotAgent:
         return SlotStatistics(
             coordinator=self._coordinator.statistics(),
             listener=None if listener is None else listener.statistics(),
-            withdrawal=self._holder.statistics(),
+            withdrawal=self._advertiser.statistics(),
             republish=None if self.republisher is None else self.republisher.statistics(),
             persistence=None
             if self.durable is None or self.durable.writer is None
@@ -189,7 +189,7 @@ class SlotAgent:
         """Attach an engine: barrier, listener, then the advertisement (docs/spec/agent-semantics.md 7.4 order).
 
         The advertisement is registered only if the attachment is ready by then; a degraded or disconnected
-        attachment is attached all the same, and the ad keeper advertises it once it is ready.
+        attachment is attached all the same, and the advertiser registers its ad once it is ready.
         """
         return await self._lifecycle.attach(config)
 
@@ -199,8 +199,8 @@ class SlotAgent:
     async def quarantine(self, generation: int, reason: str) -> bool:
         """Quarantine ``generation`` if it is the current attachment (True); an older one changes nothing.
 
-        Returns without waiting for discovery: the coordinator hands the ad withdrawal to the withdrawal
-        supervisor, which retries it until discovery answers.
+        Returns without waiting for discovery: the advertiser withdraws the ad, retrying until discovery
+        answers.
         """
         return await self._lifecycle.quarantine(generation, reason)
 
@@ -229,27 +229,12 @@ class SlotAgent:
             )
 
 
-def slot_rungs(parts: SlotParts, agent: SlotAgent, discovery: Discovery) -> list[Rung]:
+def slot_rungs(parts: SlotParts, agent: SlotAgent) -> list[Rung]:
     """The slot's nursery ladder, outermost rung first (see the module doc for why each is where it is)."""
-    step = parts.config.shutdown_step_timeout
-    withdraw_tx = parts.withdraw_tx
-
-    async def close_withdrawals() -> None:
-        withdraw_tx.close()  # the supervisor drains what is queued, then ends
-
-    publishing = [
-        Child(
-            "withdrawal supervisor",
-            partial(
-                run_withdrawal_supervisor,
-                discovery=discovery,
-                holder=parts.holder,
-                publisher_id=parts.identity.publisher_id,
-                requests=parts.withdraw_rx,
-            ),
-            stop=close_withdrawals,
-        )
-    ]
+    deadlines = StopDeadlines(parts.config.shutdown_step_timeout)
+    advertiser = parts.advertiser
+    # Its stop: nothing is wanted any more; it ends once what may be registered is withdrawn.
+    publishing = [Child("attachment advertiser", advertiser.run, stop=advertiser.stop)]
     if parts.republisher is not None:
         publishing.append(Child("republisher", parts.republisher.run))
     if parts.stream_writer is not None:  # outlives the coordinator, which wakes it
@@ -263,7 +248,7 @@ def slot_rungs(parts: SlotParts, agent: SlotAgent, discovery: Discovery) -> list
             coordinator=parts.coordinator,
             republisher=parts.republisher,
             attachment=lambda: agent.current_attachment,
-            step_timeout=step,
+            step_timeout=deadlines.step,
         )
         rungs.append(Rung("persistence", [Child("persistence writer", persistence)]))
     rungs.append(
@@ -274,9 +259,8 @@ def slot_rungs(parts: SlotParts, agent: SlotAgent, discovery: Discovery) -> list
         Rung(
             "lifecycle",
             [
-                # Its stop waits for the shutdown steps, each bounded by the step timeout.
-                Child("slot task", lifecycle.run, stop=lifecycle.stop, stop_timeout=4 * step),
-                Child("ad registration", lifecycle.run_ad_keeper),
+                # Its stop waits for the command in progress, then the shutdown's steps.
+                Child("slot task", lifecycle.run, stop=lifecycle.stop, stop_timeout=deadlines.slot_task_stop),
             ],
         )
     )
@@ -306,7 +290,7 @@ async def open_slot_agent(
     elif config.publisher_id != durable.publisher_id:
         config = attrs.evolve(config, publisher_id=durable.publisher_id)
     republisher = open_republisher(config, context)
-    parts = build_slot(config, sink, republisher, durable)
+    parts = build_slot(config, sink, republisher, durable, discovery=discovery)
     try:
         await withdraw_stale_records(discovery, durable, parts.source_record)
         await discovery.register(parts.source_record)
@@ -317,19 +301,20 @@ async def open_slot_agent(
             with trio.CancelScope(shield=True):
                 await durable.close()
         raise KvAgentError("failed to advertise persistent state source", code="internal") from exc
-    agent = SlotAgent(parts, discovery=discovery, zmq_context=context)
+    agent = SlotAgent(parts, zmq_context=context)
+    deadlines = StopDeadlines(config.shutdown_step_timeout)
     try:
         with unwrap_sole_exception():
             async with run_ladder(
-                slot_rungs(parts, agent, discovery),
+                slot_rungs(parts, agent),
                 slot=config.name,
-                step_timeout=config.shutdown_step_timeout,
+                step_timeout=deadlines.step,
             ):
                 yield agent
     finally:
         if republisher is not None:
             republisher.close()
-        with trio.move_on_after(config.shutdown_step_timeout, shield=True):
+        with trio.move_on_after(deadlines.step, shield=True):
             try:
                 await discovery.unregister(parts.source_record.topic, parts.source_record.record_id)
             except Exception as exc:

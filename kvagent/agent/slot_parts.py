@@ -1,13 +1,13 @@
 """A slot's objects, built and wired before any of its tasks runs (and restored from its state file).
 
 Split from :mod:`kvagent.agent.slot`, which runs them: :func:`build_slot` makes the index, the coordinator
-(restored and leased when the slot persists, docs/durability.md), the status cell, the discovery records and
-the withdrawal channel; :func:`open_republisher` the slot's vLLM-compatible stream.
+(restored and leased when the slot persists, docs/durability.md), the status cell, the source advertisement and
+the attachment advertiser the coordinator asks for withdrawals; :func:`open_republisher` the slot's
+vLLM-compatible stream.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
@@ -16,17 +16,16 @@ from typing import Any
 
 import attrs
 import structlog
-import trio
 import zmq
 
 from kvagent._util.latency import LatencyHistogram
+from kvagent.agent.advertising import AttachmentAdvertiser
 from kvagent.agent.config import SlotAgentConfig
 from kvagent.agent.durable import DurableSlot
 from kvagent.coordinator.machine import SlotCoordinator
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell, open_coordinator
 from kvagent.discovery.ads import source_advertisement
-from kvagent.discovery.base import DiscoveryRecord
-from kvagent.discovery.withdrawal import AttachmentRecordHolder
+from kvagent.discovery.base import Discovery, DiscoveryRecord
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.ids import KvStateAgentIdentity
 from kvagent.model.status import AgentStatus
@@ -89,11 +88,8 @@ class SlotParts:
     status_cell: StatusCell
     coordinator: CoordinatorHandle
     run_coordinator: Callable[..., Awaitable[None]]
-    holder: AttachmentRecordHolder
+    advertiser: AttachmentAdvertiser  # the one owner of the attachment advertisement
     source_record: DiscoveryRecord
-    withdraw_tx: trio.MemorySendChannel[int]
-    withdraw_rx: trio.MemoryReceiveChannel[int]
-    request_withdrawal: Callable[[int], None]  # queue a generation's ad withdrawal; never waits
     republisher: VllmRepublisher | None  # lives as long as the slot: its seq space spans every attachment
     core: TimedSlotCoordinator
     durable: DurableSlot | None  # the slot's state file (None: in memory only)
@@ -105,6 +101,8 @@ def build_slot(
     sink: EventSink | None,
     republisher: VllmRepublisher | None,
     durable: DurableSlot | None = None,
+    *,
+    discovery: Discovery,
 ) -> SlotParts:
     """The slot's objects, wired together (and restored from ``durable``); nothing runs yet.
 
@@ -116,15 +114,13 @@ def build_slot(
     identity = KvStateAgentIdentity(config.cache_owner_id, publisher_id)
     index = RecoveryIndex(config.kv_block_size, config.ring_capacity)
     status_cell = StatusCell(AgentStatus(identity))
-    # Unbounded as in the seed: the coordinator must never block on a withdrawal request, and the
-    # queue is bounded in practice by the number of quarantines (at most a few per attachment).
-    withdraw_tx, withdraw_rx = trio.open_memory_channel[int](math.inf)
-
-    def request_withdrawal(generation: int) -> None:
-        try:
-            withdraw_tx.send_nowait(generation)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.warning("withdrawal_request_dropped", generation=generation, reason="supervisor is gone")
+    advertiser = AttachmentAdvertiser(
+        identity=identity,
+        kv_state_endpoint=config.kv_state_endpoint,
+        recovery_url=config.recovery_url,
+        discovery=discovery,
+        status=status_cell,
+    )
 
     stream_writer = open_stream_writer(config, identity, index, status_cell)
     sinks = [each for each in (sink, republisher, stream_writer) if each is not None]
@@ -135,7 +131,7 @@ def build_slot(
         index=index,
         sink=outbound,
         on_status=status_cell.set,
-        request_withdrawal=request_withdrawal,
+        request_withdrawal=advertiser.request_withdrawal,  # never waits on discovery
         strict_cache_owner=config.strict_cache_owner,
         first_outbound_id=1 if durable is None else durable.first_outbound_id,
         lease_end=None if durable is None else durable.lease_end,
@@ -158,11 +154,8 @@ def build_slot(
         status_cell=status_cell,
         coordinator=coordinator,
         run_coordinator=run_coordinator,
-        holder=AttachmentRecordHolder(),
+        advertiser=advertiser,
         source_record=source_record,
-        withdraw_tx=withdraw_tx,
-        withdraw_rx=withdraw_rx,
-        request_withdrawal=request_withdrawal,
         republisher=republisher,
         core=core,
         durable=durable,

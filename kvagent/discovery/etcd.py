@@ -19,6 +19,7 @@ import httpx
 import structlog
 import trio
 
+from kvagent._util.sync import Changed
 from kvagent.discovery.base import DiscoveryRecord, check_topic
 from kvagent.discovery.etcd_gateway import (
     EtcdApiError,
@@ -115,7 +116,7 @@ class EtcdDiscovery:
         # One writer at a time: re-registration must never resurrect a record being unregistered.
         self._lock = trio.Lock()
         self._statistics = EtcdStatistics()
-        self._statistics_changed = trio.Event()
+        self._statistics_changed = Changed()
         self._closed = False
 
     # -- introspection -----------------------------------------------------------------------------------
@@ -134,15 +135,13 @@ class EtcdDiscovery:
 
     async def wait_for_statistics(self, predicate: Callable[[EtcdStatistics], bool]) -> EtcdStatistics:
         """Wait (without polling) until ``predicate(statistics)`` holds; returns that snapshot."""
-        while not predicate(self._statistics):
-            await self._statistics_changed.wait()
+        await self._statistics_changed.wait_for(lambda: predicate(self._statistics))
         return self._statistics
 
     def _count(self, **increments: int) -> None:
         current = attrs.asdict(self._statistics)
         self._statistics = EtcdStatistics(**{k: v + increments.get(k, 0) for k, v in current.items()})
-        self._statistics_changed.set()
-        self._statistics_changed = trio.Event()
+        self._statistics_changed.notify()
 
     def key_for(self, topic: str, record_id: int) -> str:
         return f"{self._topic_prefix(topic)}{record_id}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from kvagent._util.sync import checkpoint
 from kvagent.discovery.base import DiscoveryRecord, check_topic
 from kvagent.discovery.ownership import SlotClaim, SlotHolder, ownership_refused
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError, SlotOwnershipError
@@ -214,7 +215,7 @@ class _FileClaim:
     async def release(self) -> None:
         fd = self._take()
         if fd is None:
-            await trio.lowlevel.checkpoint()
+            await checkpoint()
             return
         await trio.to_thread.run_sync(_release_sync, fd)
 
@@ -276,7 +277,7 @@ class FileDiscovery:
         return claim
 
     async def aclose(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         self._closed = True
         for claim in list(self._claims):  # claims outliving the backend: give them up with it
             claim.release_now()

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 import attrs
 import trio
 
+from kvagent._util.sync import Changed, checkpoint
 from kvagent.discovery.base import DiscoveryRecord, check_topic
 from kvagent.discovery.ownership import SlotClaim, SlotHolder, ownership_refused
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
@@ -41,7 +42,7 @@ class MemoryDiscovery:
 
     def __init__(self) -> None:
         self._records: dict[tuple[str, int], DiscoveryRecord] = {}
-        self._changed = trio.Event()
+        self._changed = Changed()
         self._fail_remaining = 0
         self._fail_on: frozenset[str] = frozenset()
         self._failing_on: frozenset[str] = frozenset()
@@ -100,26 +101,25 @@ class MemoryDiscovery:
         self, predicate: Callable[[dict[tuple[str, int], DiscoveryRecord]], bool]
     ) -> dict[tuple[str, int], DiscoveryRecord]:
         """Wait until ``predicate(records)`` holds and return that snapshot."""
-        while not predicate(self.records):
-            await self._changed.wait()
+        await self._changed.wait_for(lambda: predicate(self.records))
         return self.records
 
     async def wait_for_attempts(self, count: int, operation: str | None = None) -> list[OperationAttempt]:
         """Wait until at least ``count`` calls (of ``operation``, if given) were made; return them."""
-        while True:
-            attempts = [a for a in self.attempts if operation is None or a.operation == operation]
-            if len(attempts) >= count:
-                return attempts
-            await self._changed.wait()
+
+        def made() -> list[OperationAttempt]:
+            return [a for a in self.attempts if operation is None or a.operation == operation]
+
+        await self._changed.wait_for(lambda: len(made()) >= count)
+        return made()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     # -- Discovery -------------------------------------------------------------------------------
 
     async def register(self, record: DiscoveryRecord) -> None:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         self._enter("register", record.topic, record.record_id)
         existing = self._records.get(record.key)
         if existing is not None:
@@ -132,27 +132,27 @@ class MemoryDiscovery:
         self._notify()
 
     async def unregister(self, topic: str, record_id: int) -> None:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         check_topic(topic)
         self._enter("unregister", topic, record_id)
         if self._records.pop((topic, record_id), None) is not None:
             self._notify()
 
     async def list(self, topic: str | None = None) -> list[DiscoveryRecord]:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         if topic is not None:
             check_topic(topic)
         self._enter("list", topic, None)
         return [record for key, record in sorted(self._records.items()) if topic is None or key[0] == topic]
 
     async def aclose(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         self._closed = True
 
     # -- SlotOwnership (not recorded in attempts: those count the Discovery calls) ------------------
 
     async def claim_slot(self, holder: SlotHolder) -> SlotClaim:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         if self._closed:
             raise DiscoveryError("memory discovery is closed")
         existing = self._owners.get(holder.cache_owner_id)
@@ -174,5 +174,5 @@ class _MemoryClaim:
         self._holder = holder
 
     async def release(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         self._discovery._release(self._holder)

@@ -19,8 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 import structlog
-import trio
 
+from kvagent._util.sync import checkpoint
 from kvagent.model.errors import SlotOwnershipError
 
 __all__ = [
@@ -108,14 +108,14 @@ class SlotOwnership(Protocol):
 
 class _NoClaim:
     async def release(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
 
 
 async def claim_slot(discovery: object, *, slot: str, cache_owner_id: str, url: str | None) -> SlotClaim:
     """Claim the slot in ``discovery`` for this process (a backend without claims: a no-op claim)."""
     if not isinstance(discovery, SlotOwnership):
         log.info("slot_ownership_unsupported", slot=slot, backend=type(discovery).__name__)
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         return _NoClaim()
     claim = await discovery.claim_slot(SlotHolder.of_this_process(slot, cache_owner_id, url))
     log.info("slot_claimed", slot=slot, cache_owner_id=cache_owner_id)

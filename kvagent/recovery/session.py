@@ -29,6 +29,7 @@ import attrs
 import structlog
 import trio
 
+from kvagent._util.sync import Changed
 from kvagent.index.recovery_index import (
     DumpGroup,
     DumpSnapshot,
@@ -131,7 +132,7 @@ class LiveBuffer:
         self.capacity = capacity
         self.overrun = False
         self._events: deque[RouterEvent] = deque()
-        self._lot = trio.lowlevel.ParkingLot()
+        self._changed = Changed()  # an event was pushed, or the buffer overran
 
     def push(self, event: RouterEvent) -> None:
         """The index callback: never blocks, never raises, drops everything once overrun."""
@@ -142,7 +143,7 @@ class LiveBuffer:
             self._events.clear()  # the follower must resume from its cursor anyway; free the memory now
         else:
             self._events.append(event)
-        self._lot.unpark_all()
+        self._changed.notify()
 
     def drain(self, max_events: int) -> list[RouterEvent]:
         events = self._events
@@ -151,8 +152,7 @@ class LiveBuffer:
 
     async def wait(self) -> None:
         """Return once events are buffered or the buffer is overrun."""
-        while not self._events and not self.overrun:
-            await self._lot.park()
+        await self._changed.wait_for(lambda: bool(self._events) or self.overrun)
 
     def __len__(self) -> int:
         return len(self._events)

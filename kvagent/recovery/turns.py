@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import trio
 
+from kvagent._util.sync import shielded_checkpoint
 from kvagent.model.errors import KvAgentError
 
 __all__ = ["AnswerTurns", "Turn"]
@@ -57,7 +58,7 @@ class Turn:
         """Keep the turn through the end of this step, then give it back: one frame per turn per batch."""
         if self.held:
             try:
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await shielded_checkpoint()
             finally:
                 self.release()
 

@@ -33,6 +33,7 @@ from wsproto.events import Request
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from kvagent._util.listen import close_socket
+from kvagent._util.sync import Changed
 from kvagent.recovery.wscore import (
     CLOSE_ABNORMAL,
     CLOSE_GOING_AWAY,
@@ -154,11 +155,12 @@ class WebSocket:
         self._on_overrun = on_overrun
         self._on_peer_close = on_peer_close
         self._blocked = False  # the writer waits for the socket to become writable
-        self._space = trio.lowlevel.ParkingLot()  # producers waiting for room in the outbound queue
-        self._writer_lot = trio.lowlevel.ParkingLot()  # the writer waiting for something to do
-        self._inbound_lot = trio.lowlevel.ParkingLot()  # the session waiting for a request
-        self._reader_lot = trio.lowlevel.ParkingLot()  # the reader waiting for the session to take one
-        self._pong_received = trio.Event()
+        # Each wakes the tasks waiting on it to look again (kvagent._util.sync.Changed: no lost wakeups).
+        self._space = Changed()  # room in the outbound queue (producers)
+        self._writer_wake = Changed()  # something for the writer to do
+        self._inbound = Changed()  # a request arrived (the session)
+        self._reader_wake = Changed()  # the session took a request: room under the inbound bound (the reader)
+        self._pong = Changed()  # a pong arrived, or the connection ended
         self._write_scope: trio.CancelScope | None = None
         self._finished = trio.Event()
 
@@ -218,9 +220,9 @@ class WebSocket:
 
     def _wake_all(self) -> None:
         """A close started or the transport ended: producers, the session and the reader look again."""
-        self._space.unpark_all()
-        self._inbound_lot.unpark_all()
-        self._reader_lot.unpark_all()
+        self._space.notify()
+        self._inbound.notify()
+        self._reader_wake.notify()
 
     def _finish(self, *, abort: bool = False) -> None:
         """The end of the transport (idempotent): the socket closes and every waiter wakes.
@@ -238,8 +240,8 @@ class WebSocket:
         close_socket(self._sock)
         self._finished.set()
         self._wake_all()
-        self._writer_lot.unpark_all()
-        self._pong_received.set()
+        self._writer_wake.notify()
+        self._pong.notify()
 
     def _deadline_moved(self) -> None:
         if self._write_scope is not None:
@@ -263,19 +265,20 @@ class WebSocket:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
+            since = self._space.version
             try:
                 self.send_nowait(message)
                 return
             except trio.WouldBlock:
-                await self._space.park()
+                await self._space.wait(since)
 
     async def ping(self) -> None:
         """Send a ping and wait for its pong (bound it at the call site); ConnectionClosed if the
         connection ends first.  The ping goes out at the next frame boundary, ahead of queued messages."""
+        since = self._pong.version
         self.core.start_ping(os.urandom(4))
-        self._pong_received = trio.Event()
         self._kick_writer()
-        await self._pong_received.wait()
+        await self._pong.wait(since)
         if self.core.awaiting_pong or self.core.finished:  # woken by the end of the connection
             raise ConnectionClosed(self.core.close_reason or CloseReason(CLOSE_ABNORMAL))
 
@@ -288,7 +291,7 @@ class WebSocket:
         if self._blocked or self._finished.is_set():
             return
         if self._pump() or self.core.close_reason is not None:
-            self._writer_lot.unpark_all()
+            self._writer_wake.notify()
 
     def _pump(self) -> bool:
         """Write until the socket would block; True when a frame is left half-written (wait writable)."""
@@ -308,13 +311,14 @@ class WebSocket:
                     return False
                 core.sent(sent, trio.current_time())
         finally:
-            if core.queued_bytes < queued and self._space:  # room freed: producers try again
-                self._space.unpark_all()
+            if core.queued_bytes < queued:  # room freed: producers try again
+                self._space.notify()
 
     async def _writer(self) -> None:
         """Finish what the eager writes left, enforce the deadlines, then complete the close."""
         core = self.core
         while not self._finished.is_set():
+            since = self._writer_wake.version
             if self._pump():
                 await self._wait_writable()
             elif core.close_complete:
@@ -322,7 +326,7 @@ class WebSocket:
             elif core.close_sent:
                 await self._await_close_reply()
             else:
-                await self._writer_lot.park()
+                await self._writer_wake.wait(since)
 
     async def _wait_writable(self) -> None:
         self._blocked = True
@@ -350,8 +354,7 @@ class WebSocket:
     async def _await_close_reply(self) -> None:
         # Our close frame is out: the peer has until the abort time (at most the close grace) to answer.
         with trio.move_on_at(self.core.abort_at) as waited:
-            while not self.core.close_received and not self._finished.is_set():
-                await self._writer_lot.park()
+            await self._writer_wake.wait_for(lambda: self.core.close_received or self._finished.is_set())
         self._finish(abort=waited.cancelled_caught)
 
     # --- receiving ----------------------------------------------------------------------------------
@@ -366,17 +369,17 @@ class WebSocket:
         await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
         while True:
+            since = self._inbound.version
             if core.close_reason is not None:
                 raise ConnectionClosed(core.close_reason)
             message = core.next_message()
             if message is not None:
                 break
-            await self._inbound_lot.park()
+            await self._inbound.wait(since)
             waited = True
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
-        if self._reader_lot:  # the reader stopped at the inbound bound: there may be room now
-            self._reader_lot.unpark_all()
+        self._reader_wake.notify()  # a reader stopped at the inbound bound: there may be room now
         if isinstance(message, MessageTooBig):
             raise message
         return message
@@ -385,8 +388,11 @@ class WebSocket:
         core = self.core
         try:
             while not core.close_received:
+                since = self._reader_wake.version
                 if not core.wants_data:
-                    await self._reader_lot.park()  # the inbound bound: the rest waits in the peer's window
+                    await self._reader_wake.wait(
+                        since
+                    )  # the inbound bound: the rest waits in the peer's window
                     continue
                 try:
                     data = self._sock.recv(RECEIVE_BYTES)
@@ -409,9 +415,9 @@ class WebSocket:
         awaiting_pong = core.awaiting_pong
         core.receive_data(data, trio.current_time())
         if awaiting_pong and not core.awaiting_pong:
-            self._pong_received.set()
-        if core.has_message and self._inbound_lot:
-            self._inbound_lot.unpark_all()
+            self._pong.notify()
+        if core.has_message:
+            self._inbound.notify()
         if core.peer_closed and was_open:
             if self._on_peer_close is not None:
                 self._on_peer_close()  # before the reply: the peer's close completes only after it

@@ -11,7 +11,7 @@ the agent is checked against a reference model:
 - a tree dump replayed into a fresh index, plus nothing else, equals the live index;
 - the buffered tail from any cursor is gap-free (consecutive ids through the newest);
 - the attachment ad is registered, at the status's ``ready_at_outbound_cursor``, exactly while the attachment
-  is ready (waited for: the withdrawal supervisor and the ad keeper run asynchronously).
+  is ready (waited for: the attachment advertiser runs asynchronously).
 """
 
 from __future__ import annotations

@@ -172,13 +172,12 @@ async def test_a_quarantine_while_the_ad_registration_hangs_never_resurrects_the
             await discovery.wait_for(lambda records: not ads(records))
             discovery.stall("register")
             signal(agent, generation, state=READY, reset=True)
-            await discovery.entered["register"].wait()  # the keeper holds the lifecycle lock, stuck
+            await discovery.entered["register"].wait()  # the advertiser's registration is stuck
             await agent.quarantine(generation, "operator")  # interrupts it instead of waiting
             assert agent.status().state == "unready"
             discovery.resume()
-            # The possibly registered ad is withdrawn by the supervisor, and never registered again.
-            while agent.statistics().withdrawal.withdrawals < 2:
-                await agent._holder.change().wait()
+            # The possibly registered ad is withdrawn by the advertiser, and never registered again.
+            await agent._advertiser.changed.wait_for(lambda: agent.statistics().withdrawal.withdrawals >= 2)
             await trio.testing.wait_all_tasks_blocked()
             assert not ads(discovery.records)
             assert await agent.detach(generation) == agent.status().outbound_cursor

@@ -238,7 +238,7 @@ async def test_unregister_racing_another_writer_does_not_delete_its_value(
         assert raced.is_set()
         stored = await raw_get(etcd_endpoint, record_key(etcd_endpoint, rec))
         assert stored is not None and stored["value"] == newer
-        # (Stale generations at the record-id level are the withdrawal supervisor's fence, not this one.)
+        # (Stale generations at the record-id level are the attachment advertiser's generation fence, not this one.)
 
 
 # -- leases --------------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ async def test_etcd_restart_mid_run(private_etcd: PrivateEtcd) -> None:
             assert stored is not None and int(stored["lease"]) == discovery.lease_id
         assert await lease_ttl(endpoint, old_lease or 0) == -1  # revoked, not left to linger
 
-        await discovery.unregister(SOURCES, 2)  # the retry the withdrawal supervisor would make
+        await discovery.unregister(SOURCES, 2)  # the retry the attachment advertiser would make
         assert await discovery.list() == [record(1)]
 
         with trio.fail_after(10):  # the watch reconnects with backoff (capped at 2 s)
@@ -387,7 +387,7 @@ async def test_etcd_restart_mid_run(private_etcd: PrivateEtcd) -> None:
 
 
 async def test_websocket_quarantine_returns_while_etcd_is_down(private_etcd: PrivateEtcd) -> None:
-    """The quarantine op is answered with etcd dead; the withdrawal supervisor removes the ad once it is back."""
+    """The quarantine op is answered with etcd dead; the attachment advertiser removes the ad once it is back."""
     endpoint = private_etcd.endpoint("/quarantine")
     token = "etcd-quarantine-test-token"
     context: zmq.Context[Any] = zmq.Context()
@@ -413,15 +413,11 @@ async def test_websocket_quarantine_returns_while_etcd_is_down(private_etcd: Pri
                     await client.quarantine(generation, "operator")
                     status = await client.status()
                 assert status.attachment is not None and status.attachment.state == "unready"
-                holder = agent._holder
-
-                def withdrawal_owed() -> bool:
-                    return holder.record is not None
-
-                assert withdrawal_owed()
+                advertiser = agent._advertiser
+                assert advertiser.record is not None  # the withdrawal is owed
                 await private_etcd.start()
-                while withdrawal_owed():  # until the supervisor's retry gets through
-                    await holder.change().wait()
+                # Until the advertiser's retry gets through.
+                await advertiser.changed.wait_for(lambda: advertiser.record is None)
                 assert await raw_get(endpoint, ad_key) is None
                 assert agent.statistics().withdrawal.retries >= 1
                 nursery.cancel_scope.cancel()

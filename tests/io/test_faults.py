@@ -115,7 +115,7 @@ async def test_discovery_outage_during_quarantine_is_retried_then_succeeds() -> 
             engine = XpubEngine(context)
             generation = await attach(agent, engine)
             discovery.set_failing(True, on=("unregister",))
-            # The quarantine returns without waiting for discovery; the withdrawal supervisor retries.
+            # The quarantine returns without waiting for discovery; the attachment advertiser retries.
             await agent.quarantine(generation, "operator test")
             await discovery.wait_for_attempts(3, "unregister")
             assert attachment_ads(discovery) != []

@@ -21,8 +21,8 @@ from kvagent.agent.metrics import (
 )
 from kvagent.agent.slot import SlotStatistics
 from kvagent.coordinator.machine import CoordinatorStatistics
+from kvagent.discovery.advertisement import WithdrawalStatistics
 from kvagent.discovery.etcd import EtcdStatistics
-from kvagent.discovery.withdrawal import WithdrawalStatistics
 from kvagent.model.events import WorkerWithDpRank
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.publish.zmq_plane import EventPlaneStatistics
