@@ -13,7 +13,7 @@ import attrs
 from kvagent.model.errors import KvAgentError
 from kvagent.model.events import U32_MAX, IngressProtocol, WorkerWithDpRank
 from kvagent.model.ids import CacheOwnerId
-from kvagent.model.options import connect_endpoint, in_range, option, option_validator, positive, u32, u64
+from kvagent.model.options import connect_endpoint, in_range, option, positive, u32, u64
 from kvagent.model.status import Attachment, AttachmentSource
 from kvagent.publish.republisher import RepublishConfig
 from kvagent.stream.writer import StreamConfig
@@ -113,7 +113,7 @@ class AttachmentConfig:
         slot_key="worker",
         exclusive=True,
     )
-    dp_rank: int = attrs.field(validator=option_validator(u32))
+    dp_rank: int = option(help="the engine's data-parallel rank (the slot's)", check=u32)
     endpoint: str = option(
         help="the engine's KV event (PUB) endpoint (--slot NAME=ENDPOINT)",
         check=connect_endpoint,

@@ -26,6 +26,7 @@ from kvagent.agent.slot import SlotAgent
 from kvagent.cli.bind_check import check_distinct_addresses
 from kvagent.cli.config import (
     STATE_DIR_NONE,
+    EngineConfig,
     ServeConfig,
     SlotConfig,
     discovery_options,
@@ -87,6 +88,13 @@ def slot_agent_config(
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
         stream=None if serve.stream is None else stream_config(serve.stream),
     )
+
+
+def engine_attachment(slot: SlotConfig, engine: EngineConfig) -> AttachmentConfig:
+    """The attachment of the slot's configured engine (its worker id derived from slot and endpoint unless
+    given)."""
+    worker_id = engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
+    return configured(AttachmentConfig, engine, worker_id=worker_id, dp_rank=slot.dp_rank)
 
 
 def _print_republish(console: Console, agent: SlotAgent) -> None:
@@ -161,14 +169,7 @@ async def _attach_configured_engine(
     nursery: trio.Nursery, agent: SlotAgent, slot: SlotConfig, context: zmq.Context[Any]
 ) -> None:
     if slot.engine is not None:
-        engine = slot.engine
-        worker_id = (
-            engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
-        )
-        # The agent logs slot_attached (slot, generation, endpoint) itself.
-        await agent.attach(
-            configured(AttachmentConfig, engine, worker_id=worker_id, dp_rank=slot.dp_rank)
-        )
+        await agent.attach(engine_attachment(slot, slot.engine))  # the agent logs slot_attached itself
     elif not slot.simulate and (persisted := agent.persisted_attachment()) is not None:
         # A restarted slot without a configured engine goes back to the engine its state follows.
         status = await agent.attach(persisted)

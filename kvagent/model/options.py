@@ -240,7 +240,7 @@ u64 = in_range(0, U64_MAX)
 _HOST_PORT_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>[0-9]{1,5})")
 
 
-def host_port(text: str, *, wildcard: bool = False, port_zero: bool = True) -> str | None:
+def host_port(text: object, *, wildcard: bool = False, port_zero: bool = True) -> str | None:
     """The problem of a ``HOST:PORT`` (IPv6 in brackets); ``wildcard``: the host may be ``*``."""
     if not isinstance(text, str):
         return f"expected HOST:PORT, got {text!r}"
@@ -257,7 +257,7 @@ def host_port(text: str, *, wildcard: bool = False, port_zero: bool = True) -> s
     return None
 
 
-def _endpoint_problem(text: str, *, bind: bool) -> str | None:
+def _endpoint_problem(text: object, *, bind: bool) -> str | None:
     if not isinstance(text, str):
         return f"expected a ZMQ endpoint string, got {text!r}"
     scheme, sep, rest = text.partition("://")
@@ -274,13 +274,13 @@ def _endpoint_problem(text: str, *, bind: bool) -> str | None:
     return None if problem is None else f"{problem} (in {text!r})"
 
 
-def connect_endpoint(text: str) -> str | None:
+def connect_endpoint(text: object) -> str | None:
     """The problem of a ZMQ endpoint to connect to (``tcp://HOST:PORT`` with a real host and port,
     ``ipc://PATH``, ``inproc://NAME``)."""
     return _endpoint_problem(text, bind=False)
 
 
-def bind_endpoint(text: str) -> str | None:
+def bind_endpoint(text: object) -> str | None:
     """The problem of a ZMQ endpoint to bind (``tcp://*:PORT`` and port 0 allowed)."""
     return _endpoint_problem(text, bind=True)
 
