@@ -40,6 +40,7 @@ __all__ = [
     "add_arguments",
     "given_values",
     "option_rows",
+    "option_table",
     "scoped_options",
     "setting",
 ]
@@ -134,12 +135,14 @@ def given_values(
 
 @attrs.frozen(slots=True)
 class OptionRow:
-    """One option as docs/configuration.md lists it."""
+    """One option as docs/configuration.md lists it; ``runtime``: the library field it sets (``Class.field``),
+    None for what only the serve process has."""
 
     flags: tuple[str, ...]
     toml_key: str
     default: str
     help: str
+    runtime: str | None = None
 
 
 def _default_text(field: attrs.Attribute[Any], declared: Option) -> str:
@@ -159,8 +162,35 @@ def _default_text(field: attrs.Attribute[Any], declared: Option) -> str:
     return str(default)
 
 
+def _runtime_name(declared: Option) -> str | None:
+    if declared.source is None:
+        return None
+    runtime, name = declared.source
+    return f"{runtime.__name__}.{name}"
+
+
 def option_rows(options: list[ScopedOption]) -> list[OptionRow]:
     return [
-        OptionRow(declared.flags, scope.value + field.name, _default_text(field, declared), declared.help)
+        OptionRow(
+            declared.flags,
+            scope.value + field.name,
+            _default_text(field, declared),
+            declared.help,
+            _runtime_name(declared),
+        )
         for scope, field, declared in options
     ]
+
+
+TABLE_HEADER = ("| flag | TOML key | default | library field | what it sets |", "|---|---|---|---|---|")
+
+
+def option_table(rows: list[OptionRow]) -> str:
+    """docs/configuration.md's table of every option (a test holds the page to it, byte for byte)."""
+    lines = list(TABLE_HEADER)
+    for row in rows:
+        flags = ", ".join(f"`{flag}`" for flag in row.flags) or "(TOML only)"
+        runtime = "—" if row.runtime is None else f"`{row.runtime}`"
+        help_text = row.help.replace("|", "\\|")
+        lines.append(f"| {flags} | `{row.toml_key}` | `{row.default}` | {runtime} | {help_text} |")
+    return "\n".join(lines)

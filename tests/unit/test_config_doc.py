@@ -20,6 +20,7 @@ from kvagent.cli.options import (
     add_arguments,
     given_values,
     option_rows,
+    option_table,
     scoped_options,
     setting,
 )
@@ -42,7 +43,7 @@ def documented_rows(text: str) -> dict[str, tuple[tuple[str, ...], str]]:
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip().splitlines()
     rows: dict[str, tuple[tuple[str, ...], str]] = {}
     for line in table[2:]:  # after the header and its rule
-        flags, key, default, _ = _cells(line)
+        flags, key, default, _, _ = _cells(line)
         assert key.startswith("`") and default.startswith("`"), line
         named = tuple(re.findall(r"`(--[a-z0-9-]+)`", flags))
         assert key.strip("`") not in rows, f"{key} is listed twice"
@@ -59,6 +60,13 @@ def test_every_option_is_documented_with_its_flags_key_and_default() -> None:
     assert not unknown, f"docs/configuration.md lists options that do not exist: {unknown}"
     for key, row in declared.items():
         assert rows[key] == (row.flags, row.default), key
+
+
+def test_the_page_s_table_is_the_generated_one() -> None:
+    """The table is generated from the declarations (help, library field and all): paste the printed one."""
+    generated = option_table(option_rows(SERVE_OPTIONS))
+    table = DOC.read_text().split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert table == generated, f"replace docs/configuration.md's option table with:\n{generated}"
 
 
 def test_the_page_names_no_flag_that_does_not_exist() -> None:
@@ -129,9 +137,9 @@ def test_one_declaration_is_the_argument_the_merge_the_check_and_the_validator()
     assert configured(_Toy, _ToySettings(depth=9, shown=2)) == _Toy(depth=9, hidden=2)
     assert configured(_Toy, _ToySettings()) == _Toy()  # the same defaults
     assert option_rows(options) == [
-        OptionRow(("--stream",), "stream", "unset", "a stream URL"),
-        OptionRow(("--depth",), "depth", "5", "how deep"),
-        OptionRow((), "shown", "1", "TOML only"),
+        OptionRow(("--stream",), "stream", "unset", "a stream URL", "_Toy.stream"),
+        OptionRow(("--depth",), "depth", "5", "how deep", "_Toy.depth"),
+        OptionRow((), "shown", "1", "TOML only", "_Toy.hidden"),
         OptionRow(("--only-here",), "only_here", "false", "a process-only switch"),
     ]
     with pytest.raises(SystemExit):
