@@ -38,12 +38,14 @@ def test_serve_without_flags_builds_the_library_s_default_slot_agent() -> None:
     from_cli = slot_agent_config(slot, serve, recovery_url=RECOVERY_URL)
 
     library = SlotAgentConfig(name="gpu0", cache_owner_id=derive_cache_owner_id("gpu0", kv_block_size=16, model="m"))
-    deployment = {
-        "kv_state_endpoint": from_cli.kv_state_endpoint,
-        "recovery_url": from_cli.recovery_url,
-        "state_path": from_cli.state_path,
-    }
-    assert attrs.evolve(library, **deployment) == from_cli
+    # What only a deployment has: where the slot is reached and where its state is kept.
+    deployed = attrs.evolve(
+        library,
+        kv_state_endpoint=from_cli.kv_state_endpoint,
+        recovery_url=from_cli.recovery_url,
+        state_path=from_cli.state_path,
+    )
+    assert deployed == from_cli
     assert from_cli.listener == ListenerOptions()
     assert (from_cli.listener.shed_after, from_cli.listener.coalesce_window) == (5.0, 0.02)
 
