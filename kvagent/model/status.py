@@ -222,8 +222,8 @@ register_object(RepublishStatus)
 register_object(PersistenceStatus)
 register_object(AgentStatus, optional=("republish", "persistence", "last_event_age_s"))
 
-# republish and persistence are in the JSON only when set; every member after last_event_age_s (the order
-# the status JSON has always had, so its bytes do not change).
+# republish and persistence are in the JSON only when set, and last, after last_event_age_s: the order the
+# status JSON has always had, so its bytes do not change.
 _status_members = make_dict_unstructure_fn(
     AgentStatus,
     converter,
