@@ -11,8 +11,9 @@ from pathlib import Path
 import attrs
 
 from kvagent.model.errors import KvAgentError
-from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol, WorkerWithDpRank
+from kvagent.model.events import U32_MAX, IngressProtocol, WorkerWithDpRank
 from kvagent.model.ids import CacheOwnerId
+from kvagent.model.options import connect_endpoint, in_range, option, positive, u32, u64
 from kvagent.model.status import Attachment, AttachmentSource
 from kvagent.publish.republisher import RepublishConfig
 from kvagent.stream.writer import StreamConfig
@@ -21,36 +22,8 @@ from kvagent.vllm.listener import ListenerOptions
 __all__ = ["AttachmentConfig", "SlotAgentConfig"]
 
 
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise KvAgentError(f"{attribute.name} must be > 0, got {value}", code="bad_request")
-
-
-def _u32(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not 0 <= value <= U32_MAX:
-        raise KvAgentError(f"{attribute.name} must be in 0..{U32_MAX}, got {value}", code="bad_request")
-
-
-def _u64(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not 0 <= value <= U64_MAX:
-        raise KvAgentError(f"{attribute.name} must be a u64, got {value}", code="bad_request")
-
-
-def _endpoint(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
-        raise KvAgentError(
-            f"{attribute.name} must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH or inproc://NAME), got {value!r}",
-            code="bad_request",
-        )
-    if value.startswith("tcp://"):
-        host, sep, port = value[len("tcp://") :].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise KvAgentError(f"{attribute.name} must be tcp://HOST:PORT, got {value!r}", code="bad_request")
-
-
-def _optional_endpoint(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
-    if value is not None:
-        _endpoint(instance, attribute, value)  # type: ignore[arg-type]
+def _block_size(value: int) -> str | None:
+    return "must be > 0" if value <= 0 else in_range(1, U32_MAX)(value)
 
 
 @attrs.frozen(slots=True)
@@ -59,11 +32,36 @@ class SlotAgentConfig:
 
     name: str
     cache_owner_id: CacheOwnerId
-    kv_block_size: int = attrs.field(validator=_positive)
-    dp_rank: int = attrs.field(default=0, validator=_u32)
-    ring_capacity: int = attrs.field(default=1024, validator=_positive)
+    kv_block_size: int = option(
+        16,
+        help="KV block size in tokens",
+        flags=("--block-size",),
+        parse=int,
+        check=_block_size,
+    )
+    dp_rank: int = option(
+        0,
+        help="the slot's global data-parallel rank",
+        flags=("--dp-rank",),
+        parse=int,
+        check=u32,
+        slot_key="rank",
+        exclusive=True,
+    )
+    ring_capacity: int = option(
+        1024,
+        help="recovery ring buffer size in events",
+        flags=("--ring-capacity",),
+        parse=int,
+        check=positive,
+    )
     ingress_protocol: IngressProtocol = IngressProtocol.VLLM_RESIDENCY_V1
-    strict_cache_owner: bool = False
+    strict_cache_owner: bool = option(
+        False,
+        help="refuse engine events whose cache owner differs from the slot's instead of counting them",
+        flags=("--strict-cache-owner",),
+        switch=True,
+    )
     publisher_id: int | None = None
     kv_state_endpoint: str = ""
     recovery_url: str | None = None
@@ -78,7 +76,14 @@ class SlotAgentConfig:
     # The slot's SQLite state file (docs/durability.md); None keeps every state in memory only.
     state_path: Path | None = None
     # Seconds an attached engine may publish nothing before the slot logs one WARNING (docs/metrics.md).
-    silence_warning: float = 60.0
+    silence_warning: float = option(
+        60.0,
+        help="warn once when an attached engine has published nothing for this long",
+        flags=("--silence-warning",),
+        metavar="SECONDS",
+        parse=float,
+        check=positive,
+    )
     # The slot's Redis/Valkey event stream (docs/fleet.md); None: no stream.
     stream: StreamConfig | None = None
 
@@ -90,10 +95,6 @@ class SlotAgentConfig:
                 f"lifecycle_step_timeout must be > 0 seconds, got {self.lifecycle_step_timeout}",
                 code="bad_request",
             )
-        if not self.silence_warning > 0:
-            raise KvAgentError(
-                f"silence_warning must be > 0 seconds, got {self.silence_warning}", code="bad_request"
-            )
         if self.ingress_protocol is not IngressProtocol.VLLM_RESIDENCY_V1:
             raise KvAgentError(
                 "external state-agent slots require vllm_residency_v1 ingress", code="bad_request"
@@ -104,15 +105,43 @@ class SlotAgentConfig:
 class AttachmentConfig:
     """One engine incarnation to attach: who it is and where its raw KV events are published."""
 
-    worker_id: int = attrs.field(validator=_u64)
-    dp_rank: int = attrs.field(validator=_u32)
-    endpoint: str = attrs.field(validator=_endpoint)
-    topic: str = ""
-    replay_endpoint: str | None = attrs.field(default=None, validator=_optional_endpoint)
+    worker_id: int = option(
+        help="worker id of the engine attached at start (default: derived from slot and endpoint)",
+        flags=("--worker-id",),
+        parse=int,
+        check=u64,
+        slot_key="worker",
+        exclusive=True,
+    )
+    dp_rank: int = option(help="the engine's data-parallel rank (the slot's)", check=u32)
+    endpoint: str = option(
+        help="the engine's KV event (PUB) endpoint (--slot NAME=ENDPOINT)",
+        check=connect_endpoint,
+    )
+    topic: str = option(
+        "",
+        help="raw vLLM topic filter (default: everything)",
+        flags=("--topic",),
+        slot_key="topic",
+        default_text='"" (everything)',
+    )
+    replay_endpoint: str | None = option(
+        None,
+        help="vLLM replay (ROUTER) endpoint for gap repair",
+        flags=("--replay",),
+        metavar="ENDPOINT",
+        check=connect_endpoint,
+        slot_key="replay",
+        exclusive=True,
+    )
     producer_instance: str = ""
     intent_incarnation: int | None = None
-    image_token_id: int | None = None
-    video_token_id: int | None = None
+    image_token_id: int | None = option(
+        None, help="the engine's image placeholder token id", check=u32
+    )
+    video_token_id: int | None = option(
+        None, help="the engine's video placeholder token id", check=u32
+    )
     ingress_protocol: IngressProtocol = IngressProtocol.VLLM_RESIDENCY_V1
 
     def to_attachment(self) -> Attachment:

@@ -21,24 +21,29 @@ from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.v import format_exception, transform_error
 
 from kvagent.agent.advertising import WILDCARD_HOSTS
+from kvagent.agent.config import AttachmentConfig, SlotAgentConfig
 from kvagent.cli.etcd_settings import EtcdSettings, etcd_open_options, etcd_problems
-from kvagent.cli.options import (
-    Option,
-    Scope,
-    declared_options,
-    field_problems,
-    format_bytes,
-    option,
-    parse_byte_size,
-)
+from kvagent.cli.options import Scope, ScopedOption, scoped_options, setting
 from kvagent.cli.slot_grammar import SlotSpec, parse_slot_spec
 from kvagent.cli.stream_settings import StreamSettings, stream_problems
 from kvagent.discovery import check_discovery_url
 from kvagent.model.errors import ConfigError, IdentityError, KvAgentError
-from kvagent.model.events import U32_MAX, U64_MAX, IngressProtocol
+from kvagent.model.events import IngressProtocol
 from kvagent.model.ids import CacheOwnerId, derive_cache_owner_id, explicit_material, with_model
+from kvagent.model.options import (
+    bind_endpoint,
+    configured,
+    field_problems,
+    format_bytes,
+    host_port,
+    option_from,
+    parse_byte_size,
+    positive,
+    u64,
+)
 from kvagent.publish.republisher import RepublishConfig
 from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT
+from kvagent.recovery.server import ServingOptions
 from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.listener import ListenerOptions
 
@@ -93,45 +98,11 @@ def _default_slot_state_dir() -> str:
 STATE_DIR_NONE = "none"  # ``state_dir = "none"``: every slot keeps its state in memory only
 
 
-# -- checks of one value (each option's ``check``: the problem, or None) ---------------------------------
-
-_HOST_PORT_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>[0-9]{1,5})")
-
-
-def _host_port_problem(text: str, *, wildcard: bool) -> str | None:
-    match = _HOST_PORT_RE.fullmatch(text)
-    if match is None:
-        if text.count(":") > 1 and not text.startswith("["):
-            return f"expected HOST:PORT with an IPv6 host in brackets (like [::1]:8765), got {text!r}"
-        return f"expected HOST:PORT, got {text!r}"
-    if int(match["port"]) > 65535:
-        return f"port must be 0..65535, got {match['port']}"
-    if match["host"] == "*" and not wildcard:
-        return f"host must not be '*' here, got {text!r}"
-    return None
-
-
-def _endpoint_problem(text: str, *, bind: bool) -> str | None:
-    """ZMQ endpoint syntax: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``."""
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc"):
-        return f"expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {text!r}"
-    if scheme != "tcp":
-        return None if rest else f"{scheme} endpoint needs a name, got {text!r}"
-    problem = _host_port_problem(rest, wildcard=bind)
-    return None if problem is None else f"{problem} (in {text!r})"
+# -- checks of what only the serve process has (the runtime classes declare their own) ------------------
 
 
 def _listen_address(text: str) -> str | None:
-    return _host_port_problem(text, wildcard=False)
-
-
-def _engine_endpoint(text: str) -> str | None:
-    return _endpoint_problem(text, bind=False)
-
-
-def _bound_endpoint(text: str) -> str | None:
-    return _endpoint_problem(text, bind=True)
+    return host_port(text)
 
 
 _ADVERTISE_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9_.-]+")
@@ -152,26 +123,6 @@ def _discovery_problem(url: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
-
-
-def _range(value: int, low: int, high: int) -> str | None:
-    return None if low <= value <= high else f"must be {low}..{high}, got {value}"
-
-
-def _u32(value: int) -> str | None:
-    return _range(value, 0, U32_MAX)
-
-
-def _u64(value: int) -> str | None:
-    return _range(value, 0, U64_MAX)
-
-
-def _positive(value: float) -> str | None:
-    return None if value > 0 else f"must be > 0, got {value}"
-
-
-def _block_size(value: int) -> str | None:
-    return "must be > 0" if value <= 0 else _range(value, 1, U32_MAX)
 
 
 def _not_empty(value: str) -> str | None:
@@ -213,18 +164,8 @@ def _state_dir_problem(text: str) -> str | None:
     return None if text else f"must be a directory or {STATE_DIR_NONE!r}, got an empty string"
 
 
-def _coalesce_window_problem(window: float) -> str | None:
-    return None if 0 <= window <= 1 else f"must be 0..1 seconds, got {window}"
-
-
-# The listener's own defaults: the budget's default, and the largest payload it accepts (kvagent/vllm/listener.py).
-_LISTENER_DEFAULTS = ListenerOptions()
-DEFAULT_INGEST_BUDGET = _LISTENER_DEFAULTS.ingress_bytes
-MAX_PAYLOAD_BYTES = _LISTENER_DEFAULTS.max_payload_bytes
-
-
-def _shed_after_problem(seconds: float) -> str | None:
-    return None if seconds >= 0 else f"must be >= 0 seconds (0: shed at once, inf: never), got {seconds}"
+# The listener's own defaults: the largest payload it accepts (kvagent/vllm/listener.py).
+MAX_PAYLOAD_BYTES = ListenerOptions().max_payload_bytes
 
 
 def _ingest_budget_problem(budget: int) -> str | None:
@@ -250,139 +191,75 @@ def _parse_byte_size(text: str) -> int:
 ByteSize = NewType("ByteSize", int)
 
 
-# -- the configuration: each option declared once (kvagent/cli/options.py) ------------------------------
+# -- the configuration: what cattrs structures a TOML document into --------------------------------------
+# A field ``option_from(RuntimeClass, "name")`` is that runtime option (its default, help, flag and check,
+# declared once on the runtime class); ``setting(...)`` declares what only the serve process has.
 
 
 @attrs.frozen(slots=True)
 class EngineConfig:
-    """The engine a slot attaches to at start."""
+    """The engine a slot attaches to at start (an :class:`AttachmentConfig` with the slot's rank)."""
 
-    endpoint: str = option(
-        help="the engine's KV event (PUB) endpoint (--slot NAME=ENDPOINT)", check=_engine_endpoint
-    )
-    topic: str = option(
-        "",
-        help="raw vLLM topic filter (default: everything)",
-        flags=("--topic",),
-        slot_key="topic",
-        default_text='"" (everything)',
-    )
-    replay_endpoint: str | None = option(
-        None,
-        help="vLLM replay (ROUTER) endpoint for gap repair",
-        flags=("--replay",),
-        metavar="ENDPOINT",
-        check=_engine_endpoint,
-        slot_key="replay",
-        exclusive=True,
-    )
-    worker_id: int | None = option(
-        None,
-        help="worker id of the engine attached at start (default: derived from slot and endpoint)",
-        flags=("--worker-id",),
-        parse=int,
-        check=_u64,
-        slot_key="worker",
-        exclusive=True,
-    )
-    image_token_id: int | None = option(None, help="the engine's image placeholder token id", check=_u32)
-    video_token_id: int | None = option(None, help="the engine's video placeholder token id", check=_u32)
+    endpoint: str = option_from(AttachmentConfig, "endpoint")
+    topic: str = option_from(AttachmentConfig, "topic")
+    replay_endpoint: str | None = option_from(AttachmentConfig, "replay_endpoint")
+    # None: derived from the slot's name and the endpoint (kvagent.model.ids.derive_worker_id).
+    worker_id: int | None = option_from(AttachmentConfig, "worker_id", default=None)
+    image_token_id: int | None = option_from(AttachmentConfig, "image_token_id")
+    video_token_id: int | None = option_from(AttachmentConfig, "video_token_id")
 
 
 @attrs.frozen(slots=True)
 class RepublishSettings:
     """``[slots.republish]``: the slot's vLLM-compatible stream (endpoints of dp_rank 0, offset per rank)."""
 
-    endpoint: str = option(
-        help="bind each slot's vLLM-format PUB here (PORT + the slot's dp_rank, as vLLM offsets DP ranks)",
-        flags=("--republish",),
-        metavar="tcp://HOST:PORT",
-        check=_bound_endpoint,
-    )
-    replay_endpoint: str | None = option(
-        None,
-        help="bind each slot's vLLM replay ROUTER here (PORT + dp_rank); old starts get a snapshot",
-        flags=("--republish-replay",),
-        metavar="tcp://HOST:PORT",
-        check=_bound_endpoint,
-    )
-    topic: str = option("", help="topic frame of the republished stream", flags=("--republish-topic",))
-    legacy_replay: bool = option(
-        False,
-        help="answer replay in the 3-frame form of vLLM < 0.26",
-        flags=("--legacy-replay",),
-        switch=True,
-    )
-    buffer_batches: int = option(10_000, help="batches the republisher keeps for replay", check=_positive)
+    endpoint: str = option_from(RepublishConfig, "endpoint")
+    replay_endpoint: str | None = option_from(RepublishConfig, "replay_endpoint")
+    topic: str = option_from(RepublishConfig, "topic")
+    legacy_replay: bool = option_from(RepublishConfig, "legacy_replay")
+    buffer_batches: int = option_from(RepublishConfig, "buffer_batches")
 
     def to_config(self) -> RepublishConfig:
-        return RepublishConfig(
-            endpoint=self.endpoint,
-            replay_endpoint=self.replay_endpoint,
-            topic=self.topic,
-            legacy_replay=self.legacy_replay,
-            buffer_batches=self.buffer_batches,
-        )
+        return configured(RepublishConfig, self)
 
 
 @attrs.frozen(slots=True)
 class SlotConfig:
-    name: str = option(help="the slot's name, one URL path segment (--slot NAME)")
-    kv_block_size: int = option(
-        16, help="KV block size in tokens", flags=("--block-size",), parse=int, check=_block_size
-    )
-    dp_rank: int = option(
-        0,
-        help="the slot's global data-parallel rank",
-        flags=("--dp-rank",),
-        parse=int,
-        check=_u32,
-        slot_key="rank",
-        exclusive=True,
-    )
-    cache_owner_id: str | None = option(
+    name: str = setting(help="the slot's name, one URL path segment (--slot NAME)")
+    kv_block_size: int = option_from(SlotAgentConfig, "kv_block_size")
+    dp_rank: int = option_from(SlotAgentConfig, "dp_rank")
+    cache_owner_id: str | None = setting(
         None,
         help="full CacheOwnerId text instead of deriving one",
         flags=("--cache-owner-id",),
         check=_cache_owner_id_problem,
     )
-    cache_semantics: dict[str, str] | None = option(
+    cache_semantics: dict[str, str] | None = setting(
         None,
         help="explicit cache-semantics material of the derived CacheOwnerId (docs/identity.md; repeatable)",
         flags=("--cache-semantics",),
         repeat=True,
         check=_identity_map_problem,
     )
-    routing_scope: dict[str, str] | None = option(
+    routing_scope: dict[str, str] | None = setting(
         None,
         help="explicit routing-scope material of the derived CacheOwnerId (docs/identity.md; repeatable)",
         flags=("--routing-scope",),
         repeat=True,
         check=_identity_map_problem,
     )
-    dc_id: int = option(
-        0, help="data-centre id (u64) of the derived CacheOwnerId", flags=("--dc-id",), parse=int, check=_u64
+    dc_id: int = setting(
+        0, help="data-centre id (u64) of the derived CacheOwnerId", flags=("--dc-id",), parse=int, check=u64
     )
-    ring_capacity: int = option(
-        1024,
-        help="recovery ring buffer size in events",
-        flags=("--ring-capacity",),
-        parse=int,
-        check=_positive,
-    )
-    ingress_protocol: str = option(
+    ring_capacity: int = option_from(SlotAgentConfig, "ring_capacity")
+    ingress_protocol: str = setting(
         IngressProtocol.VLLM_RESIDENCY_V1.value,
         help="the engine's event protocol (only vllm_residency_v1)",
         check=_ingress_protocol_problem,
     )
-    strict_cache_owner: bool = option(
-        False,
-        help="refuse engine events whose cache owner differs from the slot's instead of counting them",
-        flags=("--strict-cache-owner",),
-        switch=True,
-    )
+    strict_cache_owner: bool = option_from(SlotAgentConfig, "strict_cache_owner")
     engine: EngineConfig | None = None
-    simulate: bool = option(
+    simulate: bool = setting(
         False,
         help="attach every slot without an endpoint to an embedded simulated vLLM engine",
         flags=("--simulate",),
@@ -391,7 +268,7 @@ class SlotConfig:
     republish: RepublishSettings | None = None
     # The served model's name: part of the derived CacheOwnerId (docs/identity.md). Unset, a slot without
     # an explicit cache_owner_id gets the top-level ``model``, else (simulated) SIMULATED_MODEL, else none.
-    model: str | None = option(
+    model: str | None = setting(
         None, help="this slot's model (--slot NAME,model=M; default: the top-level model)"
     )
 
@@ -400,14 +277,14 @@ class SlotConfig:
 class ServeConfig:
     # Empty by default so a config file may leave the slots to the command line (the CLI insists on one).
     slots: tuple[SlotConfig, ...] = ()
-    listen: str = option(
+    listen: str = setting(
         f"{DEFAULT_HOST}:{DEFAULT_PORT}",
         help="websocket HOST:PORT (IPv6 as [::1]:8765)",
         flags=("--listen",),
         metavar="HOST:PORT",
         check=_listen_address,
     )
-    discovery: str = option(
+    discovery: str = setting(
         factory=_default_discovery,
         help="memory | file:DIR | etcd://HOST:PORT[,HOST:PORT][/PREFIX]",
         flags=("--discovery",),
@@ -415,7 +292,7 @@ class ServeConfig:
         default_text='"file:<state root>/discovery"',
     )
     # Where slots persist their state (docs/durability.md); "none" keeps it in memory only.
-    state_dir: str = option(
+    state_dir: str = setting(
         factory=_default_slot_state_dir,
         help="persist each slot's state here and resume from it on restart ('none' keeps it in memory)",
         flags=("--state-dir",),
@@ -423,20 +300,20 @@ class ServeConfig:
         check=_state_dir_problem,
         default_text='"<state root>/state"',
     )
-    token_file: str | None = option(
+    token_file: str | None = setting(
         None,
         help="control token file (created with a fresh token if missing)",
         flags=("--token-file",),
         default_text="<state root>/token",
     )
-    publish: str | None = option(
+    publish: str | None = setting(
         None,
         help="bind the outbound ZMQ event plane here",
         flags=("--publish",),
         metavar="tcp://HOST:PORT",
-        check=_bound_endpoint,
+        check=bind_endpoint,
     )
-    http: str | None = option(
+    http: str | None = setting(
         None,
         help="serve the HTTP surface here: /metrics, /healthz, /readyz, /v1/slots[/SLOT/status|dump] "
         "(--metrics is the older name)",
@@ -445,116 +322,48 @@ class ServeConfig:
         check=_listen_address,
         clears=("metrics",),  # the file's older spelling of the same listener is overridden too
     )
-    metrics: str | None = option(None, help="the older name of http, still accepted", check=_listen_address)
-    log_format: str = option(
+    metrics: str | None = setting(None, help="the older name of http, still accepted", check=_listen_address)
+    log_format: str = setting(
         "text",
         help="log lines as text or one JSON object each",
         flags=("--log-format",),
         choices=("text", "json"),
         check=_one_of("text", "json"),
     )
-    log_level: str = option(
+    log_level: str = setting(
         "info",
         help="the log threshold",
         flags=("--log-level",),
         choices=LOG_LEVELS,
         check=_one_of(*LOG_LEVELS),
     )
-    max_connections: int = option(
-        256,
-        help="websocket connections served at once",
-        flags=("--max-connections",),
-        parse=int,
-        check=_positive,
-    )
-    max_message_bytes: int = option(
-        1 << 20, help="the largest websocket message a client may send", check=_positive
-    )
-    status_interval: float = option(
+    # The websocket server's bounds (recovery.server.ServingOptions; docs/protocol.md, "Limits and deadlines").
+    max_connections: int = option_from(ServingOptions, "max_connections")
+    max_message_bytes: int = option_from(ServingOptions, "max_message_size")
+    status_interval: float = setting(
         5.0,
         help="seconds between console status lines",
         flags=("--status-interval",),
         parse=float,
-        check=_positive,
+        check=positive,
     )
-    shutdown_timeout: float = option(
-        10.0,
-        help="seconds to close every client with 1001",
-        flags=("--shutdown-timeout",),
-        parse=float,
-        check=_positive,
+    shutdown_timeout: float = option_from(ServingOptions, "shutdown_timeout")
+    # Every slot's listener (vllm.listener.ListenerOptions).
+    rcvhwm: int = option_from(ListenerOptions, "rcvhwm")
+    coalesce_window: float = option_from(ListenerOptions, "coalesce_window")
+    # An int in the listener; TOML and the command line also take a text like "64MiB", and the check says
+    # the listener's rule in the operator's units (the command line cannot change max_payload_bytes).
+    ingest_budget: ByteSize = option_from(
+        ListenerOptions, "ingress_bytes", parse=_parse_byte_size, check=_ingest_budget_problem
     )
-    rcvhwm: int = option(
-        1000,
-        help="the engine SUB's receive high-water mark in messages (the listener fits it lower for large "
-        "messages; 0: libzmq's no limit)",
-        check=lambda value: _range(value, 0, (1 << 31) - 1),
-    )
-    coalesce_window: float = option(
-        0.02,
-        help="under a steady event stream, read the engine's batches together once per this window, or "
-        "sooner when they would fill libzmq's queue (0: wake for every batch; a batch after a quiet spell "
-        "is read at once)",
-        flags=("--coalesce-window",),
-        metavar="SECONDS",
-        parse=float,
-        check=_coalesce_window_problem,
-    )
-    ingest_budget: ByteSize = option(
-        ByteSize(DEFAULT_INGEST_BUDGET),
-        help="bytes of raw engine payloads a slot holds between its SUB and its index (like 64MiB); past "
-        "it the listener sheds (docs/configuration.md, 'The ingest budget')",
-        flags=("--ingest-budget",),
-        metavar="BYTES",
-        parse=_parse_byte_size,
-        check=_ingest_budget_problem,
-        default_text=format_bytes(DEFAULT_INGEST_BUDGET),
-    )
-    # Over the budget the reader first stops reading: a burst then waits in libzmq's queue and the engine's
-    # send queue (vLLM's SNDHWM is 100k messages) instead of being dropped, and the listener sheds only if
-    # the slot makes no room for this long (docs/configuration.md, "The ingest budget").
-    shed_after: float = option(
-        5.0,
-        help="over the ingest budget, stop reading the engine for up to this many seconds before shedding "
-        "(0: shed at once; inf: never shed)",
-        flags=("--shed-after",),
-        metavar="SECONDS",
-        parse=float,
-        check=_shed_after_problem,
-    )
-    # The websocket server's bounds (docs/protocol.md, "Limits and deadlines").
-    handshake_timeout: float = option(
-        5.0,
-        help="seconds a connection may take to finish its websocket handshake",
-        flags=("--handshake-timeout",),
-        parse=float,
-        check=_positive,
-    )
-    max_pending_handshakes: int | None = option(
-        None,
-        help="connections still in their handshake (oldest dropped first)",
-        flags=("--max-pending-handshakes",),
-        parse=int,
-        check=_positive,
-        default_text="128, at most fd limit / 4",
-    )
-    send_deadline: float = option(
-        10.0,
-        help="seconds a client may leave a frame unaccepted before it is closed with 1013 overrun",
-        flags=("--send-deadline",),
-        parse=float,
-        check=_positive,
-    )
-    outbound_queue_bytes: int = option(
-        1 << 20,
-        help="per-connection bound of queued answer bytes",
-        flags=("--outbound-queue-bytes",),
-        parse=int,
-        check=_positive,
-    )
+    shed_after: float = option_from(ListenerOptions, "shed_after")
+    handshake_timeout: float = option_from(ServingOptions, "handshake_timeout")
+    max_pending_handshakes: int | None = option_from(ServingOptions, "max_pending_handshakes")
+    send_deadline: float = option_from(ServingOptions, "send_deadline")
+    outbound_queue_bytes: int = option_from(ServingOptions, "outbound_queue_bytes")
     # The host put into advertised and printed URLs; None: the listen host, or this machine's name for a
     # wildcard listen address (kvagent/agent/advertising.py).
-    advertise: str | None = option(
+    advertise: str | None = setting(
         None,
         help="host put into advertised and printed URLs (default: the --listen host, or this machine's "
         "name when it listens on 0.0.0.0 or ::)",
@@ -562,7 +371,7 @@ class ServeConfig:
         metavar="HOST",
         check=_advertise_problem,
     )
-    model: str | None = option(
+    model: str | None = setting(
         None,
         help="the served model's name; part of each derived CacheOwnerId, so two models' slots never "
         "collide (per slot: model=NAME)",
@@ -571,14 +380,7 @@ class ServeConfig:
         check=_not_empty,
         slot_key="model",
     )
-    silence_warning: float = option(
-        60.0,
-        help="warn once when an attached engine has published nothing for this long",
-        flags=("--silence-warning",),
-        metavar="SECONDS",
-        parse=float,
-        check=_positive,
-    )
+    silence_warning: float = option_from(SlotAgentConfig, "silence_warning")
     etcd: EtcdSettings = EtcdSettings()
     stream: StreamSettings | None = None  # [stream]: every slot's events in Redis/Valkey (docs/fleet.md)
 
@@ -601,13 +403,13 @@ class ServeConfig:
 
 
 # Every serve option, in the order of `kvagent serve --help` and of docs/configuration.md's table.
-SERVE_OPTIONS: list[tuple[Scope, attrs.Attribute[Any], Option]] = [
-    *declared_options(ServeConfig, Scope.TOP),
-    *declared_options(SlotConfig, Scope.SLOT),
-    *declared_options(EngineConfig, Scope.ENGINE),
-    *declared_options(RepublishSettings, Scope.REPUBLISH),
-    *declared_options(EtcdSettings, Scope.ETCD),
-    *declared_options(StreamSettings, Scope.STREAM),
+SERVE_OPTIONS: list[ScopedOption] = [
+    *scoped_options(ServeConfig, Scope.TOP),
+    *scoped_options(SlotConfig, Scope.SLOT),
+    *scoped_options(EngineConfig, Scope.ENGINE),
+    *scoped_options(RepublishSettings, Scope.REPUBLISH),
+    *scoped_options(EtcdSettings, Scope.ETCD),
+    *scoped_options(StreamSettings, Scope.STREAM),
 ]
 
 

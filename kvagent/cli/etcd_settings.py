@@ -6,7 +6,7 @@ from pathlib import Path
 
 import attrs
 
-from kvagent.cli.options import Scope, declared_options, option
+from kvagent.cli.options import Scope, scoped_options, setting
 from kvagent.model.errors import ConfigError
 
 __all__ = ["EtcdSettings", "etcd_open_options", "etcd_problems"]
@@ -16,7 +16,7 @@ __all__ = ["EtcdSettings", "etcd_open_options", "etcd_problems"]
 class EtcdSettings:
     """``[etcd]``: options of an ``etcd://``/``etcds://`` discovery (docs/discovery.md, "Options")."""
 
-    ttl: float | None = option(
+    ttl: float | None = setting(
         None,
         help="lease TTL in seconds (at least 1)",
         flags=("--etcd-ttl",),
@@ -24,27 +24,27 @@ class EtcdSettings:
         parse=float,
         default_text="10",  # None: open_etcd_discovery's default
     )
-    username: str | None = option(
+    username: str | None = setting(
         None, help="etcd user (with --etcd-password-file)", flags=("--etcd-user",), metavar="NAME"
     )
     # Read at start; the password itself never sits in the config.
-    password_file: str | None = option(
+    password_file: str | None = setting(
         None, help="file holding the etcd user's password", flags=("--etcd-password-file",), metavar="FILE"
     )
-    ca_file: str | None = option(
+    ca_file: str | None = setting(
         None, help="CA bundle verifying etcd (etcds:// only)", flags=("--etcd-ca",), metavar="FILE"
     )
-    cert_file: str | None = option(
+    cert_file: str | None = setting(
         None, help="client certificate (etcds:// only)", flags=("--etcd-cert",), metavar="FILE"
     )
-    key_file: str | None = option(
+    key_file: str | None = setting(
         None, help="client certificate's key (etcds:// only)", flags=("--etcd-key",), metavar="FILE"
     )
 
 
 # key -> its flag, for the messages
 _ETCD_FLAGS = {
-    field.name: declared.flags[0] for _, field, declared in declared_options(EtcdSettings, Scope.ETCD)
+    field.name: declared.flags[0] for _, field, declared in scoped_options(EtcdSettings, Scope.ETCD)
 }
 
 

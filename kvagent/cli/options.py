@@ -1,46 +1,53 @@
-"""Each ``kvagent serve`` option declared once: an attrs field whose metadata is an :class:`Option`.
+"""The ``kvagent serve`` options, generated from their declarations (kvagent/model/options.py).
 
-A config field (``ServeConfig``, ``SlotConfig``, ``EngineConfig``, ``RepublishSettings``,
-``EtcdSettings``, ``StreamSettings``) declared with :func:`option` carries its help, its command-line flag(s), the parser of the
-flag's text, the check of its value and the text of its default in the docs; its TOML key is the field's
-path (``ingest_budget``, ``slots.kv_block_size``, ``etcd.ttl``) and its default the field's default. From
-these declarations:
+Every option is declared once, on the runtime class that uses it (``SlotAgentConfig``,
+``ListenerOptions``, ``ServingOptions``, ``RepublishConfig``, ``StreamConfig``, ``AttachmentConfig``), or,
+for what only the serve process has (its listen address, discovery, logging), on a settings class of
+kvagent/cli/config.py. The settings classes (``ServeConfig``, ``SlotConfig``, ``EngineConfig``,
+``RepublishSettings``, ``EtcdSettings``, ``StreamSettings``) are what cattrs structures a TOML document into;
+a field standing for a runtime option is ``option_from(RuntimeClass, "name")``, and
+:func:`~kvagent.model.options.configured` builds the runtime instance from them. From the declarations:
 
 - :func:`add_arguments` adds the argparse arguments of ``kvagent serve``;
 - :func:`given_values` reads back what the command line set, by where it goes in the TOML document
   (``kvagent.cli.main`` merges it over ``--config``);
-- :func:`field_problems` runs every field's check (``kvagent.cli.config.validate_serve_config``);
+- :func:`~kvagent.model.options.field_problems` runs every field's check (the same checks the runtime
+  classes validate with);
 - :func:`option_rows` lists every option for docs/configuration.md (a test holds the page to it).
 
-Adding an option is one field: ``name: T = option(DEFAULT, help=..., flags=("--name",), check=...)`` on the
-class whose TOML table holds it, plus its row in docs/configuration.md (the test names a missing row).
+Adding an option is one field on its runtime class, ``name: T = option(DEFAULT, help=..., flags=(...),
+check=...)``, one ``option_from`` line on the settings class whose TOML table holds it, and its row in
+docs/configuration.md (the test names a missing row).
 """
 
 from __future__ import annotations
 
 import argparse
 import enum
-import re
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
+
+from kvagent.model.options import Option, declared_options, option
 
 __all__ = [
     "Option",
     "OptionRow",
     "Scope",
+    "ScopedOption",
     "add_arguments",
-    "declared_options",
-    "field_problems",
-    "format_bytes",
     "given_values",
-    "option",
     "option_rows",
-    "parse_byte_size",
+    "option_table",
+    "scoped_options",
+    "setting",
 ]
 
-OPTION = "kvagent.option"  # the key of an Option in an attrs field's metadata
+# A field of a settings class, declared with ``option(..., validate=False)``: the settings are checked as a
+# whole after structuring (every problem reported at once, each with its key path).
+setting = functools.partial(option, validate=False)
 
 
 class Scope(enum.Enum):
@@ -54,89 +61,21 @@ class Scope(enum.Enum):
     STREAM = "stream."  # a key of the ``[stream]`` table (present only when a stream is configured)
 
 
-@attrs.frozen(slots=True)
-class Option:
-    """One option's declaration (the field it is attached to gives its TOML key, type and default).
-
-    ``flags``: empty for a TOML-only key. ``parse``: the flag text's parser (argparse ``type``; raising
-    ``argparse.ArgumentTypeError`` or ``ValueError`` is a one-line usage error). ``check``: the problem of
-    a typed value, or None (None values are never checked: they mean "not set"). ``switch``: the flag
-    takes no value and sets True. ``repeat``: the flag may be repeated, each ``KEY=VALUE`` becoming an
-    entry of a table. ``slot_key``: the ``--slot`` key that overrides the flag for one slot
-    (cli/slot_grammar.py). ``exclusive``: a value that several slots would share is refused (a replay
-    endpoint, worker id or rank is never right for two slots). ``clears``: keys of the same table this
-    option replaces when given on the command line (an older name). ``default_text``: the default as the
-    docs show it, when the field's default is not self-explaining.
-    """
-
-    help: str
-    flags: tuple[str, ...] = ()
-    metavar: str | None = None
-    parse: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    check: Callable[[Any], str | None] | None = None
-    switch: bool = False
-    repeat: bool = False
-    slot_key: str | None = None
-    exclusive: bool = False
-    clears: tuple[str, ...] = ()
-    default_text: str | None = None
-
-    @property
-    def dest(self) -> str:
-        """The argparse destination (argparse's own choice for the first flag)."""
-        return self.flags[0].removeprefix("--").replace("-", "_")
+ScopedOption = tuple[Scope, "attrs.Attribute[Any]", Option]  # attrs.Attribute is not subscriptable at run time
 
 
-def option(
-    default: Any = attrs.NOTHING,
-    *,
-    factory: Callable[[], Any] | None = None,
-    help: str,  # noqa: A002  # argparse's name for it
-    flags: tuple[str, ...] = (),
-    metavar: str | None = None,
-    parse: Callable[[str], Any] | None = None,
-    choices: tuple[str, ...] | None = None,
-    check: Callable[[Any], str | None] | None = None,
-    switch: bool = False,
-    repeat: bool = False,
-    slot_key: str | None = None,
-    exclusive: bool = False,
-    clears: tuple[str, ...] = (),
-    default_text: str | None = None,
-) -> Any:
-    """An attrs field declaring a serve option (see :class:`Option`)."""
-    declared = Option(
-        help=help,
-        flags=flags,
-        metavar=metavar,
-        parse=parse,
-        choices=choices,
-        check=check,
-        switch=switch,
-        repeat=repeat,
-        slot_key=slot_key,
-        exclusive=exclusive,
-        clears=clears,
-        default_text=default_text,
-    )
-    metadata = {OPTION: declared}
-    if factory is not None:
-        return attrs.field(factory=factory, metadata=metadata)
-    return attrs.field(default=default, metadata=metadata)
+def scoped_options(cls: type, scope: Scope) -> Iterator[ScopedOption]:
+    """The declared options among the settings class ``cls``'s fields, in field order, in ``scope``.
 
-
-def _option_of(field: attrs.Attribute[Any]) -> Option | None:
-    declared = field.metadata.get(OPTION)
-    return declared if isinstance(declared, Option) else None
-
-
-def declared_options(cls: type, scope: Scope) -> Iterator[tuple[Scope, attrs.Attribute[Any], Option]]:
-    """The declared options among ``cls``'s fields, in field order."""
-    for field in attrs.fields(cls):
-        declared = _option_of(field)
-        if declared is not None:
-            yield scope, field, declared
+    A settings field's name is its TOML key: a field standing for a runtime option must be named as the
+    option declares (its ``toml`` key, else the runtime field's name)."""
+    for field, declared in declared_options(cls):
+        if declared.source is not None:
+            runtime, name = declared.source
+            key = declared.toml or name
+            if field.name != key:
+                raise TypeError(f"{cls.__name__}.{field.name} stands for {runtime.__name__}.{name}: name it {key}")
+        yield scope, field, declared
 
 
 # -- the command line ----------------------------------------------------------------------------------
@@ -154,7 +93,7 @@ _METAVARS: dict[object, str] = {int: "N", float: "SECONDS"}
 
 def add_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    options: list[tuple[Scope, attrs.Attribute[Any], Option]],
+    options: list[ScopedOption],
 ) -> None:
     """One argparse argument per declared option with flags; unset, each reads back as None."""
     for _, _, declared in options:
@@ -177,7 +116,7 @@ def add_arguments(
 
 
 def given_values(
-    args: argparse.Namespace, options: list[tuple[Scope, attrs.Attribute[Any], Option]]
+    args: argparse.Namespace, options: list[ScopedOption]
 ) -> dict[Scope, dict[str, tuple[Option, Any]]]:
     """What the command line set, by scope: TOML key -> (its option, its TOML value)."""
     given: dict[Scope, dict[str, tuple[Option, Any]]] = {scope: {} for scope in Scope}
@@ -191,71 +130,19 @@ def given_values(
     return given
 
 
-# -- validation ----------------------------------------------------------------------------------------
-
-
-def field_problems(value: attrs.AttrsInstance, path: str) -> list[str]:
-    """``path.key: problem`` for every declared field of the attrs instance ``value`` whose check fails."""
-    problems: list[str] = []
-    prefix = f"{path}." if path else ""
-    for field in attrs.fields(type(value)):
-        declared = _option_of(field)
-        if declared is None or declared.check is None:
-            continue
-        current = getattr(value, field.name)
-        if current is None:
-            continue
-        problem = declared.check(current)
-        if problem is not None:
-            problems.append(f"{prefix}{field.name}: {problem}")
-    return problems
-
-
-# -- byte sizes ----------------------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-}
-_SIZE_RE = re.compile(r"\s*([0-9]+)\s*([A-Za-z]*)\s*")
-
-
-def parse_byte_size(text: str) -> int:
-    """``64MiB``, ``64 MiB``, ``512kB``, ``67108864``: a whole number of bytes (KiB/MiB/GiB are powers of
-    1024, kB/MB/GB of 1000); ValueError naming the accepted forms otherwise."""
-    match = _SIZE_RE.fullmatch(text)
-    unit = _UNITS.get(match[2].lower()) if match is not None else None
-    if match is None or unit is None:
-        raise ValueError(f"expected a byte size like 64MiB, 512kB or 67108864, got {text!r}")
-    return int(match[1]) * unit
-
-
-def format_bytes(count: int) -> str:
-    """``count`` in the largest binary unit that divides it (``64MiB``), else in bytes."""
-    for unit in ("GiB", "MiB", "KiB"):
-        size = _UNITS[unit.lower()]
-        if count >= size and count % size == 0:
-            return f"{count // size}{unit}"
-    return str(count)
-
-
 # -- the docs ------------------------------------------------------------------------------------------
 
 
 @attrs.frozen(slots=True)
 class OptionRow:
-    """One option as docs/configuration.md lists it."""
+    """One option as docs/configuration.md lists it; ``runtime``: the library field it sets (``Class.field``),
+    None for what only the serve process has."""
 
     flags: tuple[str, ...]
     toml_key: str
     default: str
     help: str
+    runtime: str | None = None
 
 
 def _default_text(field: attrs.Attribute[Any], declared: Option) -> str:
@@ -275,8 +162,35 @@ def _default_text(field: attrs.Attribute[Any], declared: Option) -> str:
     return str(default)
 
 
-def option_rows(options: list[tuple[Scope, attrs.Attribute[Any], Option]]) -> list[OptionRow]:
+def _runtime_name(declared: Option) -> str | None:
+    if declared.source is None:
+        return None
+    runtime, name = declared.source
+    return f"{runtime.__name__}.{name}"
+
+
+def option_rows(options: list[ScopedOption]) -> list[OptionRow]:
     return [
-        OptionRow(declared.flags, scope.value + field.name, _default_text(field, declared), declared.help)
+        OptionRow(
+            declared.flags,
+            scope.value + field.name,
+            _default_text(field, declared),
+            declared.help,
+            _runtime_name(declared),
+        )
         for scope, field, declared in options
     ]
+
+
+TABLE_HEADER = ("| flag | TOML key | default | library field | what it sets |", "|---|---|---|---|---|")
+
+
+def option_table(rows: list[OptionRow]) -> str:
+    """docs/configuration.md's table of every option (a test holds the page to it, byte for byte)."""
+    lines = list(TABLE_HEADER)
+    for row in rows:
+        flags = ", ".join(f"`{flag}`" for flag in row.flags) or "(TOML only)"
+        runtime = "—" if row.runtime is None else f"`{row.runtime}`"
+        help_text = row.help.replace("|", "\\|")
+        lines.append(f"| {flags} | `{row.toml_key}` | `{row.default}` | {runtime} | {help_text} |")
+    return "\n".join(lines)

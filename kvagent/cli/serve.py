@@ -26,6 +26,7 @@ from kvagent.agent.slot import SlotAgent
 from kvagent.cli.bind_check import check_distinct_addresses
 from kvagent.cli.config import (
     STATE_DIR_NONE,
+    EngineConfig,
     ServeConfig,
     SlotConfig,
     discovery_options,
@@ -41,6 +42,7 @@ from kvagent.discovery.etcd import EtcdDiscovery
 from kvagent.model.errors import DiscoveryError
 from kvagent.model.events import IngressProtocol
 from kvagent.model.ids import derive_worker_id
+from kvagent.model.options import configured
 from kvagent.publish.sinks import EventSink
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.server import ServerStats, ServingOptions, serve_recovery
@@ -70,27 +72,29 @@ def slot_agent_config(
     resolved), which the slot advertises as its kv-state endpoint."""
     state_dir = _state_dir(serve)
     publish = serve.publish if publish_endpoint is None else publish_endpoint
-    return SlotAgentConfig(
+    # Each option comes from the settings field standing for it (kvagent/model/options.py, option_from);
+    # what no setting gives is resolved here.
+    return configured(
+        SlotAgentConfig,
+        slot,
+        serve,
         name=slot.name,
         cache_owner_id=resolve_cache_owner_id(slot),
-        kv_block_size=slot.kv_block_size,
-        dp_rank=slot.dp_rank,
-        ring_capacity=slot.ring_capacity,
         ingress_protocol=IngressProtocol(slot.ingress_protocol),
-        strict_cache_owner=slot.strict_cache_owner,
         kv_state_endpoint=advertised_zmq_endpoint(publish, serve.advertise) if publish else recovery_url,
         recovery_url=recovery_url,
-        listener=ListenerOptions(
-            rcvhwm=serve.rcvhwm,
-            coalesce_window=serve.coalesce_window,
-            ingress_bytes=serve.ingest_budget,
-            shed_after=serve.shed_after,
-        ),
+        listener=configured(ListenerOptions, serve),
         republish=None if slot.republish is None else slot.republish.to_config(),
         state_path=None if state_dir is None else slot_state_path(state_dir, slot.name),
-        silence_warning=serve.silence_warning,
         stream=None if serve.stream is None else stream_config(serve.stream),
     )
+
+
+def engine_attachment(slot: SlotConfig, engine: EngineConfig) -> AttachmentConfig:
+    """The attachment of the slot's configured engine (its worker id derived from slot and endpoint unless
+    given)."""
+    worker_id = engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
+    return configured(AttachmentConfig, engine, worker_id=worker_id, dp_rank=slot.dp_rank)
 
 
 def _print_republish(console: Console, agent: SlotAgent) -> None:
@@ -165,22 +169,7 @@ async def _attach_configured_engine(
     nursery: trio.Nursery, agent: SlotAgent, slot: SlotConfig, context: zmq.Context[Any]
 ) -> None:
     if slot.engine is not None:
-        engine = slot.engine
-        worker_id = (
-            engine.worker_id if engine.worker_id is not None else derive_worker_id(slot.name, engine.endpoint)
-        )
-        # The agent logs slot_attached (slot, generation, endpoint) itself.
-        await agent.attach(
-            AttachmentConfig(
-                worker_id=worker_id,
-                dp_rank=slot.dp_rank,
-                endpoint=engine.endpoint,
-                topic=engine.topic,
-                replay_endpoint=engine.replay_endpoint,
-                image_token_id=engine.image_token_id,
-                video_token_id=engine.video_token_id,
-            )
-        )
+        await agent.attach(engine_attachment(slot, slot.engine))  # the agent logs slot_attached itself
     elif not slot.simulate and (persisted := agent.persisted_attachment()) is not None:
         # A restarted slot without a configured engine goes back to the engine its state follows.
         status = await agent.attach(persisted)
@@ -268,15 +257,7 @@ async def _start_servers(
     """Start the recovery server (and the HTTP surface if configured); the recovery base URL."""
     listen_host, listen_port = _split_host_port(config.listen)
     server_stats = ServerStats()
-    options = ServingOptions(
-        max_connections=config.max_connections,
-        max_message_size=config.max_message_bytes,
-        max_pending_handshakes=config.max_pending_handshakes,
-        handshake_timeout=config.handshake_timeout,
-        send_deadline=config.send_deadline,
-        outbound_queue_bytes=config.outbound_queue_bytes,
-        shutdown_timeout=config.shutdown_timeout,
-    )
+    options = configured(ServingOptions, config)
     with blaming("--listen", config.listen, what="the websocket API"):
         server = await nursery.start(
             partial(

@@ -7,8 +7,9 @@ from pathlib import Path
 import attrs
 
 from kvagent._util.redis_target import StreamTarget, parse_stream_url
-from kvagent.cli.options import option
+from kvagent.cli.options import setting
 from kvagent.model.errors import ConfigError
+from kvagent.model.options import configured, field_problems, option_from
 from kvagent.stream.writer import StreamConfig
 
 __all__ = ["StreamSettings", "stream_config", "stream_problems"]
@@ -18,25 +19,23 @@ __all__ = ["StreamSettings", "stream_config", "stream_problems"]
 class StreamSettings:
     """``[stream]``: the server, and how each slot's stream is kept (docs/fleet.md)."""
 
-    url: str = option(
+    url: str = setting(
         help="append every slot's events to its own stream there (redis://HOST:PORT[/DB] or rediss://)",
         flags=("--stream",),
         metavar="redis://HOST:PORT[/DB]",
     )
     # Read at start; the password never sits in the config or argv.
-    password_file: str | None = option(
+    password_file: str | None = setting(
         None,
         help="file holding the stream server's password",
         flags=("--stream-password-file",),
         metavar="FILE",
     )
-    username: str | None = option(None, help="the stream server's user (ACL), with password_file")
-    prefix: str = option(
-        "kvagent", help="key prefix of every stream", flags=("--stream-prefix",), metavar="PREFIX"
-    )
-    maxlen: int = option(10_000, help="entries kept per stream (approximate, XADD MAXLEN ~)")
-    entry_events: int = option(256, help="events per stream entry at most")
-    heartbeat_interval: float = option(5.0, help="seconds between heartbeat entries of an idle slot")
+    username: str | None = setting(None, help="the stream server's user (ACL), with password_file")
+    prefix: str = option_from(StreamConfig, "prefix")
+    maxlen: int = option_from(StreamConfig, "maxlen")
+    entry_events: int = option_from(StreamConfig, "entry_events")
+    heartbeat_interval: float = option_from(StreamConfig, "heartbeat_interval")
 
 
 def stream_problems(settings: StreamSettings) -> list[str]:
@@ -45,12 +44,7 @@ def stream_problems(settings: StreamSettings) -> list[str]:
         parse_stream_url(settings.url)
     except ConfigError as exc:
         errors.append(f"stream.url (--stream): {exc}")
-    if not settings.prefix or any(c in settings.prefix for c in "{} "):
-        errors.append(f"stream.prefix: must be non-empty, without braces or spaces, got {settings.prefix!r}")
-    for key in ("maxlen", "entry_events", "heartbeat_interval"):
-        value = getattr(settings, key)
-        if not value > 0:
-            errors.append(f"stream.{key}: must be > 0, got {value}")
+    errors.extend(field_problems(settings, "stream"))
     return errors
 
 
@@ -65,10 +59,4 @@ def stream_config(settings: StreamSettings) -> StreamConfig:
                 f"stream.password_file {settings.password_file}: {exc.strerror or exc}"
             ) from None
     target = StreamTarget(settings.url, password=password, username=settings.username)
-    return StreamConfig(
-        target,
-        prefix=settings.prefix,
-        maxlen=settings.maxlen,
-        entry_events=settings.entry_events,
-        heartbeat_interval=settings.heartbeat_interval,
-    )
+    return configured(StreamConfig, settings, target=target)

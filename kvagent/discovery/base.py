@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from kvagent.model.convert import converter, register_object, structure, unstructure
 from kvagent.model.errors import DiscoveryConflict, DiscoveryError
 from kvagent.model.ids import MAX_JSON_SAFE_ID
 
@@ -77,12 +78,8 @@ class DiscoveryRecord:
         return (self.topic, self.record_id)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "topic": self.topic,
-            "record_id": self.record_id,
-            "scope": self.scope,
-            "metadata": dict(self.metadata),
-        }
+        data: dict[str, object] = unstructure(self)
+        return data
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys, no whitespace): equal records give equal bytes."""
@@ -90,15 +87,8 @@ class DiscoveryRecord:
 
     @classmethod
     def from_dict(cls, value: object) -> DiscoveryRecord:
-        if not isinstance(value, dict):
-            raise DiscoveryError("discovery record must be a JSON object")
-        missing = [key for key in _RECORD_FIELDS if key not in value]
-        if missing:
-            raise DiscoveryError(f"discovery record is missing {', '.join(missing)}")
-        extra = sorted(set(value) - set(_RECORD_FIELDS))
-        if extra:
-            raise DiscoveryError(f"discovery record has unknown fields {', '.join(extra)}")
-        return cls(value["topic"], value["record_id"], value["scope"], value["metadata"])
+        """The record in a decoded JSON object (every member, nothing else); raises DiscoveryError."""
+        return structure(value, cls, what="discovery record", error=DiscoveryError)
 
     @classmethod
     def from_json(cls, value: str | bytes | Mapping[str, object]) -> DiscoveryRecord:
@@ -111,7 +101,10 @@ class DiscoveryRecord:
         return cls.from_dict(value)
 
 
-_RECORD_FIELDS = ("topic", "record_id", "scope", "metadata")
+# The metadata is any JSON object: taken as it is (the record's converter copies and checks it).
+converter.register_structure_hook_func(lambda type_: type_ == Mapping[str, object], lambda value, _: value)
+register_object(DiscoveryRecord)
+
 
 
 @runtime_checkable

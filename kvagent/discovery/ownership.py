@@ -21,6 +21,7 @@ import attrs
 import structlog
 
 from kvagent._util.sync import checkpoint
+from kvagent.model.convert import register_object, structure, unstructure
 from kvagent.model.errors import SlotOwnershipError
 
 __all__ = [
@@ -53,29 +54,23 @@ class SlotHolder:
         return cls(slot, cache_owner_id, socket.gethostname(), os.getpid(), url, secrets.token_hex(8))
 
     def to_json(self) -> bytes:
-        return json.dumps(attrs.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(unstructure(self), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> SlotHolder | None:
         """The holder stored in ``data``; None for anything else (a claim written by another version, a
         file caught between truncate and write): the refusal then names an unknown holder."""
         try:
-            value = json.loads(data)
-            holder = cls(
-                slot=str(value["slot"]),
-                cache_owner_id=str(value["cache_owner_id"]),
-                hostname=str(value["hostname"]),
-                pid=int(value["pid"]),
-                url=None if value.get("url") is None else str(value["url"]),
-                nonce=str(value.get("nonce", "")),
-            )
-        except (ValueError, TypeError, KeyError, AttributeError):
+            return structure(json.loads(data), cls, what="slot holder", error=SlotOwnershipError)
+        except (ValueError, SlotOwnershipError):
             return None
-        return holder
 
     def describe(self) -> str:
         where = f"{self.hostname} pid {self.pid}"
         return where if self.url is None else f"{where} ({self.url})"
+
+
+register_object(SlotHolder)
 
 
 def ownership_refused(wanted: SlotHolder, holder: SlotHolder | None, *, hint: str = "") -> SlotOwnershipError:

@@ -18,6 +18,7 @@ from typing import ClassVar, Self
 import attrs
 import blake3
 
+from kvagent.model.convert import converter, register_object, structure, unstructure
 from kvagent.model.errors import IdentityError
 
 __all__ = [
@@ -225,27 +226,19 @@ class KvStateAgentIdentity:
     protocol_version: str = "v2"
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "cache_owner_id": str(self.cache_owner_id),
-            "publisher_id": self.publisher_id,
-            "protocol_version": self.protocol_version,
-        }
+        data: dict[str, object] = unstructure(self)
+        return data
 
     @classmethod
     def from_json(cls, value: object) -> KvStateAgentIdentity:
-        if not isinstance(value, dict):
-            raise IdentityError("identity must be an object")
-        try:
-            owner = CacheOwnerId.parse(value["cache_owner_id"])
-            publisher_id = value["publisher_id"]
-            version = value.get("protocol_version", "v2")
-        except KeyError as exc:
-            raise IdentityError(f"identity is missing {exc.args[0]!r}") from None
-        if not isinstance(publisher_id, int) or isinstance(publisher_id, bool) or publisher_id < 0:
-            raise IdentityError("identity.publisher_id must be a non-negative integer")
-        if not isinstance(version, str):
-            raise IdentityError("identity.protocol_version must be a string")
-        return cls(owner, publisher_id, version)
+        """The inverse of :meth:`to_json` (``protocol_version`` defaults to v2); raises IdentityError."""
+        return structure(value, cls, what="identity", error=IdentityError)
+
+
+# The identity's JSON (kvagent/model/convert.py): a CacheOwnerId is its canonical text.
+converter.register_structure_hook(CacheOwnerId, lambda text, _: CacheOwnerId.parse(text))
+converter.register_unstructure_hook(CacheOwnerId, str)
+register_object(KvStateAgentIdentity, optional=("protocol_version",), what="identity", error=IdentityError)
 
 
 def stable_dp_slot_material(name: str) -> bytes:

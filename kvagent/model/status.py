@@ -1,7 +1,9 @@
 """Attachments and the slot's status: immutable snapshots, with their JSON both ways.
 
-``from_json`` parses what ``to_json`` wrote (the websocket ``status`` op); it checks every field's type
-and raises :class:`~kvagent.model.errors.CodecError` naming the first field that is wrong.
+``from_json`` parses what ``to_json`` wrote (the websocket ``status`` op) with the strict converter of
+kvagent/model/convert.py: it checks every member's type, refuses members it does not know, and raises
+:class:`~kvagent.model.errors.CodecError` naming the first one that is wrong (a malformed identity keeps
+its :class:`~kvagent.model.errors.IdentityError`).
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from cattrs.gen import make_dict_unstructure_fn, override
 
+from kvagent.model.convert import converter, register_object, structure, unstructure
 from kvagent.model.errors import CodecError
-from kvagent.model.events import U64_MAX, IngressProtocol, SourceState, WorkerWithDpRank
+from kvagent.model.events import IngressProtocol, SourceState, WorkerWithDpRank
 from kvagent.model.ids import KvStateAgentIdentity
 
 __all__ = [
@@ -110,29 +114,13 @@ class AttachmentStatus:
         return self.state != UNREADY
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "generation": self.generation,
-            "worker": {"worker_id": self.worker.worker_id, "dp_rank": self.worker.dp_rank},
-            "ready": self.ready,
-            "ready_at_outbound_cursor": self.ready_at_outbound_cursor,
-            "state": self.state,
-        }
+        data: dict[str, object] = unstructure(self)
+        return data
 
     @classmethod
     def from_json(cls, value: object, field: str = "attachment") -> AttachmentStatus:
-        obj = _object(value, field)
-        worker = _object(_member(obj, "worker", field), f"{field}.worker")
-        ready = _bool(_member(obj, "ready", field), f"{field}.ready")
-        return cls(
-            _uint(_member(obj, "generation", field), f"{field}.generation"),
-            WorkerWithDpRank(
-                _uint(_member(worker, "worker_id", f"{field}.worker"), f"{field}.worker.worker_id"),
-                _uint(_member(worker, "dp_rank", f"{field}.worker"), f"{field}.worker.dp_rank"),
-            ),
-            ready,
-            _uint(_member(obj, "ready_at_outbound_cursor", field), f"{field}.ready_at_outbound_cursor"),
-            _state(obj, ready, field),
-        )
+        """The inverse of :meth:`to_json`; an older agent's JSON without ``state`` is read from ``ready``."""
+        return structure(value, cls, what=field, error=CodecError)
 
 
 @attrs.frozen(slots=True)
@@ -144,19 +132,12 @@ class RepublishStatus:
     seq: int | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "seq": self.seq}
+        data: dict[str, object] = unstructure(self)
+        return data
 
     @classmethod
     def from_json(cls, value: object, field: str = "republish") -> RepublishStatus:
-        obj = _object(value, field)
-        endpoint = _member(obj, "endpoint", field)
-        replay_endpoint = _member(obj, "replay_endpoint", field)
-        seq = _member(obj, "seq", field)
-        if not isinstance(endpoint, str):
-            raise CodecError(f"{field}.endpoint must be a string, got {endpoint!r}")
-        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
-            raise CodecError(f"{field}.replay_endpoint must be a string or null, got {replay_endpoint!r}")
-        return cls(endpoint, replay_endpoint, None if seq is None else _uint(seq, f"{field}.seq"))
+        return structure(value, cls, what=field, error=CodecError)
 
 
 PERSISTENCE_STATES = ("ok", "failed", "off")
@@ -169,31 +150,18 @@ class PersistenceStatus:
     ``persisted_id`` is the newest outbound id on disk, ``lag_events`` how many applied ids are not yet.
     """
 
-    state: str = "off"
+    state: str = attrs.field(default="off", validator=attrs.validators.in_(PERSISTENCE_STATES))
     persisted_id: int = 0
     lag_events: int = 0
     disk_bytes: int = 0
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "state": self.state,
-            "persisted_id": self.persisted_id,
-            "lag_events": self.lag_events,
-            "disk_bytes": self.disk_bytes,
-        }
+        data: dict[str, object] = unstructure(self)
+        return data
 
     @classmethod
     def from_json(cls, value: object, field: str = "persistence") -> PersistenceStatus:
-        obj = _object(value, field)
-        state = _member(obj, "state", field)
-        if state not in PERSISTENCE_STATES:
-            raise CodecError(f"{field}.state must be one of {', '.join(PERSISTENCE_STATES)}, got {state!r}")
-        return cls(
-            str(state),
-            _uint(_member(obj, "persisted_id", field), f"{field}.persisted_id"),
-            _uint(_member(obj, "lag_events", field), f"{field}.lag_events"),
-            _uint(_member(obj, "disk_bytes", field), f"{field}.disk_bytes"),
-        )
+        return structure(value, cls, what=field, error=CodecError)
 
 
 @attrs.frozen(slots=True)
@@ -212,40 +180,18 @@ class AgentStatus:
     republish: RepublishStatus | None = None
     persistence: PersistenceStatus | None = None
     # A measurement, not state: two snapshots of the same state compare equal whatever their ages.
-    last_event_age_s: float | None = attrs.field(default=None, eq=False)
+    last_event_age_s: float | None = attrs.field(
+        default=None, eq=False, validator=attrs.validators.optional(attrs.validators.ge(0.0))
+    )
 
     def to_json(self) -> dict[str, object]:
-        value: dict[str, object] = {
-            "identity": self.identity.to_json(),
-            "attachment": None if self.attachment is None else self.attachment.to_json(),
-            "cache_owner_ready": self.cache_owner_ready,
-            "outbound_cursor": self.outbound_cursor,
-            "last_event_age_s": self.last_event_age_s,
-        }
-        if self.republish is not None:
-            value["republish"] = self.republish.to_json()
-        if self.persistence is not None:
-            value["persistence"] = self.persistence.to_json()
-        return value
+        data: dict[str, object] = unstructure(self)
+        return data
 
     @classmethod
     def from_json(cls, value: object) -> AgentStatus:
         """The inverse of :meth:`to_json`; a bad identity raises its IdentityError, anything else CodecError."""
-        obj = _object(value, "status")
-        attachment = _member(obj, "attachment", "status")
-        return cls(
-            KvStateAgentIdentity.from_json(_member(obj, "identity", "status")),
-            None if attachment is None else AttachmentStatus.from_json(attachment, "status.attachment"),
-            _bool(_member(obj, "cache_owner_ready", "status"), "status.cache_owner_ready"),
-            _uint(_member(obj, "outbound_cursor", "status"), "status.outbound_cursor"),
-            None
-            if obj.get("republish") is None
-            else RepublishStatus.from_json(obj["republish"], "status.republish"),
-            None
-            if obj.get("persistence") is None
-            else PersistenceStatus.from_json(obj["persistence"], "status.persistence"),
-            _optional_seconds(obj.get("last_event_age_s"), "status.last_event_age_s"),
-        )
+        return structure(value, cls, what="status", error=CodecError)
 
     def is_ready_generation(self, generation: int) -> bool:
         """Generation ``generation`` is attached and ``ready`` (its Worker state can be trusted)."""
@@ -268,47 +214,30 @@ class AgentStatus:
         return DETACHED if self.attachment is None else self.attachment.state
 
 
-def _state(obj: dict[str, Any], ready: bool, field: str) -> str:
-    """The ``state`` member; an older agent without it is read from ``ready``."""
-    if "state" not in obj:
-        return "ready" if ready else UNREADY
-    state = obj["state"]
-    if state not in ATTACHMENT_STATES:
-        raise CodecError(f"{field}.state must be one of {', '.join(ATTACHMENT_STATES)}, got {state!r}")
-    if ready != (state == "ready"):
-        raise CodecError(f"{field}.state {state!r} contradicts {field}.ready={ready}")
-    return str(state)
+# -- the JSON (kvagent/model/convert.py) ------------------------------------------------------------------
+
+register_object(WorkerWithDpRank)
+register_object(AttachmentStatus, optional=("state",))  # an older agent's JSON has no state
+register_object(RepublishStatus)
+register_object(PersistenceStatus)
+register_object(AgentStatus, optional=("republish", "persistence", "last_event_age_s"))
+
+# republish and persistence are in the JSON only when set, and last, after last_event_age_s: the order the
+# status JSON has always had, so its bytes do not change.
+_status_members = make_dict_unstructure_fn(
+    AgentStatus,
+    converter,
+    republish=override(omit_if_default=True),
+    persistence=override(omit_if_default=True),
+)
 
 
-def _object(value: object, field: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise CodecError(f"{field} must be an object, got {type(value).__name__}")
-    return value
+def _unstructure_status(status: AgentStatus) -> dict[str, Any]:
+    data = _status_members(status)
+    for optional in ("republish", "persistence"):
+        if optional in data:
+            data[optional] = data.pop(optional)
+    return data
 
 
-def _member(obj: dict[str, Any], key: str, field: str) -> object:
-    try:
-        return obj[key]
-    except KeyError:
-        raise CodecError(f"{field} is missing {key!r}") from None
-
-
-def _uint(value: object, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= U64_MAX:
-        raise CodecError(f"{field} must be a u64, got {value!r}")
-    return value
-
-
-def _optional_seconds(value: object, field: str) -> float | None:
-    """A non-negative number of seconds, or None (an older agent leaves the member out)."""
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise CodecError(f"{field} must be a non-negative number or null, got {value!r}")
-    return float(value)
-
-
-def _bool(value: object, field: str) -> bool:
-    if not isinstance(value, bool):
-        raise CodecError(f"{field} must be a boolean, got {value!r}")
-    return value
+converter.register_unstructure_hook(AgentStatus, _unstructure_status)

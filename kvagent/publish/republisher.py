@@ -38,6 +38,7 @@ import zmq
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import KvAgentError, SinkError
 from kvagent.model.events import RouterEvent
+from kvagent.model.options import bind_endpoint, option, option_validator, positive
 from kvagent.model.status import RepublishStatus
 from kvagent.publish.republish_state import (
     ReplayAnswer,
@@ -75,34 +76,7 @@ RESYNC_CHUNK_PAYLOADS = 16
 BLOCKED_RETRY = 0.05
 
 
-def _bind_endpoint(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str):
-        raise KvAgentError(f"republish {attribute.name} must be a string, got {value!r}", code="bad_request")
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise KvAgentError(
-            f"republish {attribute.name} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {value!r}",
-            code="bad_request",
-        )
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if not colon or not host or not port.isdigit() or int(port) > 65535:
-            raise KvAgentError(
-                f"republish {attribute.name} must be tcp://HOST:PORT (port 0..65535), got {value!r}",
-                code="bad_request",
-            )
-
-
-def _optional_bind_endpoint(
-    instance: object, attribute: attrs.Attribute[str | None], value: str | None
-) -> None:
-    if value is not None:
-        _bind_endpoint(instance, attribute, value)  # type: ignore[arg-type]
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise KvAgentError(f"republish {attribute.name} must be > 0, got {value!r}", code="bad_request")
+_positive = option_validator(positive)
 
 
 def offset_endpoint(endpoint: str, dp_rank: int) -> str:
@@ -143,11 +117,27 @@ class RepublishConfig:
     ``B / resync_bytes_per_second`` seconds.
     """
 
-    endpoint: str = attrs.field(validator=_bind_endpoint)
-    replay_endpoint: str | None = attrs.field(default=None, validator=_optional_bind_endpoint)
-    topic: str = ""
-    legacy_replay: bool = False
-    buffer_batches: int = attrs.field(default=10_000, validator=_positive)
+    endpoint: str = option(
+        help="bind each slot's vLLM-format PUB here (PORT + the slot's dp_rank, as vLLM offsets DP ranks)",
+        flags=("--republish",),
+        metavar="tcp://HOST:PORT",
+        check=bind_endpoint,
+    )
+    replay_endpoint: str | None = option(
+        None,
+        help="bind each slot's vLLM replay ROUTER here (PORT + dp_rank); old starts get a snapshot",
+        flags=("--republish-replay",),
+        metavar="tcp://HOST:PORT",
+        check=bind_endpoint,
+    )
+    topic: str = option("", help="topic frame of the republished stream", flags=("--republish-topic",))
+    legacy_replay: bool = option(
+        False,
+        help="answer replay in the 3-frame form of vLLM < 0.26",
+        flags=("--legacy-replay",),
+        switch=True,
+    )
+    buffer_batches: int = option(10_000, help="batches the republisher keeps for replay", check=positive)
     sndhwm: int = attrs.field(default=100_000, validator=_positive)
     replay_sndhwm: int = attrs.field(default=1000, validator=_positive)  # a full peer pipe waits, never drops
     answer_deadline: float = attrs.field(default=10.0, validator=_positive)

@@ -36,6 +36,7 @@ from kvagent._util.listen import (
     default_pending_limit,
     shed_pending_handshakes,
 )
+from kvagent.model.options import option, option_validator, positive
 from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT, ServerStatistics, SlotDirectory
 from kvagent.recovery.session import Session, SessionConfig
 from kvagent.recovery.turns import AnswerTurns
@@ -58,6 +59,7 @@ log = structlog.get_logger(__name__)
 
 HEARTBEAT_INTERVAL = 20.0
 HEARTBEAT_TIMEOUT = 20.0
+_positive = option_validator(positive)
 
 
 @attrs.frozen(slots=True)
@@ -75,24 +77,53 @@ class ServingOptions:
     fair-turn bounds of :mod:`kvagent.recovery.turns`.
     """
 
-    max_connections: int = 256
-    max_message_size: int = 1 << 20
-    max_pending_handshakes: int | None = None
-    handshake_timeout: float = 5.0
-    send_deadline: float = 10.0
-    outbound_queue_bytes: int = 1 << 20
-    close_grace: float = 2.0
-    heartbeat_interval: float = HEARTBEAT_INTERVAL
-    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
-    shutdown_timeout: float = 10.0
-    answer_turns: int = 4
-    max_answer_wait: float = 5.0
-
-    def __attrs_post_init__(self) -> None:
-        for field in attrs.fields(ServingOptions):
-            value = getattr(self, field.name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{field.name} must be positive, got {value}")
+    max_connections: int = option(
+        256, help="websocket connections served at once", flags=("--max-connections",), parse=int, check=positive
+    )
+    max_message_size: int = option(
+        1 << 20, toml="max_message_bytes", help="the largest websocket message a client may send", check=positive
+    )
+    max_pending_handshakes: int | None = option(
+        None,
+        help="connections still in their handshake (oldest dropped first)",
+        flags=("--max-pending-handshakes",),
+        parse=int,
+        check=positive,
+        default_text="128, at most fd limit / 4",
+    )
+    handshake_timeout: float = option(
+        5.0,
+        help="seconds a connection may take to finish its websocket handshake",
+        flags=("--handshake-timeout",),
+        parse=float,
+        check=positive,
+    )
+    send_deadline: float = option(
+        10.0,
+        help="seconds a client may leave a frame unaccepted before it is closed with 1013 overrun",
+        flags=("--send-deadline",),
+        parse=float,
+        check=positive,
+    )
+    outbound_queue_bytes: int = option(
+        1 << 20,
+        help="per-connection bound of queued answer bytes",
+        flags=("--outbound-queue-bytes",),
+        parse=int,
+        check=positive,
+    )
+    close_grace: float = attrs.field(default=2.0, validator=_positive)
+    heartbeat_interval: float = attrs.field(default=HEARTBEAT_INTERVAL, validator=_positive)
+    heartbeat_timeout: float = attrs.field(default=HEARTBEAT_TIMEOUT, validator=_positive)
+    shutdown_timeout: float = option(
+        10.0,
+        help="seconds to close every client with 1001",
+        flags=("--shutdown-timeout",),
+        parse=float,
+        check=positive,
+    )
+    answer_turns: int = attrs.field(default=4, validator=_positive)
+    max_answer_wait: float = attrs.field(default=5.0, validator=_positive)
 
     @property
     def send_limits(self) -> SendLimits:

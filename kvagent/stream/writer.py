@@ -27,8 +27,8 @@ import structlog
 import trio
 
 from kvagent._util.redis_target import StreamTarget
-from kvagent.model.errors import ConfigError
 from kvagent.model.events import RouterEvent
+from kvagent.model.options import option, option_validator, positive
 from kvagent.model.status import AgentStatus, AttachmentStatus
 from kvagent.stream.format import (
     SlotHead,
@@ -56,9 +56,14 @@ ROUND_ENTRIES = 64
 RETIRED_STREAM_TTL = 3600  # seconds a slot's previous stream (an older publisher id) is kept for readers
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"stream {attribute.name} must be > 0, got {value!r}")
+_positive = option_validator(positive)
+
+
+def _prefix_problem(prefix: str) -> str | None:
+    # Braces would pin every slot's keys to one cluster hash slot; spaces break the key grammar of readers.
+    if prefix and not any(c in prefix for c in "{} "):
+        return None
+    return f"must be non-empty, without braces or spaces, got {prefix!r}"
 
 
 @attrs.frozen(slots=True)
@@ -70,10 +75,18 @@ class StreamConfig:
     """
 
     target: StreamTarget
-    prefix: str = "kvagent"
-    maxlen: int = attrs.field(default=10_000, validator=_positive)
-    entry_events: int = attrs.field(default=256, validator=_positive)
-    heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
+    prefix: str = option(
+        "kvagent",
+        help="key prefix of every stream",
+        flags=("--stream-prefix",),
+        metavar="PREFIX",
+        check=_prefix_problem,
+    )
+    maxlen: int = option(10_000, help="entries kept per stream (approximate, XADD MAXLEN ~)", check=positive)
+    entry_events: int = option(256, help="events per stream entry at most", check=positive)
+    heartbeat_interval: float = option(
+        5.0, help="seconds between heartbeat entries of an idle slot", check=positive
+    )
     snapshot_every: int | None = None
     backoff_initial: float = attrs.field(default=0.1, validator=_positive)
     backoff_max: float = attrs.field(default=5.0, validator=_positive)

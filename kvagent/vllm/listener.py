@@ -42,6 +42,7 @@ from kvagent.coordinator.signals import LISTENER_TERMINATED
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
 from kvagent.model.events import MAX_RAW_PAYLOAD_BYTES, SourceSignal
+from kvagent.model.options import at_least, format_bytes, in_range, option, positive
 from kvagent.model.status import Attachment
 from kvagent.vllm.budget import IngestBudget
 from kvagent.vllm.decode import split_live_frames
@@ -92,7 +93,12 @@ class ListenerOptions:
     typical vLLM batch 1000 messages are well under the budget (0 is libzmq's "no limit").
     """
 
-    rcvhwm: int = attrs.field(default=1000, validator=attrs.validators.ge(0))
+    rcvhwm: int = option(
+        1000,
+        help="the engine SUB's receive high-water mark in messages (the listener fits it lower for large "
+        "messages; 0: libzmq's no limit)",
+        check=in_range(0, (1 << 31) - 1),
+    )
     # A replay attempt: the wait for its first reply, the wait between replies, and its whole duration.
     replay_timeout: float = attrs.field(default=5.0, validator=_positive_seconds)
     replay_idle_timeout: float = attrs.field(default=0.5, validator=_positive_seconds)
@@ -101,17 +107,45 @@ class ListenerOptions:
     reorder_wait: float = attrs.field(default=0.05, validator=attrs.validators.ge(0.0))
     cold_bootstrap: bool = True
     max_payload_bytes: int = attrs.field(default=MAX_RAW_PAYLOAD_BYTES, validator=_positive)
-    ingress_bytes: int = attrs.field(default=64 * MiB, validator=_positive)
-    # Over its share of the budget the reader sheds; with shed_after > 0 it first stops reading for up to that
-    # long (libzmq's queue and the engine's send HWM hold a burst meanwhile; math.inf: never shed).
-    shed_after: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    # The budget's rule (each share holds two of the largest payloads) needs max_payload_bytes too: it is
+    # checked by IngestBudget in __attrs_post_init__ (kvagent serve says it in the operator's units).
+    ingress_bytes: int = option(
+        64 * MiB,
+        toml="ingest_budget",
+        help="bytes of raw engine payloads a slot holds between its SUB and its index (like 64MiB); past "
+        "it the listener sheds (docs/configuration.md, 'The ingest budget')",
+        flags=("--ingest-budget",),
+        metavar="BYTES",
+        check=positive,
+        default_text=format_bytes(64 * MiB),
+    )
+    # Over its share of the budget the reader first stops reading: a burst then waits in libzmq's queue and
+    # the engine's send queue (vLLM's SNDHWM is 100k messages) instead of being dropped, and it sheds only if
+    # the slot makes no room for this long (docs/configuration.md, "The ingest budget").
+    shed_after: float = option(
+        5.0,
+        help="over the ingest budget, stop reading the engine for up to this many seconds before shedding "
+        "(0: shed at once; inf: never shed)",
+        flags=("--shed-after",),
+        metavar="SECONDS",
+        parse=float,
+        check=at_least(0, " seconds (0: shed at once, inf: never)"),
+    )
     # No engine handshake on the SUB within this many seconds: one WARNING naming the endpoint (reader.py).
     connect_warning_after: float = attrs.field(default=3.0, validator=_positive_seconds)
-    # After a drain that emptied the SUB, wait this long before reading again (0: wait for readability at
-    # once). Under a steady stream the reader, processor and coordinator then wake once per window with
-    # several batches instead of once per batch (docs/performance.md: paced CPU); a batch after a quiet
-    # spell is still read at once.
-    coalesce_window: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    # After a drain that emptied the SUB, wait up to this long before reading again. Under a steady stream
+    # the reader, processor and coordinator then wake once per window with several batches instead of once
+    # per batch (docs/performance.md: paced CPU); a batch after a quiet spell is still read at once.
+    coalesce_window: float = option(
+        0.02,
+        help="under a steady event stream, read the engine's batches together once per this window, or "
+        "sooner when they would fill libzmq's queue (0: wake for every batch; a batch after a quiet spell "
+        "is read at once)",
+        flags=("--coalesce-window",),
+        metavar="SECONDS",
+        parse=float,
+        check=in_range(0, 1, " seconds"),
+    )
 
     def __attrs_post_init__(self) -> None:
         IngestBudget(self.ingress_bytes, self.max_payload_bytes)  # raises unless each share holds 2 batches

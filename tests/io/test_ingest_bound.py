@@ -92,6 +92,8 @@ async def test_a_flood_of_1_mib_batches_keeps_rss_under_the_byte_budget() -> Non
         kv_block_size=16,
         # The recovery ring keeps whole events (here ~10,700 hashes each): keep it small, it is not ingest.
         ring_capacity=16,
+        # Shed at once (the default first stops reading for up to 5 s): the bound must hold while shedding.
+        listener=ListenerOptions(shed_after=0.0),
     )
     samples: list[int] = []
     publisher = await trio.lowlevel.open_process(

@@ -296,7 +296,11 @@ async def test_held_live_batches_are_never_held_past_the_byte_bound() -> None:
     async with harness() as h:
         router = await start_router(h, silent=True)
         options = ListenerOptions(
-            cold_bootstrap=False, replay_timeout=GUARD, max_payload_bytes=2048, ingress_bytes=8 * 2048
+            cold_bootstrap=False,
+            replay_timeout=GUARD,
+            max_payload_bytes=2048,
+            ingress_bytes=8 * 2048,
+            shed_after=0.0,  # shed at once (the default first stops reading for a while)
         )
         await h.start_listener(replay_endpoint=router.endpoint, options=options)
         await h.publish_live([0, 1, 5])

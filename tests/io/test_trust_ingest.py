@@ -80,7 +80,7 @@ async def test_after_a_flood_past_the_budget_the_slot_is_exact_or_not_ready(repl
     old SUB) is never shown by a later gap: the slot must not say ready unless it is exact. One more batch
     shows the gap: with replay it is repaired to exact, without it counted lost.
     """
-    options = ListenerOptions(max_payload_bytes=8 << 10, ingress_bytes=256 << 10)
+    options = ListenerOptions(max_payload_bytes=8 << 10, ingress_bytes=256 << 10, shed_after=0.0)  # shed at once
     with trio.fail_after(GUARD):
         async with open_rig(options, replay=replay) as rig:
             await rig.settle()

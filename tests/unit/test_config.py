@@ -156,8 +156,13 @@ def test_default_state_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         (base(cache_semantics={"": "x"}), "slots[0].cache_semantics: identity key '' must be"),
         (base(engine={"endpoint": "127.0.0.1:5557"}), "slots[0].engine.endpoint: expected tcp://HOST:PORT"),
         (base(engine={"endpoint": "tcp://127.0.0.1"}), "slots[0].engine.endpoint: expected HOST:PORT"),
-        (base(engine={"endpoint": "tcp://h:70000"}), "slots[0].engine.endpoint: port must be 0..65535"),
-        (base(engine={"endpoint": "tcp://*:5557"}), "slots[0].engine.endpoint: host must not be '*' here"),
+        (base(engine={"endpoint": "tcp://h:70000"}), "slots[0].engine.endpoint: port must be 1..65535"),
+        (base(engine={"endpoint": "tcp://h:0"}), "slots[0].engine.endpoint: port must be 1..65535"),
+        (
+            base(engine={"endpoint": "tcp://*:5557"}),
+            "slots[0].engine.endpoint: 'tcp://*:5557' is a bind address; give the address to connect to, "
+            "like tcp://127.0.0.1:5557",
+        ),
         (base(engine={"endpoint": "ipc://"}), "slots[0].engine.endpoint: ipc endpoint needs a name"),
         (
             base(engine={"endpoint": "inproc://e", "replay_endpoint": "udp://x:1"}),
