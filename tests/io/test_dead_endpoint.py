@@ -26,8 +26,8 @@ from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.testing import RecordingSink
 from kvagent.vllm.budget import IngestBudget
-from kvagent.vllm.listener import ListenerOptions
 from kvagent.vllm.connect_hint import unreachable_endpoint_hint
+from kvagent.vllm.listener import ListenerOptions
 from kvagent.vllm.reader import Inbox, LiveReader
 from tests.support.agent import TIMEOUT, XpubEngine, attach
 from tests.support.ids import OWNER
