@@ -170,7 +170,7 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                 async with client(agent.url) as following:
                     missed = await follow_until(following, await restart.sentinel(), last_id)
                 status = (await c.request("status"))["status"]
-                dump = await worker_dump(c)
+                resident = await worker_dump(c)
                 assert not [line for line in agent.stderr_lines if "resume=skipped" in line]
                 ids = event_ids(missed)
                 assert ids and ids[0] > last_id and ids == sorted(set(ids)), "outbound ids continue"
@@ -178,7 +178,7 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                     assert ids[0] == last_id + 1, "a clean stop continues without a jump"
                 assert not [e for e in missed if worker_device(e) and is_cleared(e)], "no Worker reset"
                 assert status["attachment"]["state"] == "ready"
-                assert dump == restart.truth()
+                assert resident == restart.truth()
                 assert apply_events(apply_events(set(), seen), missed) == restart.truth()
                 if consumer is not None:
                     republished = await settle(engine, c, consumer)
