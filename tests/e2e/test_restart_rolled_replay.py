@@ -101,19 +101,20 @@ async def republish_ports(agent: ServeProcess) -> tuple[str, str]:
     return match[1], match[2] or "tcp://127.0.0.1:0"
 
 
-async def compact(restart: Restart) -> None:
+async def compact(engine: FakeVllmEngine) -> None:
     """Enough events for the writer to compact its suffix: each block stored, then removed after the next is
     stored (alternating kinds, so the coordinator's coalescing cannot merge them)."""
     base = 1 << 40
-    tokens = [3] * BLOCK
     for first in range(base, base + COMPACTION_BLOCKS, 50):
         events = []
         for block in range(first, first + 50):
+            # Tokens of its own for every block: a radix-tree consumer (Dynamo) keys blocks by their tokens.
+            tokens = [(block - base) * BLOCK + offset for offset in range(BLOCK)]
             events.append(block_stored([block], None, tokens, BLOCK))
             if block > base:
                 events.append(block_removed([block - 1]))
-        await restart.engine.publish_batch(events)
-    await restart.engine.publish_batch([block_removed([base + COMPACTION_BLOCKS - 1])])
+        await engine.publish_batch(events)
+    await engine.publish_batch([block_removed([base + COMPACTION_BLOCKS - 1])])
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "kill9"])
@@ -146,7 +147,7 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                     consumer = VllmStyleConsumer(zmq_context, ports[0], router, topic=b"kvagent")
                     await nursery.start(consumer.run)
                 if compacted:
-                    await compact(restart)
+                    await compact(engine)
                 await restart.churn_steps(BEFORE_RESTART)
                 async with client(agent.url) as following:  # (a follow holds its connection)
                     seen = await follow_until(following, await restart.sentinel(), None)
