@@ -188,3 +188,38 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                     assert (consumer.last_seq or 0) > (seq_before or 0), "the republished seq goes on"
                     assert status["republish"]["seq"] is not None
             nursery.cancel_scope.cancel()
+
+
+async def test_republish_enabled_on_a_state_without_it_attaches_cold_once_then_resumes(
+    tmp_path: Path, zmq_context: zmq.Context[Any]
+) -> None:
+    """The one restart that cannot resume: ``--republish`` newly enabled on a state whose Worker blocks have
+    no tokens. It attaches cold (a Worker reset, then the engine's history: this engine still has all of it),
+    and the reset, persisted with tokens after it, makes the state complete: the next restart resumes."""
+    engine = FakeVllmEngine(
+        replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK, context=zmq_context, topic=b"kv-events"
+    )
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            restart = Restart(tmp_path, engine, "off", "sigterm")
+            last_id: int | None = None
+            for life, republish in enumerate(["off", "replay", "replay"]):
+                restart.republish = republish
+                subscriptions = engine.subscriptions
+                async with serve(tmp_path, *restart.args(None)) as agent, client(agent.url) as c:
+                    await engine.wait_for_subscriber(subscriptions + 1)
+                    await restart.churn_steps(30)
+                    async with client(agent.url) as following:
+                        events = await follow_until(following, await restart.sentinel(), last_id)
+                    assert await worker_dump(c) == restart.truth()
+                    resets = [e for e in events if worker_device(e) and is_cleared(e)]
+                    skipped = [line for line in agent.stderr_lines if "resume=skipped" in line]
+                    if life == 1:
+                        assert skipped and resets, "no tokens for the restored blocks: a cold attach"
+                    elif life == 2:
+                        assert not skipped and not resets, "the reset made the state complete: resumed"
+                    last_id = max(event_ids(events))
+                    await wait_persisted(c, last_id)
+                    await restart.stop_agent(agent)
+            nursery.cancel_scope.cancel()
