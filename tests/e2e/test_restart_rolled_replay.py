@@ -93,6 +93,12 @@ class Restart:
             await agent.process.wait()
 
 
+def diagnosis(lines: list[str]) -> list[str]:
+    """The agent's log lines that tell why a slot reset or did not resume."""
+    words = ("resum", "degrad", "reset", "gap", "replay", "state_loaded", "restart")
+    return [line for line in lines if any(word in line for word in words)]
+
+
 async def republish_ports(agent: ServeProcess) -> tuple[str, str]:
     """The republish PUB and (when bound) replay ROUTER endpoints the agent announced."""
     line = await agent.log.wait_for(lambda text: "republishes vLLM KV events on" in text)
@@ -156,6 +162,7 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                     assert consumer_blocks(consumer) == worker_blocks(dump)
                 last_id = max(event_ids(seen))
                 await wait_persisted(c, last_id)
+                first_life = list(agent.stderr_lines)
                 await restart.stop_agent(agent)
             assert engine.buffer[0][0] > 0, "the engine's replay buffer must have rolled past seq 0"
             assert (restart.snapshot_id() is not None) == compacted
@@ -177,7 +184,8 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                 assert ids and ids[0] > last_id and ids == sorted(set(ids)), "outbound ids continue"
                 if stop == "sigterm":
                     assert ids[0] == last_id + 1, "a clean stop continues without a jump"
-                assert not [e for e in missed if worker_device(e) and is_cleared(e)], "no Worker reset"
+                resets = [e for e in missed if worker_device(e) and is_cleared(e)]
+                assert not resets, "no Worker reset:\n" + "\n".join(diagnosis(first_life + agent.stderr_lines))
                 assert status["attachment"]["state"] == "ready"
                 assert resident == restart.truth()
                 assert apply_events(apply_events(set(), seen), missed) == restart.truth()
