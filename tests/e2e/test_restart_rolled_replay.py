@@ -42,6 +42,7 @@ BEFORE_RESTART = 300  # batches published before the restart: the buffer no long
 WHILE_DOWN = 20  # batches published while the agent is down (inside the buffer)
 COMPACTION_BLOCKS = 2_600  # stored then removed: 5200 events > the 4096 that trigger a compaction
 SENTINEL = 1 << 60
+LAST_BLOCK = 1 << 61  # the first life's last store: the follower that saw everything stops there
 
 
 class Restart:
@@ -91,6 +92,15 @@ class Restart:
         else:
             kill9(agent)
             await agent.process.wait()
+
+
+async def follow_everything(
+    url: str, seen: list[dict[str, Any]], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Follow from the start until :data:`LAST_BLOCK` is stored, collecting every event into ``seen``."""
+    async with client(url) as following:
+        task_status.started()
+        seen.extend(await follow_until(following, LAST_BLOCK, None))
 
 
 def diagnosis(lines: list[str]) -> list[str]:
@@ -152,14 +162,18 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                     router = ports[1] if republish == "replay" else None
                     consumer = VllmStyleConsumer(zmq_context, ports[0], router, topic=b"kvagent")
                     await nursery.start(consumer.run)
-                if compacted:
-                    await compact(engine)
-                await restart.churn_steps(BEFORE_RESTART)
-                async with client(agent.url) as following:  # (a follow holds its connection)
-                    seen = await follow_until(following, await restart.sentinel(), None)
-                if consumer is not None:
-                    dump = await settle(engine, c, consumer)
-                    assert consumer_blocks(consumer) == worker_blocks(dump)
+                seen: list[dict[str, Any]] = []
+                async with trio.open_nursery() as following:
+                    # Followed from the start (a follow holds its connection), so that what it sees past its
+                    # first dump is live, with the outbound ids a restarted follower resumes from.
+                    await following.start(follow_everything, agent.url, seen)
+                    if compacted:
+                        await compact(engine)
+                    await restart.churn_steps(BEFORE_RESTART)
+                    if consumer is not None:
+                        dump = await settle(engine, c, consumer)
+                        assert consumer_blocks(consumer) == worker_blocks(dump)
+                    await engine.publish_batch([block_stored([LAST_BLOCK], None, [9] * BLOCK, BLOCK)])
                 last_id = max(event_ids(seen))
                 await wait_persisted(c, last_id)
                 first_life = list(agent.stderr_lines)
@@ -181,7 +195,7 @@ async def test_a_restart_resumes_exactly_when_the_engine_replay_no_longer_reache
                 resident = await worker_dump(c)
                 assert not [line for line in agent.stderr_lines if "resume=skipped" in line]
                 ids = event_ids(missed)
-                assert ids and ids[0] > last_id and ids == sorted(set(ids)), "outbound ids continue"
+                assert ids and ids[0] > last_id and ids == sorted(set(ids)), f"ids go on: {last_id} {ids[:8]}"
                 if stop == "sigterm":
                     assert ids[0] == last_id + 1, "a clean stop continues without a jump"
                 resets = [e for e in missed if worker_device(e) and is_cleared(e)]
