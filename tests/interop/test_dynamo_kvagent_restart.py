@@ -25,11 +25,11 @@ import trio
 import zmq
 
 from kvagent.simulator.engine import FakeVllmEngine
+from tests.e2e.test_restart_rolled_replay import compact
 from tests.interop.blocks import BLOCK_SIZE, PrefixClosedWorkload
 from tests.interop.dynamo import DynamoIndexer, IndexerDump, run_indexer
 from tests.interop.link import LossyLink
 from tests.interop.test_dynamo_kvagent import STEPS, WAIT, WORKER, Scenario
-from tests.e2e.test_restart_rolled_replay import compact
 from tests.support.serve import ServeProcess, client, serve
 
 _REPUBLISHING = "republishes vLLM KV events on "
