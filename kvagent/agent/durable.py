@@ -122,8 +122,12 @@ class DurableSlot:
                 self._resume_pending = False
             else:
                 # No Worker block lacks its tokens: the state is complete as it is (before any task runs,
-                # so this one synchronous write has the store to itself).
-                self.store.mark_republished()
+                # so this one synchronous write has the store to itself). Should the disk refuse, the fact
+                # stays unrecorded and the next restart attaches cold: exact, only not a resume.
+                try:
+                    self.store.mark_republished()
+                except IO_ERRORS as exc:
+                    log.warning("republished_fact_not_recorded", path=str(self.path), error=str(exc))
         if republisher is not None:
             rows = [(r.tier, r.block_hash, r.parent_hash, r.token_bytes) for r in loaded.mirror]
             republisher.state.restore(rows, loaded.suffix_events, self.republish_next_seq)
