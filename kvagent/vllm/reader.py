@@ -505,4 +505,3 @@ class LiveReader:
             # The first connection, or the listener's own re-open of a SUB while the engine stayed up.
             self._engine_connected = True
             self._handshake.set()
-
