@@ -10,6 +10,10 @@ One SQLite file per slot (docs/durability.md). What this module decides:
   (the ids in between are skipped and stay empty: no id is ever issued twice).
 - **Resume.** The first attach to the engine endpoint the state was attached to resumes from the persisted
   engine seq and batch digest; any other attach is a new engine as before.
+- **Republished.** Whether the state carries the republished Worker state (tokens included) is a recorded
+  fact (``LoadedSlot.republished``), kept by every republishing run and ended by the first that does not
+  republish. A republishing slot resumes whenever it is set, before or after a compaction, after a clean
+  stop or a crash; only a state without it (and with Worker blocks) attaches cold with a Worker reset.
 """
 
 from __future__ import annotations
@@ -103,13 +107,28 @@ class DurableSlot:
             index.skip_to(self.first_outbound_id - 1)
         generation = 0 if loaded.attachment is None else loaded.attachment.generation
         core.restore(next_generation=generation + 1, worker_blocks=index.resident_worker_blocks())
-        if republisher is not None:
-            if not loaded.mirror and next(index.resident_worker_blocks(), None) is not None:
-                # The previous run did not republish, so it kept no tokens: the republished stream cannot
-                # show the restored Worker blocks. Attach cold instead (a Worker reset, then the engine's
-                # history with its tokens) rather than republish a state without them.
-                log.warning("republish_enabled_on_restart", slot=str(self.path), resume="skipped")
+        if republisher is not None and not loaded.republished:
+            if next(index.resident_worker_blocks(), None) is not None:
+                # A run since the state was complete did not republish, so it kept no tokens: the
+                # republished stream cannot show the restored Worker blocks. Attach cold instead (a Worker
+                # reset, then the engine's history with its tokens) rather than republish a state without
+                # them; the reset, persisted with tokens after it, makes the state complete again.
+                log.warning(
+                    "republish_enabled_on_restart",
+                    slot=str(self.path),
+                    resume="skipped",
+                    reason="a previous run did not republish: the state has Worker blocks without tokens",
+                )
                 self._resume_pending = False
+            else:
+                # No Worker block lacks its tokens: the state is complete as it is (before any task runs,
+                # so this one synchronous write has the store to itself). Should the disk refuse, the fact
+                # stays unrecorded and the next restart attaches cold: exact, only not a resume.
+                try:
+                    self.store.mark_republished()
+                except IO_ERRORS as exc:
+                    log.warning("republished_fact_not_recorded", path=str(self.path), error=str(exc))
+        if republisher is not None:
             rows = [(r.tier, r.block_hash, r.parent_hash, r.token_bytes) for r in loaded.mirror]
             republisher.state.restore(rows, loaded.suffix_events, self.republish_next_seq)
 
@@ -332,12 +351,15 @@ def _open_sync(path: Path, config: SlotAgentConfig, new_publisher: int) -> Durab
     if loaded is None:
         publisher_id = new_publisher
         identity = SlotIdentityRecord(config.name, publisher_id, str(config.cache_owner_id))
-        store.initialize(identity, 1 + LEASE_BLOCK, LEASE_BLOCK)
+        store.initialize(identity, 1 + LEASE_BLOCK, LEASE_BLOCK, republished=config.republish is not None)
         return DurableSlot(path, store, None, publisher_id, 1, 1 + LEASE_BLOCK, 0, LEASE_BLOCK)
     # A clean stop recorded lease_end = last id + 1, so both cases continue at lease_end; the next lease
     # is durable before the coordinator stamps any id from it.
     first, republish_next = loaded.lease_end, loaded.republish_lease_end
-    store.extend_lease(first + LEASE_BLOCK, republish_next + LEASE_BLOCK)
+    # A run that does not republish ends the republished fact before it writes anything without tokens; a
+    # republishing one keeps what is recorded (its appends set it once a Worker reset makes it true).
+    republished = None if config.republish is not None else False
+    store.extend_lease(first + LEASE_BLOCK, republish_next + LEASE_BLOCK, republished=republished)
     return DurableSlot(
         path,
         store,
@@ -396,5 +418,7 @@ async def open_durable_slot(config: SlotAgentConfig, new_publisher: int) -> Dura
             last_event_id=loaded.last_event_id,
             next_outbound_id=durable.first_outbound_id,
             resident_events=len(loaded.snapshot_events) + len(loaded.suffix_events),
+            republished=loaded.republished,
+            republish_next_seq=durable.republish_next_seq,
         )
     return durable

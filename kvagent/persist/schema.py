@@ -1,10 +1,16 @@
 """The state file itself (sans-IO): its schema, the checks that refuse it, and the errors they raise.
 
-Schema version 1: a single ``slot`` row (identity, leases, the last persisted outbound id P, the snapshot
-id S, the clean flag, the attachment progress), ``batches`` (the outbound events with id > S, one row per
-append), ``snapshot`` and ``mirror`` (the compacted state at S, in column chunks). The file carries an
-application id and the schema version in ``user_version``; a file that is not ours, newer than us or
-corrupt is refused with a :class:`StateFileError` naming it.
+Schema version 2: a single ``slot`` row (identity, leases, the last persisted outbound id P, the snapshot
+id S, the clean flag, the attachment progress, whether the state carries the republished stream),
+``batches`` (the outbound events with id > S, one row per append), ``snapshot`` and ``mirror`` (the
+compacted state at S, in column chunks). The file carries an application id and the schema version in
+``user_version``; a file that is not ours, newer than us or corrupt is refused with a
+:class:`StateFileError` naming it. An older file is migrated in place when opened (:func:`prepare`), in one
+transaction.
+
+``slot.republished`` (version 2) records whether the persisted state carries the republished Worker state
+with its tokens (the mirror at S plus the suffix's stores rebuild it): 1 only while every run since the
+state was complete republished; NULL in a file migrated from version 1 (unknown: the loader infers it).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ __all__ = [
     "suffix_count",
 ]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 APPLICATION_ID: Final = 0x6B764147  # "kvAG": marks a kvagent state file in the SQLite header
 JOURNAL_SIZE_LIMIT: Final = 4 << 20  # the WAL is truncated back to this after a checkpoint
 
@@ -52,7 +58,8 @@ SCHEMA = (
     last_event_id INTEGER,
     snapshot_id INTEGER,
     clean INTEGER NOT NULL,
-    attachment BLOB
+    attachment BLOB,
+    republished INTEGER
     )""",
     # One row per append: its events' ids are first_id..last_id (ascending), ``count`` of them.
     "CREATE TABLE batches (first_id INTEGER PRIMARY KEY, last_id INTEGER NOT NULL, count INTEGER NOT NULL,"
@@ -146,6 +153,8 @@ def prepare(path: Path, db: sqlite3.Connection, *, exclusive: bool) -> Found | N
         if problems != ["ok"]:
             raise StateFileError(path, f"integrity check failed: {'; '.join(problems)}")
         _configure(db)
+        if version < SCHEMA_VERSION:
+            _migrate(db, version)
         row = db.execute("SELECT lease_end, republish_lease_end FROM slot").fetchone()
         if row is None or not all(isinstance(value, int) for value in row):
             raise StateFileError(path, "the slot row is missing")
@@ -156,6 +165,20 @@ def prepare(path: Path, db: sqlite3.Connection, *, exclusive: bool) -> Found | N
             raise StateFileError(path, str(exc)) from exc
         if getattr(exc, "sqlite_errorcode", 0) & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
             raise StateFileInUse(f"state file {path} is in use by another process") from exc
+        raise
+
+
+def _migrate(db: sqlite3.Connection, version: int) -> None:
+    """Bring a file of an older schema version to :data:`SCHEMA_VERSION`, in one transaction."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        if version < 2:
+            # Version 1 did not record whether a run republished: NULL says "unknown" (see LoadedSlot).
+            db.execute("ALTER TABLE slot ADD COLUMN republished INTEGER")
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
         raise
 
 

@@ -29,7 +29,7 @@ import attrs
 from kvagent._util.gcutil import gc_paused
 from kvagent.index.recovery_index import DumpSnapshot
 from kvagent.model.errors import CodecError
-from kvagent.model.events import RouterEvent
+from kvagent.model.events import Cleared, ResidencyDomain, RouterEvent, Stored
 from kvagent.persist.codec import decode_batch, encode_batch
 from kvagent.persist.columns import (
     decode_mirror_chunk,
@@ -92,6 +92,10 @@ class LoadedSlot:
     snapshot_events: Sequence[RouterEvent]  # the tree dump at snapshot_id
     suffix_events: Sequence[RouterEvent]  # ids > snapshot_id, ascending, with token_bytes
     mirror: Sequence[MirrorRow]  # the republish mirror at snapshot_id (empty without republish)
+    # The state carries the republished Worker state with its tokens (the mirror, then the suffix's stores):
+    # every run since it was last complete republished. Recorded as such (schema version 2), never inferred
+    # from the mirror's size: before the first compaction the mirror is empty whoever wrote the suffix.
+    republished: bool = False
 
 
 class _Leases(NamedTuple):
@@ -179,7 +183,7 @@ class SlotStore:
             with self._read(), gc_paused():  # millions of acyclic objects: see gc_paused
                 row = db.execute(
                     "SELECT name, publisher_id, cache_owner_id, lease_end, republish_lease_end,"
-                    " last_event_id, snapshot_id, clean, attachment FROM slot"
+                    " last_event_id, snapshot_id, clean, attachment, republished FROM slot"
                 ).fetchone()
                 if row is None:
                     return None
@@ -203,8 +207,18 @@ class SlotStore:
 
     # --- writing ----------------------------------------------------------------------------------------
 
-    def initialize(self, identity: SlotIdentityRecord, lease_end: int, republish_lease_end: int) -> None:
-        """Create the slot's state (durable on return); ValueError if the store already holds one."""
+    def initialize(
+        self,
+        identity: SlotIdentityRecord,
+        lease_end: int,
+        republish_lease_end: int,
+        *,
+        republished: bool = False,
+    ) -> None:
+        """Create the slot's state (durable on return); ValueError if the store already holds one.
+
+        ``republished``: the run creating it republishes (an empty state is trivially complete).
+        """
         _check_id(lease_end, "lease_end")
         _check_id(republish_lease_end, "republish_lease_end")
         with self._transaction(durable=True) as db:
@@ -216,21 +230,32 @@ class SlotStore:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute(
                 "INSERT INTO slot (singleton, name, publisher_id, cache_owner_id, lease_end,"
-                " republish_lease_end, clean) VALUES (0, ?, ?, ?, ?, ?, 0)",
+                " republish_lease_end, clean, republished) VALUES (0, ?, ?, ?, ?, ?, 0, ?)",
                 (
                     identity.slot,
                     _to_i64(identity.publisher_id),
                     identity.cache_owner_id,
                     lease_end,
                     republish_lease_end,
+                    int(republished),
                 ),
             )
         self._initialized = True
         self._run_floor, self._republish_floor = 1, 0
         self._suffix_count = 0
 
-    def extend_lease(self, lease_end: int, republish_lease_end: int | None = None) -> None:
-        """Raise the leases (durable on return); ValueError if one would go down."""
+    def extend_lease(
+        self,
+        lease_end: int,
+        republish_lease_end: int | None = None,
+        *,
+        republished: bool | None = None,
+    ) -> None:
+        """Raise the leases (durable on return); ValueError if one would go down.
+
+        ``republished`` False records that this run does not republish (its events carry no tokens, its
+        snapshots no mirror); None keeps the recorded fact.
+        """
         _check_id(lease_end, "lease_end")
         with self._transaction(durable=True) as db:
             current = self._leases(db)
@@ -239,19 +264,41 @@ class SlotStore:
             if lease_end < current.lease_end or republish < current.republish_lease_end:
                 raise ValueError(f"a lease never goes down: ({lease_end}, {republish}) < {current}")
             db.execute(
-                "UPDATE slot SET lease_end = ?, republish_lease_end = ?, clean = 0", (lease_end, republish)
+                "UPDATE slot SET lease_end = ?, republish_lease_end = ?, clean = 0,"
+                " republished = coalesce(?, republished)",
+                (lease_end, republish, None if republished is None else int(republished)),
             )
+
+    def mark_republished(self) -> None:
+        """Record that the persisted state carries the republished Worker state (durable on return).
+
+        Only for a republishing run whose restored state holds no Worker block: nothing lacks its tokens.
+        """
+        with self._transaction(durable=True) as db:
+            self._leases(db)
+            db.execute("UPDATE slot SET republished = 1")
 
     def append(
         self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None, *, tokens: bool = True
     ) -> None:
         """Persist the next outbound events (ids ascending, above P, below the lease) and the progress
         they reflect, in one transaction. ``attachment`` None keeps the recorded progress; ``tokens`` False
-        leaves the stores' tokens out (a slot that does not republish never reads them back)."""
+        leaves the stores' tokens out (a slot that does not republish never reads them back).
+
+        The republished fact follows: events without tokens end it; a Worker ``Cleared`` with tokens (the
+        Worker reset of a republishing run that restored a state without them) starts it, since everything
+        the reset leaves resident is stored after it, with tokens."""
         if not events and attachment is None:
             return
         body = encode_batch(events, tokens=tokens) if events else None
         progress = None if attachment is None else attachment_to_bytes(attachment)
+        republished: int | None = None  # None: unchanged
+        if events and not tokens:
+            republished = 0
+        elif any(
+            type(event.data) is Cleared and event.residency_domain is ResidencyDomain.WORKER for event in events
+        ):
+            republished = 1
         with self._transaction() as db:
             current = self._leases(db)
             new_last = current.last_event_id
@@ -264,8 +311,9 @@ class SlotStore:
                     (events[0].event_id, new_last, len(events), body),
                 )
             db.execute(
-                "UPDATE slot SET last_event_id = ?, attachment = coalesce(?, attachment), clean = 0",
-                (new_last, progress),
+                "UPDATE slot SET last_event_id = ?, attachment = coalesce(?, attachment), clean = 0,"
+                " republished = coalesce(?, republished)",
+                (new_last, progress, republished),
             )
         self._suffix_count += len(events)
 
@@ -408,7 +456,18 @@ class SlotStore:
 
 
 def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
-    name, publisher_id, cache_owner_id, lease_end, republish_end, last, snapshot_id, clean, attachment = row
+    (
+        name,
+        publisher_id,
+        cache_owner_id,
+        lease_end,
+        republish_end,
+        last,
+        snapshot_id,
+        clean,
+        attachment,
+        republished,
+    ) = row
     if not (
         isinstance(name, str)
         and isinstance(publisher_id, int)
@@ -418,6 +477,7 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         and (last is None or isinstance(last, int))
         and (snapshot_id is None or isinstance(snapshot_id, int))
         and (attachment is None or isinstance(attachment, bytes))
+        and (republished is None or isinstance(republished, int))
     ):
         raise CodecError("the slot row has fields of the wrong type")
     snapshot_events = [
@@ -443,7 +503,37 @@ def _loaded_slot(db: sqlite3.Connection, row: tuple[object, ...]) -> LoadedSlot:
         snapshot_events=tuple(snapshot_events),
         suffix_events=tuple(suffix),
         mirror=tuple(mirror),
+        republished=(
+            bool(republished)
+            if republished is not None
+            else _inferred_republished(snapshot_events, mirror, suffix)
+        ),
     )
+
+
+def _inferred_republished(
+    snapshot: Sequence[RouterEvent], mirror: Sequence[MirrorRow], suffix: Sequence[RouterEvent]
+) -> bool:
+    """Whether a file of schema version 1 (which did not record it) carries the republished Worker state.
+
+    Version 1 kept tokens only for a slot that republishes, and a mirror only in its snapshots: the state is
+    complete if the snapshot's Worker blocks are in a mirror (or there are none), and every Worker store
+    after it, or after the last Worker ``Cleared``, has its tokens. Anything else reads as "did not": the
+    restarted slot then attaches cold, which is exact, only not a resume.
+    """
+    worker = ResidencyDomain.WORKER
+    complete = bool(mirror) or not any(
+        type(event.data) is Stored and event.residency_domain is worker for event in snapshot
+    )
+    for event in suffix:
+        if event.residency_domain is not worker:
+            continue
+        data = event.data
+        if type(data) is Cleared:
+            complete = True
+        elif type(data) is Stored and data.token_bytes is None:
+            complete = False
+    return complete
 
 
 def _suffix_after(db: sqlite3.Connection, snapshot_id: int) -> list[RouterEvent]:

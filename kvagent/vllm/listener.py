@@ -525,6 +525,7 @@ def _build(
         shed_after=options.shed_after,
         connect_warning_after=options.connect_warning_after,
         coalesce_window=options.coalesce_window,
+        replay_endpoint=source.replay_endpoint,
     )
     counters.sync, counters.reader, counters.replay = sync, reader, replay
     return reader, replay, processor

@@ -54,6 +54,7 @@ from kvagent._util.zmqtrio import TrioSocket
 from kvagent.coordinator.task import SLICE_SECONDS  # one slice length for every task on the loop
 from kvagent.model.errors import ListenerError
 from kvagent.vllm.budget import IngestBudget
+from kvagent.vllm.connect_hint import diagnose_unreachable
 from kvagent.vllm.replay import ReplayReply
 
 __all__ = [
@@ -66,7 +67,6 @@ __all__ = [
     "ReadPacing",
     "ReplayEndItem",
     "ReplyItem",
-    "unreachable_endpoint_hint",
 ]
 
 log = structlog.get_logger(__name__)
@@ -294,9 +294,11 @@ class LiveReader:
         shed_after: float = 0.0,
         connect_warning_after: float = 3.0,
         coalesce_window: float = 0.0,
+        replay_endpoint: str | None = None,
     ) -> None:
         self.context = context
         self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint  # probed only for the unreachable hint
         self.topic = topic
         self.rcvhwm = rcvhwm
         self.inbox = inbox
@@ -476,11 +478,14 @@ class LiveReader:
             await self._handshake.wait()
             return
         self.connect_warnings += 1
+        reason, hint = await diagnose_unreachable(self.endpoint, self.replay_endpoint)
         log.warning(
             "vllm_endpoint_unreachable",
             endpoint=self.endpoint,
             waited_s=self.connect_warning_after,
-            hint=unreachable_endpoint_hint(self.endpoint),
+            reason=reason,
+            hint=hint,
+            retrying=True,
         )
         await self._handshake.wait()
         log.info("vllm_endpoint_connected", endpoint=self.endpoint)
@@ -500,14 +505,3 @@ class LiveReader:
             # The first connection, or the listener's own re-open of a SUB while the engine stayed up.
             self._engine_connected = True
             self._handshake.set()
-
-
-def unreachable_endpoint_hint(endpoint: str) -> str:
-    """Why a SUB that connects to ``endpoint`` may never meet the engine, and what to change."""
-    if endpoint.startswith("tcp://"):
-        port = endpoint.rpartition(":")[2]
-        return (
-            f"nothing is bound at {endpoint}; vLLM binds its KV event endpoint only for tcp://*:PORT (or ::/ipc)"
-            f" and otherwise CONNECTS — start vLLM with endpoint tcp://*:{port}"
-        )
-    return f"nothing is bound at {endpoint} — is the engine running and publishing its KV events there?"

@@ -1,4 +1,4 @@
-"""Through the real CLI: a slot pointed at an endpoint nobody binds says so on stderr, naming the fix."""
+"""Through the real CLI: a slot pointed at an endpoint nobody binds says so on stderr: no engine up there yet."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def unbound_endpoint() -> str:
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
-async def test_a_dead_endpoint_is_a_warning_naming_the_vllm_bind_trap(tmp_path: Path) -> None:
+async def test_a_dead_endpoint_is_a_warning_that_the_engine_is_not_up_yet(tmp_path: Path) -> None:
     endpoint = unbound_endpoint()
     port = endpoint.rpartition(":")[2]
     with trio.fail_after(TIMEOUT):
@@ -29,7 +29,9 @@ async def test_a_dead_endpoint_is_a_warning_naming_the_vllm_bind_trap(tmp_path: 
             line = await agent.log.wait_for(lambda text: "vllm_endpoint_unreachable" in text)
             record = json.loads(line)
             assert (record["level"], record["slot"], record["endpoint"]) == ("warning", "s0", endpoint)
-            assert f"start vLLM with endpoint tcp://*:{port}" in record["hint"]
+            assert record["reason"] == "engine_not_up" and record["retrying"] is True
+            assert f"no engine listens at {endpoint} yet" in record["hint"]
+            assert f"tcp://*:{port}" not in record["hint"], "an engine not up yet is not vLLM's bind address"
             async with client(agent.url) as c:
                 status = (await c.request("status"))["status"]
             assert status["attachment"]["state"] == "ready"

@@ -8,6 +8,10 @@ all of that, so the indexer certainly misses it — the way its own SUB misses w
 before the SUB's reconnect. kvagent sees the forwarder's subscription arrive and resyncs; the indexer, with a
 replay endpoint registered and without one, must end with exactly kvagent's Worker state (no stale blocks of
 the dead engine next to the live ones).
+
+Issue #37: with an engine whose replay buffer has rolled past seq 0, kvagent restarts several times (a clean
+stop and ``kill -9``, before and after its first compaction) and each time resumes from its persisted engine
+seq, without a Worker reset; the indexer, following kvagent's PUB on its own reconnects, is exact after each.
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ import trio
 import zmq
 
 from kvagent.simulator.engine import FakeVllmEngine
+from tests.e2e.test_restart_rolled_replay import compact
 from tests.interop.blocks import BLOCK_SIZE, PrefixClosedWorkload
 from tests.interop.dynamo import DynamoIndexer, IndexerDump, run_indexer
 from tests.interop.link import LossyLink
 from tests.interop.test_dynamo_kvagent import STEPS, WAIT, WORKER, Scenario
-from tests.support.serve import ServeProcess, serve
+from tests.support.serve import ServeProcess, client, serve
 
 _REPUBLISHING = "republishes vLLM KV events on "
+
+
+ROLLED_BUFFER = 50  # the engine keeps its last 50 batches: after STEPS + ROLLED_BUFFER it no longer has seq 0
 
 
 def _config(tmp: Path, engine: FakeVllmEngine, endpoint: str, replay: str) -> str:
@@ -128,4 +136,52 @@ async def test_the_indexer_is_exact_after_kvagent_restarts(
                     link.join(endpoint)  # the indexer's SUB is back
                 exact = await scenario.check(indexer)
                 assert exact.hashes() and not exact.hashes() & before.hashes(), "no stale block is left"
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("compacted", [False, True], ids=["before-compaction", "after-compaction"])
+@pytest.mark.parametrize("with_replay", [True, False], ids=["replay", "no-replay"])
+async def test_the_indexer_stays_exact_as_kvagent_resumes_past_the_engine_replay_buffer(
+    dynamo: str, tmp_path: Path, with_replay: bool, compacted: bool
+) -> None:
+    engine = FakeVllmEngine(
+        replay_endpoint="tcp://127.0.0.1:0", block_size=BLOCK_SIZE, buffer_steps=ROLLED_BUFFER
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        async with run_indexer(dynamo) as indexer:
+            ephemeral = "tcp://127.0.0.1:0"
+            async with kvagent_run(tmp_path, engine, ephemeral, ephemeral) as (agent, endpoint, replay):
+                await indexer.register(
+                    instance_id=WORKER,
+                    endpoint=endpoint,
+                    replay_endpoint=replay if with_replay else None,
+                    block_size=BLOCK_SIZE,
+                )
+                scenario = Scenario(engine, agent, seed=31)
+                await until_following(indexer, scenario)
+                if compacted:
+                    await compact(engine)
+                await scenario.steps(STEPS + ROLLED_BUFFER)
+                assert engine.buffer[0][0] > 0, "the engine's replay buffer has rolled past seq 0"
+                assert (await scenario.check(indexer)).hashes()
+                agent.process.terminate()
+                assert await agent.process.wait() == 0
+            for stop in ("kill9", "sigterm", "kill9"):
+                await scenario.steps(10)  # while kvagent is down: only the engine's buffer has them
+                replays = len(engine.replay_starts)
+                async with kvagent_run(tmp_path, engine, endpoint, replay) as (agent, again, again_replay):
+                    assert (again, again_replay) == (endpoint, replay)
+                    scenario.agent = agent
+                    await scenario.steps(5)
+                    await scenario.check(indexer)  # kvagent equals the engine, the indexer equals kvagent
+                    assert min(engine.replay_starts[replays:], default=1) > 0, "resumed, not from seq 0"
+                    assert not [line for line in agent.stderr_lines if "resume=skipped" in line]
+                    async with client(agent.url) as c:
+                        status = (await c.request("status"))["status"]
+                    assert status["attachment"]["state"] == "ready"
+                    if stop == "sigterm":
+                        agent.process.terminate()
+                        assert await agent.process.wait() == 0
+                    # (kill9: leaving the block kills kvagent with SIGKILL)
         nursery.cancel_scope.cancel()

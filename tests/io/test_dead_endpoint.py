@@ -1,7 +1,9 @@
-"""A SUB that never meets a publisher says so: one WARNING naming the endpoint and the vLLM connect trap.
+"""A SUB that never meets a publisher says so: one WARNING naming the endpoint and why.
 
-Real ZMQ on 127.0.0.1: a port nobody binds, a PUB that *connects* to the same port (what vLLM 0.32.0 does
-for ``tcp://127.0.0.1:PORT``: it binds only for ``*``, ``::`` or ipc), and a PUB that binds (no warning).
+Real ZMQ on 127.0.0.1: a port nobody binds (an engine not up yet: said so, and the slot keeps retrying), a
+PUB that *connects* to the same port while the engine's replay ROUTER is bound (what vLLM 0.32.0 does for
+``tcp://127.0.0.1:PORT``: it binds only for ``*``, ``::`` or ipc: the bind-address hint), and a PUB that
+binds (no warning).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from kvagent.agent.metrics import MetricSources, render_metrics
 from kvagent.discovery.memory import MemoryDiscovery
 from kvagent.testing import RecordingSink
 from kvagent.vllm.budget import IngestBudget
+from kvagent.vllm.connect_hint import unreachable_endpoint_hint
 from kvagent.vllm.listener import ListenerOptions
-from kvagent.vllm.reader import Inbox, LiveReader, unreachable_endpoint_hint
+from kvagent.vllm.reader import Inbox, LiveReader
 from tests.support.agent import TIMEOUT, XpubEngine, attach
 from tests.support.ids import OWNER
 from tests.support.logwatch import LogWatch, watch_logs
@@ -55,7 +58,7 @@ def unbound_endpoint() -> str:
 
 @asynccontextmanager
 async def running_reader(
-    context: zmq.Context[Any], endpoint: str, warn_after: float
+    context: zmq.Context[Any], endpoint: str, warn_after: float, replay_endpoint: str | None = None
 ) -> AsyncIterator[LiveReader]:
     reader = LiveReader(
         context,
@@ -67,6 +70,7 @@ async def running_reader(
         held_bytes=lambda: 0,
         shed_held=lambda: 0,
         connect_warning_after=warn_after,
+        replay_endpoint=replay_endpoint,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(reader.run)
@@ -87,9 +91,10 @@ async def test_nothing_bound_at_the_endpoint_warns_once_naming_it(
     async with running_reader(context, endpoint, warn_after=0.2) as reader:
         warning = await wait_for_warning(logs)
         assert warning["log_level"] == "warning" and warning["endpoint"] == endpoint
-        port = endpoint.rpartition(":")[2]
-        assert f"nothing is bound at {endpoint}" in warning["hint"]
-        assert f"start vLLM with endpoint tcp://*:{port}" in warning["hint"]
+        # The common case (pods start in any order): the engine is not up yet, which is not vLLM's bind.
+        assert warning["reason"] == "engine_not_up" and warning["retrying"] is True
+        assert f"no engine listens at {endpoint} yet" in warning["hint"]
+        assert "tcp://*" not in warning["hint"]
         assert reader.connect_warnings == 1
 
 
@@ -100,13 +105,20 @@ async def test_a_publisher_that_connects_instead_of_binding_is_the_same_dead_end
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.connect(endpoint)  # vLLM's behaviour for a non-wildcard tcp endpoint
+    router = context.socket(zmq.ROUTER)  # vLLM always binds its replay endpoint: the engine is up
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
     try:
-        async with running_reader(context, endpoint, warn_after=0.2) as reader:
+        async with running_reader(context, endpoint, warn_after=0.2, replay_endpoint=replay) as reader:
             warning = await wait_for_warning(logs)
             assert warning["endpoint"] == endpoint and "CONNECTS" in warning["hint"]
+            assert warning["reason"] == "engine_not_bound"
+            assert f"start vLLM with endpoint tcp://*:{endpoint.rpartition(':')[2]}" in warning["hint"]
             assert reader.last_live_at is None
     finally:
         pub.close()
+        router.close()
 
 
 async def test_a_bound_publisher_is_met_and_nothing_is_logged(
@@ -192,7 +204,7 @@ def connected_gauge(agent: SlotAgent) -> dict[str, float]:
 
 
 def test_the_hint_for_other_transports_names_the_endpoint() -> None:
-    assert "ipc:///tmp/kv.sock" in unreachable_endpoint_hint("ipc:///tmp/kv.sock")
+    assert "ipc:///tmp/kv.sock" in unreachable_endpoint_hint("ipc:///tmp/kv.sock")[1]
     with pytest.raises(ValueError):
         ListenerOptions(connect_warning_after=0)
 
@@ -204,5 +216,5 @@ async def test_an_ipc_endpoint_nobody_binds_warns_too(
     async with running_reader(context, endpoint, warn_after=0.2):
         warning = await wait_for_warning(logs)
         assert warning["endpoint"] == endpoint
-        assert warning["hint"] == unreachable_endpoint_hint(endpoint)
+        assert (warning["reason"], warning["hint"]) == unreachable_endpoint_hint(endpoint)
         assert "tcp://*" not in warning["hint"], "the vLLM tcp advice does not apply to ipc"
