@@ -40,8 +40,10 @@ from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import RouterEvent
 from kvagent.model.status import AgentStatus
 from kvagent.stream.format import (
+    ENTRY_COLUMN_BYTES,
     SlotHead,
     StreamKeys,
+    chunk_events,
     encode_events_entry,
     encode_events_entry_v1,
     encode_head,
@@ -98,14 +100,14 @@ def _write(
     events: Sequence[RouterEvent],
     version: int,
     encode: Callable[[int, Sequence[RouterEvent]], dict[str, bytes]],
+    max_bytes: int | None,
 ) -> StreamKeys:
     keys = StreamKeys(prefix, slot.name, slot.publisher_id)
     head = SlotHead(slot.name, slot.publisher_id, 16, "bench", version=version)
     pipe = client.pipeline(transaction=False)
     pipe.sadd(slots_key(prefix), slot.name)
     pipe.hset(keys.head, mapping=encode_head(head))  # type: ignore[arg-type]
-    for start in range(0, len(events), ENTRY_EVENTS):
-        chunk = events[start : start + ENTRY_EVENTS]
+    for chunk in chunk_events(events, ENTRY_EVENTS, max_bytes):
         fields: Any = encode(chunk[0].event_id, chunk)
         pipe.xadd(keys.events, fields, id=event_entry_id(chunk[-1].event_id))
     pipe.execute()
@@ -164,8 +166,9 @@ def measure_entries(
     total = sum(len(e) for e in events.values())
     prefixes = {1: f"v1-{uuid.uuid4().hex[:8]}", 2: f"v2-{uuid.uuid4().hex[:8]}"}
     stream_bytes = {}
-    for version, encode in ((1, encode_events_entry_v1), (2, encode_events_entry)):
-        written = [_write(client, prefixes[version], s, events[s.name], version, encode) for s in slots]
+    # Version 1 as the writer cut it before issue #36 (by count alone), version 2 as it cuts now.
+    for version, encode, max_bytes in ((1, encode_events_entry_v1, None), (2, encode_events_entry, ENTRY_COLUMN_BYTES)):
+        written = [_write(client, prefixes[version], s, events[s.name], version, encode, max_bytes) for s in slots]
         stream_bytes[version] = sum(_memory(client, keys.events) for keys in written)
     snapshot_bytes = 0
     for s in slots:

@@ -66,6 +66,7 @@ from kvagent.wire.router_event import (
 )
 
 __all__ = [
+    "ENTRY_COLUMN_BYTES",
     "FORMAT_VERSION",
     "KIND_CLEARED",
     "KIND_REMOVED",
@@ -88,7 +89,9 @@ __all__ = [
     "cursor_of_id",
     "decode_entry",
     "decode_head",
+    "chunk_events",
     "decode_snapshot",
+    "entry_column_bytes",
     "pack_entry_columns",
     "unpack_entry_columns",
     "encode_events_entry",
@@ -209,10 +212,15 @@ KIND_STORED = 0  # a Stored chain without a parent
 KIND_STORED_CHILD = 1  # a Stored chain whose parent hash is the next one of ``parents``
 KIND_REMOVED = 2
 KIND_CLEARED = 3
-_ROUTE_SHIFT = 2  # on the wire an op byte is ``kind | route << 2`` when the entry has at most 64 routes
-_NARROW_ROUTES = 1 << (8 - _ROUTE_SHIFT)
+# On the wire an event is one op byte, ``kind | route << 2 | count << 4``, when the entry has at most 4 routes
+# (a slot's events have one or two: its worker and its CacheOwner): a count of 15 or more is written as 15
+# and its value goes to the counts column.  An entry with more routes writes the kind alone in the op byte,
+# a u16 route column and every count.
+_NARROW_ROUTES = 4
+_COUNT_ESCAPE = 15
 _KIND_OF_OP = bytes(op & 3 for op in range(256))
-_ROUTE_OF_OP = bytes(op >> _ROUTE_SHIFT for op in range(256))
+_ROUTE_OF_OP = bytes(op >> 2 & 3 for op in range(256))
+_COUNT_OF_OP = bytes(op >> 4 for op in range(256))
 _IS_STORE_KIND = bytes((1, 1, 0, 0) + (0,) * 252)  # kind -> 1 for a Stored
 
 
@@ -398,15 +406,6 @@ def _route_from_wire(raw: object) -> EntryRoute:
     return EntryRoute(worker_id, tier, domain, dp_rank, source, session)
 
 
-def _pack_counts(counts: array[int]) -> tuple[int, bytes]:
-    """Block counts at the narrowest of 1, 2 or 4 bytes (almost always 1: an event holds a few blocks)."""
-    top = max(counts) if counts else 0
-    if top <= 0xFF:
-        return 1, array("B", counts).tobytes()
-    wide = array("H" if top <= 0xFFFF else "I", counts)
-    return wide.itemsize, _le_bytes(wide)
-
-
 def _le_column(typecode: str, data: object, rows: int | None, field: str) -> array[int]:
     """A little-endian column of ``rows`` items (None: as many as the bytes hold)."""
     column = array(typecode)
@@ -419,29 +418,24 @@ def _le_column(typecode: str, data: object, rows: int | None, field: str) -> arr
     return column
 
 
-def _unpack_counts(width: object, data: object, rows: int) -> array[int]:
-    typecode = {1: "B", 2: "H", 4: "I"}.get(width)  # type: ignore[call-overload]
-    if typecode is None:
-        raise CodecError(f"entry count width {width!r} is not 1, 2 or 4")
-    column = _le_column(typecode, data, rows, "counts")
-    return column if typecode == "I" else array("I", column)
-
-
 def pack_entry_columns(first: int, columns: EntryColumns) -> bytes:
-    """The ``c`` field of a ``k=ec`` entry, msgpack ``[2, from, first_id, routes, ops, wide_routes, count width,
-    counts, ids, hashes, tokens, parents, extras]``: the u64 columns little-endian (``ids`` nil when the ids are
-    consecutive from ``first_id``); ``ops`` a byte an event, ``kind | route << 2`` when the entry has at most
-    64 routes (``wide_routes`` nil), else the kind alone and ``wide_routes`` the u16 route codes."""
-    width, counts = _pack_counts(columns.counts)
+    """The ``c`` field of a ``k=ec`` entry, msgpack ``[2, from, first_id, routes, ops, wide_routes, counts, ids,
+    hashes, tokens, parents, extras]``: ``ops`` a byte an event (see _NARROW_ROUTES), ``wide_routes`` nil or
+    the u16 route codes, ``counts`` the u32 counts the op bytes do not hold, ``ids`` nil when the ids are
+    consecutive from ``first_id``, else u64s; the hash columns u64s; all little-endian."""
     extras = [
         [position, start, None if infos is None else [_mm_to_compact(info) for info in infos]]
         for position, (start, infos) in sorted(columns.extras.items())
     ]
     if len(columns.routes) <= _NARROW_ROUTES:
-        ops = bytes(kind | code << _ROUTE_SHIFT for kind, code in zip(columns.kinds, columns.route_codes, strict=True))
+        ops = bytes(
+            kind | code << 2 | (count if count < _COUNT_ESCAPE else _COUNT_ESCAPE) << 4
+            for kind, code, count in zip(columns.kinds, columns.route_codes, columns.counts, strict=True)
+        )
         wide_routes = None
+        counts = array("I", (count for count in columns.counts if count >= _COUNT_ESCAPE))
     else:
-        ops, wide_routes = columns.kinds, _le_bytes(columns.route_codes)
+        ops, wide_routes, counts = columns.kinds, _le_bytes(columns.route_codes), columns.counts
     body = [
         2,
         first,
@@ -449,8 +443,7 @@ def pack_entry_columns(first: int, columns: EntryColumns) -> bytes:
         [_route_to_wire(route) for route in columns.routes],
         ops,
         wide_routes,
-        width,
-        counts,
+        _le_bytes(counts),
         None if columns.ids is None else _le_bytes(columns.ids),
         _le_bytes(columns.hashes),
         _le_bytes(columns.tokens),
@@ -461,6 +454,21 @@ def pack_entry_columns(first: int, columns: EntryColumns) -> bytes:
     return packed
 
 
+def _narrow_counts(ops: bytes, escaped: array[int]) -> array[int]:
+    """The counts of narrow op bytes, escaped ones taken in order from ``escaped``."""
+    inline = ops.translate(_COUNT_OF_OP)
+    counts = array("I", iter(inline))  # iter: a bytes initializer would be read as raw items
+    at, used = inline.find(_COUNT_ESCAPE), 0
+    while at >= 0:
+        if used == len(escaped):
+            raise CodecError("entry counts column is shorter than its escaped counts")
+        counts[at], used = escaped[used], used + 1
+        at = inline.find(_COUNT_ESCAPE, at + 1)
+    if used != len(escaped) or any(count < _COUNT_ESCAPE for count in escaped):
+        raise CodecError("entry counts column does not match its escaped counts")
+    return counts
+
+
 def unpack_entry_columns(payload: bytes, cursor: int) -> tuple[int, EntryColumns]:
     """(first cursor, columns) of a ``k=ec`` entry whose id has ``cursor``; checked so that a reader can apply
     the columns without looking at each event again (every count, offset, route and id is consistent)."""
@@ -468,9 +476,9 @@ def unpack_entry_columns(payload: bytes, cursor: int) -> tuple[int, EntryColumns
         body = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise CodecError(f"columnar entry is not msgpack: {exc}") from None
-    if not isinstance(body, list) or len(body) != 13 or body[0] != 2:
+    if not isinstance(body, list) or len(body) != 12 or body[0] != 2:
         raise CodecError("columnar entry is not of format version 2")
-    (_, first, first_id, routes_raw, ops, wide_routes, width, counts_raw, ids_raw, hashes_raw, tokens_raw,
+    (_, first, first_id, routes_raw, ops, wide_routes, counts_raw, ids_raw, hashes_raw, tokens_raw,
      parents_raw, extras_raw) = body  # fmt: skip
     if not isinstance(first, int) or not 0 < first <= cursor:
         raise CodecError(f"columnar entry starts at {first!r}, not within its id's cursor {cursor}")
@@ -481,9 +489,10 @@ def unpack_entry_columns(payload: bytes, cursor: int) -> tuple[int, EntryColumns
     if wide_routes is None:
         kinds = ops.translate(_KIND_OF_OP)
         codes = array("H", iter(ops.translate(_ROUTE_OF_OP)))  # iter: a bytes initializer is raw items
+        counts = _narrow_counts(ops, _le_column("I", counts_raw, None, "counts"))
     else:
         kinds, codes = ops, _le_column("H", wide_routes, rows, "wide_routes")
-    counts = _unpack_counts(width, counts_raw, rows)
+        counts = _le_column("I", counts_raw, rows, "counts")
     hashes = _le_column("Q", hashes_raw, None, "hashes")
     tokens = _le_column("Q", tokens_raw, None, "tokens")
     parents = _le_column("Q", parents_raw, None, "parents")
@@ -875,7 +884,38 @@ def decode_snapshot(payload: bytes) -> StreamSnapshot:
     return StreamSnapshot(cursor, status, groups)
 
 
-def chunk_events(events: Sequence[RouterEvent], max_events: int) -> Iterable[Sequence[RouterEvent]]:
-    """``events`` in slices of at most ``max_events`` (one stream entry each)."""
-    for start in range(0, len(events), max_events):
-        yield events[start : start + max_events]
+# The columns of one entry at most, estimated (entry_column_bytes): Redis allocates each big entry's listpack
+# on its own and the allocator rounds it up to a size class (jemalloc's are 25% apart above 8 KiB, so an entry
+# of 9 KiB occupies 10 KiB); entries cut just under the 8 KiB class, head and Redis's own bytes included,
+# waste almost none of it (docs/fleet.md, "Entry format").
+ENTRY_COLUMN_BYTES = 7600
+
+
+def entry_column_bytes(event: RouterEvent) -> int:
+    """About what ``event`` adds to a columnar entry: its op byte, 8 bytes a hash, tokens hash and
+    parent (multimodal info and routes are rarer and smaller; ENTRY_COLUMN_BYTES leaves room for them)."""
+    data = event.data
+    blocks = len(data.block_hashes)
+    if type(data) is Stored:
+        return 1 + 16 * blocks + (0 if data.parent_hash is None else 8)
+    return 1 + 8 * blocks
+
+
+def chunk_events(
+    events: Sequence[RouterEvent], max_events: int, max_bytes: int | None = ENTRY_COLUMN_BYTES
+) -> Iterable[Sequence[RouterEvent]]:
+    """``events`` in slices of at most ``max_events`` and, but for a single event, about ``max_bytes`` of
+    columns (None: no byte bound), one stream entry each."""
+    if max_bytes is None:
+        for start in range(0, len(events), max_events):
+            yield events[start : start + max_events]
+        return
+    start, size = 0, 0
+    for position, event in enumerate(events):
+        cost = entry_column_bytes(event)
+        if position > start and (position - start >= max_events or size + cost > max_bytes):
+            yield events[start:position]
+            start, size = position, 0
+        size += cost
+    if start < len(events):
+        yield events[start:]
