@@ -10,6 +10,7 @@ id up to the entry's last (``applied_directly``): a replica answers nothing from
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from itertools import compress
 from typing import TypeAlias
@@ -114,6 +115,21 @@ def _start(columns: EntryColumns, after: int) -> int:
     return next((i for i, event_id in enumerate(columns.ids) if event_id > after), len(columns))
 
 
+def _routes_by_last_use(columns: EntryColumns, position: int) -> list[int]:
+    """The route codes a Stored or Removed from ``position`` on names, the one used last at the end."""
+    kinds, codes = columns.kinds, columns.route_codes
+    if len(columns.routes) <= 256 and KIND_CLEARED not in kinds:
+        narrow = array("B", codes).tobytes()  # one byte a code: its last use is a search from the end
+        last_use = {code: narrow.rfind(code, position) for code in range(len(columns.routes))}
+    else:
+        last_use = {
+            code: i
+            for i, (kind, code) in enumerate(zip(kinds, codes, strict=True))
+            if kind != KIND_CLEARED and i >= position
+        }
+    return sorted((code for code, at in last_use.items() if at >= 0), key=last_use.__getitem__)
+
+
 def apply_entry(
     index: RecoveryIndex, columns: EntryColumns, *, after: int, last: int, run: RunOps | None = None
 ) -> int:
@@ -133,12 +149,7 @@ def apply_entry(
         head_kinds.count(KIND_STORED_CHILD),
     )
     # The routes the rest stores or removes on, by last use (the newest event names a CacheOwner's worker).
-    last_use = {
-        code: i
-        for i, (kind, code) in enumerate(zip(kinds, codes, strict=True))
-        if kind != KIND_CLEARED and i >= position
-    }
-    used = sorted(last_use, key=last_use.__getitem__)
+    used = _routes_by_last_use(columns, position)
     hashes, tokens, parents = columns.hashes, columns.tokens, columns.parents
     extras = columns.extras
     applied = len(columns) - position

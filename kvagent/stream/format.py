@@ -48,6 +48,7 @@ from kvagent.model.events import (
     U64_MAX,
     EventData,
     MmExtraInfo,
+    MmObject,
     Removed,
     ResidencyDomain,
     RouterEvent,
@@ -222,6 +223,7 @@ _KIND_OF_OP = bytes(op & 3 for op in range(256))
 _ROUTE_OF_OP = bytes(op >> 2 & 3 for op in range(256))
 _COUNT_OF_OP = bytes(op >> 4 for op in range(256))
 _IS_STORE_KIND = bytes((1, 1, 0, 0) + (0,) * 252)  # kind -> 1 for a Stored
+_IS_CLEARED_KIND = bytes((0, 0, 0, 1) + (0,) * 252)
 
 
 class EntryRoute(NamedTuple):
@@ -511,7 +513,7 @@ def unpack_entry_columns(payload: bytes, cursor: int) -> tuple[int, EntryColumns
             raise CodecError("entry hashes column does not match its events' counts")
         if kinds.count(KIND_STORED_CHILD) != len(parents):
             raise CodecError("entry parents column does not match its Stored children")
-        if any(compress(counts, [kind == KIND_CLEARED for kind in kinds])):
+        if any(compress(counts, kinds.translate(_IS_CLEARED_KIND))):
             raise CodecError("a Cleared event of an entry has blocks")
         if _cache_owner_device(routes, kinds, codes):
             raise CodecError("CacheOwner residency cannot target the Device tier")
@@ -543,19 +545,22 @@ def _mm_to_compact(info: MmExtraInfo | None) -> list[object] | None:
 def _mm_from_compact(raw: object) -> MmExtraInfo | None:
     if raw is None:
         return None
-    field = "entry extra mm_extra_info"
-    if not isinstance(raw, list) or not all(
-        isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list) and len(obj[1]) % 2 == 0
-        for obj in raw
-    ):
-        raise CodecError(f"{field} must be [[mm_hash, [start, end, ...]], ...]")
-    wire = {
-        "mm_objects": [
-            {"mm_hash": mm_hash, "offsets": [bounds[i : i + 2] for i in range(0, len(bounds), 2)]}
-            for mm_hash, bounds in raw
-        ]
-    }
-    return mm_extra_info_from_wire(wire, field)  # the event plane's checks, names included
+    objects = []
+    if isinstance(raw, list):
+        for obj in raw:
+            if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list) and len(obj[1]) % 2 == 0):
+                break
+            mm_hash, bounds = obj
+            if (
+                type(mm_hash) is not int
+                or not 0 <= mm_hash <= U64_MAX
+                or not all(type(bound) is int and 0 <= bound <= U64_MAX for bound in bounds)
+            ):
+                break
+            objects.append(MmObject(mm_hash, tuple(zip(bounds[::2], bounds[1::2], strict=True))))
+        else:
+            return MmExtraInfo(tuple(objects))
+    raise CodecError("entry extra mm_extra_info must be [[mm_hash, [start, end, ...]], ...] of u64s")
 
 
 def _extras_from_wire(raw: object, kinds: bytes, counts: array[int]) -> dict[int, EntryExtra]:
