@@ -15,7 +15,7 @@ import pytest
 
 from kvagent import _native
 from kvagent.index.recovery_index import RecoveryIndex
-from kvagent.model.errors import CodecError
+from kvagent.model.errors import CodecError, IndexApplyError
 from kvagent.model.events import (
     CLEARED,
     MmExtraInfo,
@@ -225,3 +225,24 @@ def test_pack_and_unpack_are_inverse() -> None:
     events = slot.make_events(500)
     entry = EventsEntry.of(1, 500, events)
     assert unpack_entry_columns(pack_entry_columns(1, entry.columns), 500) == (1, entry.columns)
+
+
+def test_a_cache_owner_store_on_the_device_tier_is_refused() -> None:
+    source = slot_owner(18)
+    bad = RouterEvent(1, StorageTier.DEVICE, ResidencyDomain.CACHE_OWNER, 1, Stored(None, (1,), (2,)), 0, source)
+    with pytest.raises(CodecError, match="Device"):
+        decode_entry("1-0", _fields(encode_events_entry(1, [bad])))
+    index = RecoveryIndex(16, ring_capacity=1)
+    with pytest.raises(IndexApplyError, match="Device"):
+        index.route_stores([bad])
+
+
+def test_stores_emptied_by_an_entry_are_dropped() -> None:
+    route = (9, StorageTier.DEVICE, ResidencyDomain.WORKER)
+    events = [
+        RouterEvent(*route, 1, Stored(None, (1, 2), (3, 4)), 0),
+        RouterEvent(*route, 2, Removed((1, 2)), 0),
+    ]
+    index = RecoveryIndex(16, ring_capacity=1)
+    apply_entry(index, EventsEntry.of(1, 2, events).columns, after=0, last=2)
+    assert index.resident_block_count == 0 and index.dump_snapshot().groups == ()
