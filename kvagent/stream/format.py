@@ -893,16 +893,20 @@ def decode_snapshot(payload: bytes) -> StreamSnapshot:
 # on its own and the allocator rounds it up to a size class (jemalloc's are 25% apart above 8 KiB, so an entry
 # of 9 KiB occupies 10 KiB); entries cut just under the 8 KiB class, head and Redis's own bytes included,
 # waste almost none of it (docs/fleet.md, "Entry format").
-ENTRY_COLUMN_BYTES = 7600
+ENTRY_COLUMN_BYTES = 7800
 
 
 def entry_column_bytes(event: RouterEvent) -> int:
     """About what ``event`` adds to a columnar entry: its op byte, 8 bytes a hash, tokens hash and
-    parent (multimodal info and routes are rarer and smaller; ENTRY_COLUMN_BYTES leaves room for them)."""
+    parent, and its multimodal info (the routes are written once an entry: ENTRY_COLUMN_BYTES leaves room)."""
     data = event.data
     blocks = len(data.block_hashes)
     if type(data) is Stored:
-        return 1 + 16 * blocks + (0 if data.parent_hash is None else 8)
+        cost = 1 + 16 * blocks + (0 if data.parent_hash is None else 8)
+        infos = data.mm_extra_infos
+        if infos is not None:  # rare: ~16 bytes an object, ~8 more an event and a block
+            cost += 8 + sum(8 if info is None else 4 + 16 * len(info.mm_objects) for info in infos)
+        return cost
     return 1 + 8 * blocks
 
 
