@@ -43,6 +43,7 @@ NATIVE = [
     Extension(
         "kvagent._native._store", ["kvagent/_native/_store.pyx"], extra_compile_args=_FLAGS, optional=True
     ),
+    Extension("kvagent._native._stream", ["kvagent/_native/_stream.pyx"], extra_compile_args=_FLAGS, optional=True),
 ]
 
 

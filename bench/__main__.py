@@ -25,6 +25,7 @@ from bench import (
     fig_persistence,
     fig_recover,
     fig_serving,
+    fig_stream_entries,
 )
 from bench.harness import RESULTS_DIR, FigureResult, run_figure, table
 
@@ -32,7 +33,7 @@ FIGURES: dict[str, ModuleType] = {
     module.NAME: module
     for module in (
         fig_ingest, fig_peer, fig_dump, fig_memory, fig_recover, fig_cpu, fig_serving, fig_http_dump,
-        fig_persistence, fig_fleet,
+        fig_persistence, fig_fleet, fig_stream_entries,
     )
 }
 

@@ -270,6 +270,48 @@ class RecoveryIndex:
             keys.append(key)
         return keys
 
+    # --- blocks applied by a reader of event columns (a stream replica: kvagent/stream/apply.py) -------------
+
+    def route_stores(self, routes: Sequence[RouterEvent]) -> list[ResidentStore]:
+        """The store of each route (an event standing for its route, its data ignored), created when absent,
+        for a reader that stores and removes blocks itself and then calls :meth:`applied_directly`.
+
+        Such an index keeps no ring of those events: it answers ranges from before the last id with a dump.
+        A CacheOwner route names its owner's worker and rank in dumps, the last route listed winning.
+        """
+        stores: list[ResidentStore] = []
+        for event in routes:
+            key = self._store_key(event)
+            if event.residency_domain is _CACHE_OWNER:
+                if event.storage_tier is _DEVICE:
+                    raise IndexApplyError("CacheOwner residency cannot target the Device tier")
+                self._cache_owner_workers[key[0]] = (event.worker_id, event.dp_rank)  # type: ignore[index]
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = self._new_store()
+            stores.append(store)
+        return stores
+
+    def clear_route(self, route: RouterEvent) -> None:
+        """A Cleared on ``route`` (see :meth:`apply`), for the same reader; stores it got before may be gone."""
+        key = self._store_key(route)
+        self._clear(key[0])
+        if route.residency_domain is _CACHE_OWNER:
+            self._cache_owner_workers[key[0]] = (route.worker_id, route.dp_rank)  # type: ignore[index]
+
+    def applied_directly(self, last_event_id: int) -> None:
+        """Blocks were stored and removed through :meth:`route_stores`: every id up to ``last_event_id``
+        is applied. Emptied stores go, cached dumps are forgotten, and the ring starts over after it."""
+        if not 0 <= last_event_id <= U64_MAX:
+            raise ValueError(f"event id {last_event_id} is not a u64")
+        for key in [key for key, store in self._stores.items() if not store]:
+            del self._stores[key]
+        newest = max(last_event_id, self.current_event_id())
+        self._ring = EventRing(self.ring_capacity)
+        self._gap_floor = self._gap_end = newest
+        self._applied += 1
+        self._dump_cache = self._snapshot_cache = None
+
     def _remove(self, key: StoreKey, data: Removed) -> None:
         store = self._stores.get(key)
         if store is not None:

@@ -16,7 +16,8 @@ Keys, all sharing one Redis Cluster hash tag ``{<prefix>:<slot>}`` so a slot's k
 
 Entry fields (msgpack values are bytes; every entry has ``k``)::
 
-    k=ev    from=<first cursor covered>  ev=<msgpack RouterEvents, wire/router_event.py>
+    k=ec    c=<columnar events, format version 2: see EntryColumns>   (the writer's entries)
+    k=ev    from=<first cursor covered>  ev=<msgpack RouterEvents, wire/router_event.py>   (version 1)
     k=st    status=<AgentStatus JSON>          readiness and generation (written on every change)
     k=hb    ts=<unix ms>                       the writer is alive and has written every event up to <ms>
     k=snap  cursor=<C>                         the state was reset to the snapshot at C: reload it
@@ -31,17 +32,24 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import attrs
 import msgpack
 
 from kvagent.model.errors import CodecError
 from kvagent.model.events import (
+    CLEARED,
+    DOMAIN_BY_VALUE,
     FLAG_DEAD,
     FLAG_PARENT,
+    TIER_BY_VALUE,
+    U32_MAX,
     U64_MAX,
+    EventData,
     MmExtraInfo,
+    MmObject,
+    Removed,
     ResidencyDomain,
     RouterEvent,
     StorageTier,
@@ -59,7 +67,15 @@ from kvagent.wire.router_event import (
 )
 
 __all__ = [
+    "ENTRY_COLUMN_BYTES",
     "FORMAT_VERSION",
+    "KIND_CLEARED",
+    "KIND_REMOVED",
+    "KIND_STORED",
+    "KIND_STORED_CHILD",
+    "SNAPSHOT_VERSION",
+    "EntryColumns",
+    "EntryRoute",
     "EventsEntry",
     "HeartbeatEntry",
     "SlotHead",
@@ -74,8 +90,14 @@ __all__ = [
     "cursor_of_id",
     "decode_entry",
     "decode_head",
+    "chunk_events",
     "decode_snapshot",
+    "entry_column_bytes",
+    "pack_entry_columns",
+    "unpack_entry_columns",
     "encode_events_entry",
+    "encode_events_entry_v1",
+    "entry_columns",
     "encode_head",
     "encode_heartbeat_entry",
     "encode_snapshot",
@@ -85,7 +107,13 @@ __all__ = [
     "slots_key",
 ]
 
-FORMAT_VERSION = 1
+# The head's ``version``: what the slot's events entries are.  1: ``k=ev`` entries, each event a named-map
+# RouterEvent; 2: ``k=ec`` columnar entries (below).  A reader reads every version up to its own and refuses
+# a newer one, naming both (decode_head).
+FORMAT_VERSION = 2
+OLDEST_FORMAT_VERSION = 1
+# The snapshot's own ``v`` (its layout did not change with the entries).
+SNAPSHOT_VERSION = 1
 
 
 def slots_key(prefix: str) -> str:
@@ -161,7 +189,7 @@ def encode_head(head: SlotHead) -> dict[str, str]:
 
 def decode_head(fields: Mapping[bytes, bytes]) -> SlotHead:
     try:
-        return SlotHead(
+        head = SlotHead(
             slot=fields[b"slot"].decode(),
             publisher_id=int(fields[b"publisher_id"]),
             kv_block_size=int(fields[b"kv_block_size"]),
@@ -170,9 +198,109 @@ def decode_head(fields: Mapping[bytes, bytes]) -> SlotHead:
         )
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise CodecError(f"stream head is malformed: {exc!r}") from None
+    if not OLDEST_FORMAT_VERSION <= head.version <= FORMAT_VERSION:
+        raise CodecError(
+            f"slot {head.slot!r} writes stream format version {head.version}; this reader reads versions "
+            f"{OLDEST_FORMAT_VERSION} to {FORMAT_VERSION} (upgrade the reader)"
+        )
+    return head
 
 
 # --- entries --------------------------------------------------------------------------------------------
+
+
+KIND_STORED = 0  # a Stored chain without a parent
+KIND_STORED_CHILD = 1  # a Stored chain whose parent hash is the next one of ``parents``
+KIND_REMOVED = 2
+KIND_CLEARED = 3
+# On the wire an event is one op byte, ``kind | route << 2 | count << 4``, when the entry has at most 4 routes
+# (a slot's events have one or two: its worker and its CacheOwner): a count of 15 or more is written as 15
+# and its value goes to the counts column.  An entry with more routes writes the kind alone in the op byte,
+# a u16 route column and every count.
+_NARROW_ROUTES = 4
+_COUNT_ESCAPE = 15
+_KIND_OF_OP = bytes(op & 3 for op in range(256))
+_ROUTE_OF_OP = bytes(op >> 2 & 3 for op in range(256))
+_COUNT_OF_OP = bytes(op >> 4 for op in range(256))
+_IS_STORE_KIND = bytes((1, 1, 0, 0) + (0,) * 252)  # kind -> 1 for a Stored
+_IS_CLEARED_KIND = bytes((0, 0, 0, 1) + (0,) * 252)
+
+
+class EntryRoute(NamedTuple):
+    """What an event carries beside its id and data, shared by the events of an entry that have it."""
+
+    worker_id: int
+    tier: StorageTier
+    domain: ResidencyDomain
+    dp_rank: int
+    state_source: CacheOwnerId | None
+    session_id: str | None
+
+
+# (start_position, mm_extra_infos) of a Stored event that has either.
+EntryExtra = tuple[int | None, tuple[MmExtraInfo | None, ...] | None]
+
+
+@attrs.frozen(slots=True, eq=True)
+class EntryColumns:
+    """An entry's events as columns (format version 2, docs/fleet.md "Entry format"), no object per event.
+
+    Event i is ``kinds[i]`` (a ``KIND_*``) on route ``routes[route_codes[i]]`` with ``counts[i]`` block hashes,
+    the next ones of ``hashes`` (a Stored's tokens hashes: as many, the next ones of ``tokens``; a Stored child's
+    parent: the next one of ``parents``).  Its id is ``first_id + i``, or ``ids[i]`` when the ids are not
+    consecutive (ids the agent skipped after a restart).  ``extras``: the rare Stored fields, by event.
+    """
+
+    routes: tuple[EntryRoute, ...]
+    kinds: bytes
+    route_codes: array[int]  # u16
+    counts: array[int]  # u32
+    first_id: int
+    ids: array[int] | None
+    hashes: array[int]
+    tokens: array[int]
+    parents: array[int]
+    extras: dict[int, EntryExtra]
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def event_id(self, position: int) -> int:
+        return self.first_id + position if self.ids is None else self.ids[position]
+
+    def events(self) -> tuple[RouterEvent, ...]:
+        """The entry's events as RouterEvents (for consumers that want objects; the reader applies columns)."""
+        events: list[RouterEvent] = []
+        hashes, tokens, parents = self.hashes.tolist(), self.tokens.tolist(), self.parents.tolist()
+        at = stored_at = parent_at = 0
+        for position, (kind, code, count) in enumerate(
+            zip(self.kinds, self.route_codes, self.counts, strict=True)
+        ):
+            data: EventData
+            if kind == KIND_CLEARED:
+                data = CLEARED
+            elif kind == KIND_REMOVED:
+                data = Removed(tuple(hashes[at : at + count]))
+                at += count
+            else:
+                parent = None
+                if kind == KIND_STORED_CHILD:
+                    parent, parent_at = parents[parent_at], parent_at + 1
+                start, infos = self.extras.get(position, (None, None))
+                data = Stored(
+                    parent,
+                    tuple(hashes[at : at + count]),
+                    tuple(tokens[stored_at : stored_at + count]),
+                    infos,
+                    start,
+                )
+                at += count
+                stored_at += count
+            worker_id, tier, domain, dp_rank, source, session = self.routes[code]
+            events.append(
+                RouterEvent(worker_id, tier, domain, self.event_id(position), data, dp_rank, source, session)
+            )
+        return tuple(events)
 
 
 @attrs.frozen(slots=True)
@@ -181,7 +309,279 @@ class EventsEntry:
 
     first: int
     last: int
-    events: tuple[RouterEvent, ...]
+    columns: EntryColumns
+
+    @property
+    def events(self) -> tuple[RouterEvent, ...]:
+        return self.columns.events()
+
+    @classmethod
+    def of(cls, first: int, last: int, events: Sequence[RouterEvent]) -> EventsEntry:
+        return cls(first, last, entry_columns(events))
+
+
+def entry_columns(events: Sequence[RouterEvent]) -> EntryColumns:
+    """``events`` (ids increasing) as columns."""
+    route_codes: dict[tuple[object, ...], int] = {}
+    by_value: dict[EntryRoute, int] = {}
+    routes: list[EntryRoute] = []
+    kinds = bytearray()
+    codes = array("H")
+    counts: list[int] = []
+    hashes: list[int] = []
+    tokens: list[int] = []
+    parents: list[int] = []
+    extras: dict[int, EntryExtra] = {}
+    ids = [event.event_id for event in events]
+    for position, event in enumerate(events):
+        source = event.state_source
+        # Keyed by the source's identity: the events of a slot share one CacheOwnerId object per owner.
+        key = (event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank, id(source),
+               event.session_id)  # fmt: skip
+        code = route_codes.get(key)
+        if code is None:
+            route = EntryRoute(event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank,
+                               source, event.session_id)  # fmt: skip
+            # An equal route under another source object (producers that build one per event) is one route.
+            code = route_codes[key] = by_value.setdefault(route, len(routes))
+            if code == len(routes):
+                routes.append(route)
+        data = event.data
+        cls = type(data)
+        if cls is Stored:
+            parent = data.parent_hash  # type: ignore[union-attr]
+            if parent is None:
+                kinds.append(KIND_STORED)
+            else:
+                kinds.append(KIND_STORED_CHILD)
+                parents.append(parent)
+            hashes.extend(data.block_hashes)
+            tokens.extend(data.tokens_hashes)  # type: ignore[union-attr]
+            counts.append(len(data.block_hashes))
+            if data.mm_extra_infos is not None or data.start_position is not None:  # type: ignore[union-attr]
+                extras[position] = (data.start_position, data.mm_extra_infos)  # type: ignore[union-attr]
+        elif cls is Removed:
+            kinds.append(KIND_REMOVED)
+            hashes.extend(data.block_hashes)
+            counts.append(len(data.block_hashes))
+        else:
+            kinds.append(KIND_CLEARED)
+            counts.append(0)
+        codes.append(code)
+    first_id = ids[0] if ids else 0
+    consecutive = not ids or ids[-1] - first_id == len(ids) - 1
+    return EntryColumns(
+        routes=tuple(routes),
+        kinds=bytes(kinds),
+        route_codes=codes,
+        counts=array("I", counts),
+        first_id=first_id,
+        ids=None if consecutive else array("Q", ids),
+        hashes=array("Q", hashes),
+        tokens=array("Q", tokens),
+        parents=array("Q", parents),
+        extras=extras,
+    )
+
+
+def _route_to_wire(route: EntryRoute) -> list[object]:
+    source = None if route.state_source is None else state_source_to_wire(route.state_source)
+    return [route.worker_id, route.tier.value, route.domain.value, route.dp_rank, source, route.session_id]
+
+
+def _route_from_wire(raw: object) -> EntryRoute:
+    if not isinstance(raw, list) or len(raw) != 6:
+        raise CodecError("entry route must be [worker_id, tier, domain, dp_rank, state_source, session_id]")
+    worker_id, tier_name, domain_name, dp_rank, source_raw, session = raw
+    tier, domain = TIER_BY_VALUE.get(tier_name), DOMAIN_BY_VALUE.get(domain_name)
+    if tier is None or domain is None:
+        raise CodecError(f"entry route has unknown tier {tier_name!r} or domain {domain_name!r}")
+    if not isinstance(worker_id, int) or not 0 <= worker_id <= U64_MAX:
+        raise CodecError("entry route worker_id must be a u64")
+    if not isinstance(dp_rank, int) or not 0 <= dp_rank <= U32_MAX:
+        raise CodecError("entry route dp_rank must be a u32")
+    if session is not None and not isinstance(session, str):
+        raise CodecError("entry route session_id must be a string or nil")
+    source = None if source_raw is None else state_source_from_wire(source_raw, "entry route state_source")
+    if domain is ResidencyDomain.CACHE_OWNER and source is None:
+        raise CodecError("a CacheOwner entry route has no state_source")
+    return EntryRoute(worker_id, tier, domain, dp_rank, source, session)
+
+
+def _le_column(typecode: str, data: object, rows: int | None, field: str) -> array[int]:
+    """A little-endian column of ``rows`` items (None: as many as the bytes hold)."""
+    column = array(typecode)
+    size = column.itemsize
+    if not isinstance(data, bytes) or len(data) % size or (rows is not None and len(data) != rows * size):
+        raise CodecError(f"entry column {field} must be {rows if rows is not None else 'whole'} {size}-byte items")
+    column.frombytes(data)
+    if sys.byteorder != "little" and size > 1:
+        column.byteswap()
+    return column
+
+
+def pack_entry_columns(first: int, columns: EntryColumns) -> bytes:
+    """The ``c`` field of a ``k=ec`` entry, msgpack ``[2, from, first_id, routes, ops, wide_routes, counts, ids,
+    hashes, tokens, parents, extras]``: ``ops`` a byte an event (see _NARROW_ROUTES), ``wide_routes`` nil or
+    the u16 route codes, ``counts`` the u32 counts the op bytes do not hold, ``ids`` nil when the ids are
+    consecutive from ``first_id``, else u64s; the hash columns u64s; all little-endian."""
+    extras = [
+        [position, start, None if infos is None else [_mm_to_compact(info) for info in infos]]
+        for position, (start, infos) in sorted(columns.extras.items())
+    ]
+    if len(columns.routes) <= _NARROW_ROUTES:
+        ops = bytes(
+            kind | code << 2 | (count if count < _COUNT_ESCAPE else _COUNT_ESCAPE) << 4
+            for kind, code, count in zip(columns.kinds, columns.route_codes, columns.counts, strict=True)
+        )
+        wide_routes = None
+        counts = array("I", (count for count in columns.counts if count >= _COUNT_ESCAPE))
+    else:
+        ops, wide_routes, counts = columns.kinds, _le_bytes(columns.route_codes), columns.counts
+    body = [
+        2,
+        first,
+        columns.first_id,
+        [_route_to_wire(route) for route in columns.routes],
+        ops,
+        wide_routes,
+        _le_bytes(counts),
+        None if columns.ids is None else _le_bytes(columns.ids),
+        _le_bytes(columns.hashes),
+        _le_bytes(columns.tokens),
+        _le_bytes(columns.parents),
+        extras,
+    ]
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed
+
+
+def _narrow_counts(ops: bytes, escaped: array[int]) -> array[int]:
+    """The counts of narrow op bytes, escaped ones taken in order from ``escaped``."""
+    inline = ops.translate(_COUNT_OF_OP)
+    counts = array("I", iter(inline))  # iter: a bytes initializer would be read as raw items
+    at, used = inline.find(_COUNT_ESCAPE), 0
+    while at >= 0:
+        if used == len(escaped):
+            raise CodecError("entry counts column is shorter than its escaped counts")
+        counts[at], used = escaped[used], used + 1
+        at = inline.find(_COUNT_ESCAPE, at + 1)
+    if used != len(escaped) or any(count < _COUNT_ESCAPE for count in escaped):
+        raise CodecError("entry counts column does not match its escaped counts")
+    return counts
+
+
+def unpack_entry_columns(payload: bytes, cursor: int) -> tuple[int, EntryColumns]:
+    """(first cursor, columns) of a ``k=ec`` entry whose id has ``cursor``; checked so that a reader can apply
+    the columns without looking at each event again (every count, offset, route and id is consistent)."""
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise CodecError(f"columnar entry is not msgpack: {exc}") from None
+    if not isinstance(body, list) or len(body) != 12 or body[0] != 2:
+        raise CodecError("columnar entry is not of format version 2")
+    (_, first, first_id, routes_raw, ops, wide_routes, counts_raw, ids_raw, hashes_raw, tokens_raw,
+     parents_raw, extras_raw) = body  # fmt: skip
+    if not isinstance(first, int) or not 0 < first <= cursor:
+        raise CodecError(f"columnar entry starts at {first!r}, not within its id's cursor {cursor}")
+    if not isinstance(routes_raw, list) or not isinstance(ops, bytes) or not isinstance(first_id, int):
+        raise CodecError("columnar entry head is malformed")
+    routes = tuple(_route_from_wire(raw) for raw in routes_raw)
+    rows = len(ops)
+    if wide_routes is None:
+        kinds = ops.translate(_KIND_OF_OP)
+        codes = array("H", iter(ops.translate(_ROUTE_OF_OP)))  # iter: a bytes initializer is raw items
+        counts = _narrow_counts(ops, _le_column("I", counts_raw, None, "counts"))
+    else:
+        kinds, codes = ops, _le_column("H", wide_routes, rows, "wide_routes")
+        counts = _le_column("I", counts_raw, rows, "counts")
+    hashes = _le_column("Q", hashes_raw, None, "hashes")
+    tokens = _le_column("Q", tokens_raw, None, "tokens")
+    parents = _le_column("Q", parents_raw, None, "parents")
+    ids = None if ids_raw is None else _le_column("Q", ids_raw, rows, "ids")
+    if ids is not None and any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise CodecError("entry ids must increase")
+    if rows:
+        if max(kinds) > KIND_CLEARED or max(codes) >= len(routes):
+            raise CodecError("an entry op names a kind or route the entry does not have")
+        low, high = (first_id, first_id + rows - 1) if ids is None else (ids[0], ids[-1])
+        if not first <= low or not high <= cursor:
+            raise CodecError(f"columnar entry holds events outside [{first}, {cursor}]")
+        if sum(compress(counts, kinds.translate(_IS_STORE_KIND))) != len(tokens):
+            raise CodecError("entry tokens column does not match its Stored events' counts")
+        if sum(counts) != len(hashes):
+            raise CodecError("entry hashes column does not match its events' counts")
+        if kinds.count(KIND_STORED_CHILD) != len(parents):
+            raise CodecError("entry parents column does not match its Stored children")
+        if any(compress(counts, kinds.translate(_IS_CLEARED_KIND))):
+            raise CodecError("a Cleared event of an entry has blocks")
+        if _cache_owner_device(routes, kinds, codes):
+            raise CodecError("CacheOwner residency cannot target the Device tier")
+    elif hashes or tokens or parents:
+        raise CodecError("an entry without events has block columns")
+    extras = _extras_from_wire(extras_raw, kinds, counts)
+    return first, EntryColumns(routes, kinds, codes, counts, first_id, ids, hashes, tokens, parents, extras)
+
+
+def _cache_owner_device(routes: tuple[EntryRoute, ...], kinds: bytes, codes: array[int]) -> bool:
+    """Whether a Stored or Removed names a CacheOwner route on the Device tier (apply() refuses those)."""
+    bad = {
+        code
+        for code, route in enumerate(routes)
+        if route.domain is ResidencyDomain.CACHE_OWNER and route.tier is StorageTier.DEVICE
+    }
+    return bool(bad) and any(
+        code in bad and kind != KIND_CLEARED for kind, code in zip(kinds, codes, strict=True)
+    )
+
+
+def _mm_to_compact(info: MmExtraInfo | None) -> list[object] | None:
+    """A block's multimodal info as ``[[mm_hash, [start, end, start, end, ...]], ...]`` (no field names)."""
+    if info is None:
+        return None
+    return [[obj.mm_hash, [bound for pair in obj.offsets for bound in pair]] for obj in info.mm_objects]
+
+
+def _mm_from_compact(raw: object) -> MmExtraInfo | None:
+    if raw is None:
+        return None
+    objects = []
+    if isinstance(raw, list):
+        for obj in raw:
+            if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list) and len(obj[1]) % 2 == 0):
+                break
+            mm_hash, bounds = obj
+            if (
+                type(mm_hash) is not int
+                or not 0 <= mm_hash <= U64_MAX
+                or not all(type(bound) is int and 0 <= bound <= U64_MAX for bound in bounds)
+            ):
+                break
+            objects.append(MmObject(mm_hash, tuple(zip(bounds[::2], bounds[1::2], strict=True))))
+        else:
+            return MmExtraInfo(tuple(objects))
+    raise CodecError("entry extra mm_extra_info must be [[mm_hash, [start, end, ...]], ...] of u64s")
+
+
+def _extras_from_wire(raw: object, kinds: bytes, counts: array[int]) -> dict[int, EntryExtra]:
+    if not isinstance(raw, list):
+        raise CodecError("entry extras must be a list")
+    extras: dict[int, EntryExtra] = {}
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 3:
+            raise CodecError("an entry extra must be [position, start_position, mm_extra_infos]")
+        position, start, infos_raw = item
+        if not isinstance(position, int) or not 0 <= position < len(kinds) or kinds[position] > 1:
+            raise CodecError(f"entry extra names {position!r}, not a Stored event of the entry")
+        if start is not None and (not isinstance(start, int) or not 0 <= start <= U64_MAX):
+            raise CodecError("entry extra start_position must be a u64 or nil")
+        infos = None
+        if infos_raw is not None:
+            if not isinstance(infos_raw, list) or len(infos_raw) != counts[position]:
+                raise CodecError("entry extra mm_extra_infos must hold one per block")
+            infos = tuple(_mm_from_compact(info) for info in infos_raw)
+        extras[position] = (start, infos)
+    return extras
 
 
 @attrs.frozen(slots=True)
@@ -207,6 +607,12 @@ StreamEntry = EventsEntry | StatusEntry | HeartbeatEntry | SnapshotEntry
 
 
 def encode_events_entry(first: int, events: Sequence[RouterEvent]) -> dict[str, bytes]:
+    """The columnar (version 2) entry of the events with cursors ``first..<its id>``."""
+    return {"k": b"ec", "c": pack_entry_columns(first, entry_columns(events))}
+
+
+def encode_events_entry_v1(first: int, events: Sequence[RouterEvent]) -> dict[str, bytes]:
+    """A version-1 entry: the event plane's named-map msgpack RouterEvents."""
     return {"k": b"ev", "from": str(first).encode(), "ev": encode_router_events(events)}
 
 
@@ -233,6 +639,12 @@ def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Stream
     """One stream entry; raises CodecError naming what is wrong."""
     cursor = cursor_of_id(entry_id)
     kind = fields.get(b"k")
+    if kind == b"ec":
+        payload = fields.get(b"c")
+        if payload is None:
+            raise CodecError("columnar events entry has no 'c' field")
+        first, columns = unpack_entry_columns(payload, cursor)
+        return EventsEntry(first, cursor, columns)
     if kind == b"ev":
         payload = fields.get(b"ev")
         if payload is None:
@@ -241,7 +653,9 @@ def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Stream
         first = _int_field(fields, b"from")
         if first > cursor or any(not first <= event.event_id <= cursor for event in events):
             raise CodecError(f"events entry {entry_id!r} holds events outside [{first}, {cursor}]")
-        return EventsEntry(first, cursor, events)
+        if any(b.event_id <= a.event_id for a, b in zip(events, events[1:], strict=False)):
+            raise CodecError(f"events entry {entry_id!r} holds event ids that do not increase")
+        return EventsEntry(first, cursor, entry_columns(events))
     if kind == b"st":
         try:
             status = AgentStatus.from_json(json.loads(fields[b"status"]))
@@ -362,7 +776,7 @@ def encode_snapshot(snapshot: SnapshotLike, status: AgentStatus) -> bytes:
             }
         )
     body = {
-        "v": FORMAT_VERSION,
+        "v": SNAPSHOT_VERSION,
         "cursor": snapshot.last_event_id,
         "status": status.to_json(),
         "groups": groups,
@@ -459,8 +873,8 @@ def decode_snapshot(payload: bytes) -> StreamSnapshot:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise CodecError(f"snapshot is not msgpack: {exc}") from None
-    if not isinstance(body, dict) or body.get("v") != FORMAT_VERSION:
-        raise CodecError(f"snapshot is not of format version {FORMAT_VERSION}")
+    if not isinstance(body, dict) or body.get("v") != SNAPSHOT_VERSION:
+        raise CodecError(f"snapshot is not of format version {SNAPSHOT_VERSION}")
     cursor = body.get("cursor")
     if not isinstance(cursor, int) or not 0 <= cursor <= U64_MAX:
         raise CodecError("snapshot cursor must be a u64")
@@ -475,7 +889,42 @@ def decode_snapshot(payload: bytes) -> StreamSnapshot:
     return StreamSnapshot(cursor, status, groups)
 
 
-def chunk_events(events: Sequence[RouterEvent], max_events: int) -> Iterable[Sequence[RouterEvent]]:
-    """``events`` in slices of at most ``max_events`` (one stream entry each)."""
-    for start in range(0, len(events), max_events):
-        yield events[start : start + max_events]
+# The columns of one entry at most, estimated (entry_column_bytes): Redis allocates each big entry's listpack
+# on its own and the allocator rounds it up to a size class (jemalloc's are 25% apart above 8 KiB, so an entry
+# of 9 KiB occupies 10 KiB); entries cut just under the 8 KiB class, head and Redis's own bytes included,
+# waste almost none of it (docs/fleet.md, "Entry format").
+ENTRY_COLUMN_BYTES = 7800
+
+
+def entry_column_bytes(event: RouterEvent) -> int:
+    """About what ``event`` adds to a columnar entry: its op byte, 8 bytes a hash, tokens hash and
+    parent, and its multimodal info (the routes are written once an entry: ENTRY_COLUMN_BYTES leaves room)."""
+    data = event.data
+    blocks = len(data.block_hashes)
+    if type(data) is Stored:
+        cost = 1 + 16 * blocks + (0 if data.parent_hash is None else 8)
+        infos = data.mm_extra_infos
+        if infos is not None:  # rare: ~16 bytes an object, ~8 more an event and a block
+            cost += 8 + sum(8 if info is None else 4 + 16 * len(info.mm_objects) for info in infos)
+        return cost
+    return 1 + 8 * blocks
+
+
+def chunk_events(
+    events: Sequence[RouterEvent], max_events: int, max_bytes: int | None = ENTRY_COLUMN_BYTES
+) -> Iterable[Sequence[RouterEvent]]:
+    """``events`` in slices of at most ``max_events`` and, but for a single event, about ``max_bytes`` of
+    columns (None: no byte bound), one stream entry each."""
+    if max_bytes is None:
+        for start in range(0, len(events), max_events):
+            yield events[start : start + max_events]
+        return
+    start, size = 0, 0
+    for position, event in enumerate(events):
+        cost = entry_column_bytes(event)
+        if position > start and (position - start >= max_events or size + cost > max_bytes):
+            yield events[start:position]
+            start, size = position, 0
+        size += cost
+    if start < len(events):
+        yield events[start:]

@@ -24,6 +24,7 @@ from kvagent._util.redis_target import StreamTarget
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError, IndexApplyError
 from kvagent.model.status import AgentStatus
+from kvagent.stream.apply import apply_entry
 from kvagent.stream.format import (
     EventsEntry,
     HeartbeatEntry,
@@ -106,23 +107,7 @@ class SlotReplica:
             if entry.first > self.cursor + 1:
                 self.gaps += 1
                 return False
-            index = self.index
-            events = entry.events
-            if events and events[0].event_id == index.current_event_id() + 1 == self.cursor + 1:
-                failures = index.apply_run(events)  # the batch path: one check per entry, not per event
-                if failures is not None:
-                    if failures:
-                        raise IndexApplyError(f"stream entry {entry_id}: {failures[0][1]}")
-                    events = ()
-                    self.events += len(entry.events)
-            for event in events:
-                if event.event_id > self.cursor:
-                    if event.event_id > index.current_event_id() + 1:
-                        index.skip_to(event.event_id - 1)  # ids the agent skipped (a restart's lease)
-                    index.apply(event)
-                    self.events += 1
-            if entry.last > self.index.current_event_id():
-                self.index.skip_to(entry.last)  # ids the agent skipped carry no event
+            self.events += apply_entry(self.index, entry.columns, after=self.cursor, last=entry.last)
             self.cursor = entry.last
             self.entries += 1
         elif isinstance(entry, SnapshotEntry):

@@ -20,6 +20,7 @@ from kvagent.stream.format import (
     decode_head,
     decode_snapshot,
     encode_events_entry,
+    encode_events_entry_v1,
     encode_head,
     encode_heartbeat_entry,
     encode_snapshot,
@@ -94,7 +95,9 @@ def test_entries_round_trip() -> None:
     slot = SimulatedSlot.create(7, None)
     events = slot.make_events(10)
     entry = decode_entry("10-0", _b(encode_events_entry(1, events)))
-    assert entry == EventsEntry(1, 10, tuple(events))
+    assert entry == EventsEntry.of(1, 10, events) and entry.events == tuple(events)
+    old = decode_entry("10-0", _b(encode_events_entry_v1(1, events)))  # version 1: read as well
+    assert old == entry
     slot.set_ready(3, ready=False)
     status = decode_entry("10-1", _b(encode_status_entry(slot.status.get())))
     assert status == StatusEntry(10, slot.status.get())
@@ -112,7 +115,11 @@ def test_entry_errors() -> None:
     with pytest.raises(CodecError, match="unknown kind"):
         decode_entry("1-0", {b"k": b"zz"})
     with pytest.raises(CodecError, match="'from'"):
-        decode_entry("3-0", {b"k": b"ev", b"ev": encode_events_entry(1, events)["ev"]})
+        decode_entry("3-0", {b"k": b"ev", b"ev": encode_events_entry_v1(1, events)["ev"]})
+    with pytest.raises(CodecError, match="outside"):
+        decode_entry("2-0", _b(encode_events_entry_v1(1, events)))
+    with pytest.raises(CodecError, match="'c'"):
+        decode_entry("3-0", {b"k": b"ec"})
     with pytest.raises(CodecError, match="head"):
         decode_head({b"slot": b"s"})
 
@@ -127,15 +134,15 @@ def test_replica_applies_skips_and_asks_for_its_snapshot() -> None:
     slot = SimulatedSlot.create(9, None)
     events = slot.make_events(20)
     replica = _replica()
-    assert replica.apply("10-0", EventsEntry(1, 10, tuple(events[:10])))
+    assert replica.apply("10-0", EventsEntry.of(1, 10, events[:10]))
     assert replica.cursor == 10 and replica.position == "10-0"
-    assert replica.apply("10-0", EventsEntry(1, 10, tuple(events[:10])))  # already held: skipped
+    assert replica.apply("10-0", EventsEntry.of(1, 10, events[:10]))  # already held: skipped
     assert replica.events == 10
-    assert not replica.apply("20-0", EventsEntry(12, 20, tuple(events[11:])))  # a gap: reload
+    assert not replica.apply("20-0", EventsEntry.of(12, 20, events[11:]))  # a gap: reload
     assert replica.gaps == 1 and replica.cursor == 10 and replica.position == "10-0"
     assert replica.apply("10-1", SnapshotEntry(10))  # a reset to what it holds: nothing to do
     assert not replica.apply("30-1", SnapshotEntry(30))  # a reset past it: reload
-    assert replica.apply("20-0", EventsEntry(5, 20, tuple(events[4:])))  # overlapping: the new part
+    assert replica.apply("20-0", EventsEntry.of(5, 20, events[4:]))  # overlapping: the new part
     assert replica.cursor == 20 and replica.events == 20
     assert replica.status is None  # no status seen yet: not ready, not "empty and ready"
     slot.set_ready(1, ready=True)
