@@ -184,7 +184,7 @@ class SourceSync(SourceSyncBase[M]):
         elif complete and self._first_pending:
             self._empty_answer(purpose, now)
         elif complete and not self._held and not self._progress:
-            self._repair_done(now)  # only the anchor came back: nothing newer to repair
+            self._repair_done(now, caught_up=True)  # only the anchor came back: nothing newer to repair
         elif self._progress:
             # Cut short (a timeout, an error), or ended: the send HWM may have dropped the answer's tail
             # and let the end marker through, so ask again from the first missing seq until an answer
@@ -265,7 +265,7 @@ class SourceSync(SourceSyncBase[M]):
         self.held_bytes = 0
         self._hold_since = None
         self._c.ingest_sheds += 1
-        self._unproven, self._proof_seq = True, None
+        self._unproven, self._proof_seq, self._probe_at = True, None, None
         if self._disconnected:
             pass  # the reconnect shows what _restore holds, and _signal keeps READY back until the proof
         elif self._state is READY:
@@ -273,6 +273,20 @@ class SourceSync(SourceSyncBase[M]):
             self._ready_when_proven = True
         self._settle(now)
         return freed
+
+    def verify_after_shed(self, now: float) -> None:
+        """Ask the replay socket whether the last shed lost anything, rather than wait for a live batch.
+
+        With replay, once the reorder wait is over (the time the re-opened SUB gets to subscribe, as a gap
+        gets to fill), the replay socket is asked from the last applied seq, as for a gap: an answer asked
+        after the shed that ends complete, with nothing held, shows the applied history is the engine's
+        whole history up to its newest batch, and the source is ready again (if the shed alone held it
+        back). An answer that cannot show it (the anchor gone, no answer) leaves the proof to the next live
+        batch in order. Without replay, or with nothing unproven, nothing to do.
+        """
+        if self._unproven and self._has_replay:
+            self._probe_at = now + self._wait
+        self._settle(now)
 
     # -- live batches ------------------------------------------------------------------------------------
 
@@ -434,7 +448,7 @@ class SourceSync(SourceSyncBase[M]):
             if self._held:
                 self._attempt_failed(purpose, now)
             else:
-                self._repair_done(now)
+                self._repair_done(now, caught_up=True)
 
     def _retry(self, purpose: ReplayPurpose, now: float) -> None:
         """The next attempt after a cut answer: counted as without progress if it applied nothing."""
@@ -453,7 +467,9 @@ class SourceSync(SourceSyncBase[M]):
             self._request(purpose, strict=self._strict)
             return
         self._attempts = 0
-        if purpose is ReplayPurpose.BOOTSTRAP:
+        if self._probing and not self._held:
+            self._probing = False  # nothing to repair is known: a live batch in order may still prove the history
+        elif purpose is ReplayPurpose.BOOTSTRAP:
             self._signal(DEGRADED, reason="replay unavailable: history unknown")
             self._unanchored = True
             self._refeed_held(now)
@@ -476,16 +492,20 @@ class SourceSync(SourceSyncBase[M]):
             self._lose_history(self._last_run_start(), "replay unavailable")
             self._drain_held(now)
 
-    def _proven(self, now: float) -> None:
-        """A live batch received after the last shed is applied, with everything before it: the history
-        is complete again (what the re-open lost was repaired, or counted lost by a reset)."""
-        self._unproven, self._proof_seq = False, None
+    def _proven(self, now: float, reason: str = "live batches in order after a shed") -> None:
+        """The history is complete again after the last shed (what the re-open lost was repaired, or counted
+        lost by a reset): a live batch received since has been applied in order, or a replay answer asked
+        since has ended complete with nothing held."""
+        self._unproven, self._proof_seq, self._probe_at, self._probing = False, None, None, False
         if self._ready_when_proven:
             self._ready_when_proven = False
-            self._signal(READY, reason="live batches in order after a shed")
+            self._signal(READY, reason=reason)
 
-    def _repair_done(self, now: float) -> None:
+    def _repair_done(self, now: float, *, caught_up: bool = False) -> None:
+        """The repair is over (``caught_up``: the answer ended complete with nothing newer held)."""
         self._attempts = 0
+        if caught_up and self._unproven and self._request_after_shed and not self._held and not self._deferred:
+            self._proven(now, "the replay proved the history complete after a shed")
         if self._restore is not None and not self._disconnected:
             self._show_restored()
 
@@ -570,9 +590,19 @@ class SourceSync(SourceSyncBase[M]):
             self._hold_since = None
         if self._unproven and self._proof_seq is not None and self._applied >= self._proof_seq:
             self._proven(now)
+        probe_at = self._probe_at
+        if probe_at is not None and (
+            self._held or self._replay is not None or self._deferring or self._unanchored or self._disconnected
+        ):
+            probe_at = None  # a repair or an identity check comes first (and may prove the history itself)
+        if probe_at is not None and now >= probe_at:
+            self._probe_at = probe_at = None
+            self._request(ReplayPurpose.ANCHOR, probe=True)
         waiting = self._held and self._replay is None and not self._deferring and not self._unanchored
         waiting = waiting and not (self._has_replay and self._disconnected)
         self.deadline = None if not waiting or self._hold_since is None else self._hold_since + self._wait
+        if probe_at is not None:
+            self.deadline = probe_at
         self._fast = not (
             self._held
             or self._deferred

@@ -130,6 +130,11 @@ class SourceSyncBase(Generic[M]):
         self._unproven = False
         self._proof_seq: int | None = None
         self._ready_when_proven = False
+        # With replay, the shed also asks the replay socket (once the reorder wait is over, as for a gap): an
+        # answer requested after the shed that ends complete, with nothing held, proves the history exact.
+        self._probe_at: float | None = None
+        self._request_after_shed = False  # the outstanding request was made while unproven
+        self._probing = False  # the outstanding repair is that probe (its failure leaves the proof to a live batch)
         self._c = SyncCounters()
         # A restarted agent's resume point (seq, digest of its payload): what it applied before it stopped.
         self._resuming = resume is not None
@@ -204,7 +209,7 @@ class SourceSyncBase(Generic[M]):
         self._ever_applied = True
         self._actions.append(Apply(message, seq, replayed))
 
-    def _request(self, purpose: ReplayPurpose, *, strict: bool = False) -> None:
+    def _request(self, purpose: ReplayPurpose, *, strict: bool = False, probe: bool = False) -> None:
         if self._replay is not None:
             raise RuntimeError("SourceSync: a replay request is already outstanding")
         start = 0 if purpose in (ReplayPurpose.BOOTSTRAP, ReplayPurpose.NEW_ENGINE) else self._applied
@@ -213,6 +218,9 @@ class SourceSyncBase(Generic[M]):
         self._clear_ahead()
         self._replay, self._replay_start, self._strict = purpose, start, strict
         self._first_pending, self._progress = True, False
+        self._request_after_shed = self._unproven
+        repair = purpose is ReplayPurpose.REPAIR or (purpose is ReplayPurpose.ANCHOR and not strict)
+        self._probing = probe or (self._probing and repair)
         self._request_id += 1
         self._c.replay_requests += 1
         self._actions.append(RequestReplay(start))
