@@ -157,6 +157,7 @@ class SourceSync(Generic[M]):
 
     @property
     def phase(self) -> Phase:
+        """Where the applied history stands now (tests and diagnostics; the shell needs only the actions)."""
         return self._phase
 
     def take_actions(self) -> list[Action[M]]:
@@ -388,6 +389,7 @@ class SourceSync(Generic[M]):
     # -- transitions -------------------------------------------------------------------------------------
 
     def _enter(self, phase: Phase) -> None:
+        """Move to ``phase``; every change of phase goes through here, and the table says what is legal."""
         if phase not in TRANSITIONS[self._phase]:
             raise SyncProtocolError(f"SourceSync: no transition from {self._phase.value} to {phase.value}")
         if phase is Phase.UNANCHORED and self._outstanding is not None:

@@ -7,15 +7,16 @@ Messages and digests as in test_sequence.py; the model's engine, network and she
 from __future__ import annotations
 
 import collections
+import random
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from kvagent.vllm.sequence import Phase, RequestReplay, SourceSync, SyncProtocolError
 from kvagent.vllm.sync_state import DEFERRING, TRANSITIONS, ReplayPurpose
-from tests.support.sim_engine import SimBatch
+from tests.support.sim_engine import SimBatch, SimEngine, SyncDriver
 from tests.unit.test_sequence import DEGRADED, READY, end, live, reply, started
 from tests.unit.test_sync_model import SyncMachine
 
@@ -165,17 +166,14 @@ class PhasedSyncMachine(SyncMachine):
         benign = driver.silence == 0 and buffer is not None and buffer >= 10_000  # the answer comes, whole
         if self.has_replay and before is READY and benign:
             assert driver.state is READY, "a shed fully repaired by replay must end ready"
-            seen_repaired_floods.append(flood - min(delivered, flood))
 
 
 seen: collections.Counter[Phase] = collections.Counter()
-seen_repaired_floods: list[int] = []  # batches the shed lost, per flood the replay repaired to ready
 
 
 def test_phased_sync_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model runs with the phase invariant and the flood-then-shed rule, and enters every phase."""
     seen.clear()
-    seen_repaired_floods.clear()
     enter = SourceSync._enter
 
     def counted_enter(self: SourceSync[SimBatch], phase: Phase) -> None:
@@ -188,4 +186,44 @@ def test_phased_sync_model(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     PhasedSyncMachine.TestCase().runTest()
     assert set(seen) >= set(Phase) - {Phase.UNANCHORED}, f"phases never entered: {set(Phase) - set(seen)}"
-    assert any(seen_repaired_floods), "no flood whose tail the shed lost was checked to end ready"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    before=st.integers(0, 20),
+    delivered=st.integers(0, 20),
+    lost=st.integers(1, 40),
+    window=st.integers(0, 4),
+    hwm=st.sampled_from([3, 12, 1000]),
+    tail=st.sampled_from([0.0, 0.3]),
+    end_delivery=st.sampled_from([0.0, 0.5, 1.0]),
+)
+def test_a_flood_whose_tail_the_shed_lost_ends_ready_and_exact_once_the_replay_repairs_it(
+    seed: int, before: int, delivered: int, lost: int, window: int, hwm: int, tail: float, end_delivery: float
+) -> None:
+    """Replay that answers (cut by its send HWM or not): nothing is published after the flood, and the slot
+    ends ready and exact without waiting for another batch."""
+    rng = random.Random(seed)
+    engine = SimEngine(rng)
+    sync: SourceSync[SimBatch] = SourceSync(
+        has_replay=True, reorder_window=window, max_attempts_without_progress=2, cold_bootstrap=True
+    )
+    driver = SyncDriver(sync, engine, rng, hwm=hwm, tail_delivery=tail, end_delivery=end_delivery)
+    sync.start(driver.now)
+    driver.execute()
+    for _ in range(before):
+        driver.publish()
+    driver.quiesce()
+    assert driver.state is READY
+    for _ in range(delivered + lost):
+        driver.publish()
+    driver.deliver_live(delivered)
+    driver.live.clear()  # the rest goes with the old SUB
+    sync.shed(driver.now)
+    sync.verify_after_shed(driver.now)
+    driver.execute()
+    driver.quiesce()
+    assert driver.state is READY
+    assert driver.index == engine.resident and driver.applied == driver.full_history()
+    assert sync.statistics().resets == 0
