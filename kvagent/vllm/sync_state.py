@@ -64,9 +64,10 @@ class Phase(enum.Enum):
 _P = Phase
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     _P.UNANCHORED: frozenset({_P.UNANCHORED, _P.LIVE, _P.BOOTSTRAPPING, _P.AWAITING_NEW_ENGINE}),
-    _P.BOOTSTRAPPING: frozenset({_P.BOOTSTRAPPING, _P.REPAIRING, _P.LIVE, _P.UNANCHORED, _P.AWAITING_NEW_ENGINE}),
+    # A request is outstanding in these two; everything else is decided after it is over (back to LIVE).
+    _P.BOOTSTRAPPING: frozenset({_P.REPAIRING, _P.LIVE}),
+    _P.REPAIRING: frozenset({_P.REPAIRING, _P.LIVE}),
     _P.LIVE: frozenset(Phase),
-    _P.REPAIRING: frozenset(Phase),
     _P.AWAITING_IDENTITY: frozenset(
         {_P.AWAITING_IDENTITY, _P.AWAITING_NEW_ENGINE, _P.LIVE, _P.REPAIRING, _P.UNANCHORED}
     ),
