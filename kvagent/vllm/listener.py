@@ -509,7 +509,9 @@ def _build(
     )
 
     def shed_held() -> int:
-        freed = sync.shed(trio.current_time())
+        now = trio.current_time()
+        freed = sync.shed(now)
+        sync.verify_after_shed(now)  # with replay: ask it what the re-open lost, not wait for a live batch
         inbox.wake()  # SourceSync may have something to do about it
         return freed
 

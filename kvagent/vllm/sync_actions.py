@@ -1,7 +1,7 @@
 """What :class:`kvagent.vllm.sequence.SourceSync` asks its shell to do, and its frozen counters.
 
-Import these names from :mod:`kvagent.vllm.sequence` (which re-exports them); they live here so the state
-machine's module stays short.  :class:`Apply` is emitted once per batch on the hot path, so it is a
+Import these names from :mod:`kvagent.vllm.sequence` (which re-exports them); they live here so the phase
+machine's module stays about the rules.  :class:`Apply` is emitted once per batch on the hot path, so it is a
 ``NamedTuple`` (immutable, and about three times cheaper to build than an attrs class); the other actions
 are rare and are ordinary frozen attrs classes.
 """
@@ -85,7 +85,7 @@ class SyncStatistics:
         replay_stray: replies or ends with no request outstanding or below its start (ignored).
         shed_held_batches, shed_held_bytes: held batches dropped by :meth:`SourceSync.shed`.
         ingest_sheds: calls of :meth:`SourceSync.shed` (each leaves the history unproven until a later live batch
-            applies in order).
+            applies in order, or a replay answer asked after it ends complete: docs/trust.md rule 8).
     """
 
     state: SourceState
