@@ -1,29 +1,45 @@
-"""Where a slot's event stream lives: a Redis/Valkey URL, its password, and the sync client built from them.
+"""Where a slot's event stream lives: a Redis/Valkey URL (one server, or a cluster), its password, and the
+sync client built from them.
 
-redis-py's sync client is used from one worker thread at a time (``trio.to_thread.run_sync``), owned by one
-Trio task; its asyncio client does not run under Trio.  The client does no retries of its own: the owner
-task backs off and decides what to re-read after a failure.
+redis-py's sync client is used from worker threads (``trio.to_thread.run_sync``), owned by one Trio task;
+its asyncio client does not run under Trio.  The client does no retries of its own: the owner task backs off
+and decides what to re-read after a failure.  A cluster client (``cluster=True``: ``--stream-cluster``, or a
+``redis+cluster://`` / ``rediss+cluster://`` URL) follows MOVED and ASK redirections and refreshes its slot map
+itself; it too never retries a command on another node after a connection error (a master killed mid-write:
+the owner must re-read the stream's top from the replica that took over before it writes again).
 """
 
 from __future__ import annotations
 
 import urllib.parse
+from typing import TypeAlias
 
 import attrs
 import redis
+import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvagent.model.errors import ConfigError
 
-__all__ = ["StreamTarget", "parse_stream_url"]
+__all__ = ["REDIS_ERRORS", "RedisClient", "StreamTarget", "describe_redis_error", "parse_stream_url"]
+
+RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+# What a Redis call may raise: the server's or the socket's errors, and the cluster client's own (it raises
+# RedisClusterException, not a RedisError, when no startup node answers or the node is not a cluster's).
+REDIS_ERRORS = (redis.RedisError, OSError, redis.exceptions.RedisClusterException)
+
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 def parse_stream_url(url: str) -> str:
-    """``url`` checked: ``redis://HOST:PORT[/DB]`` or ``rediss://`` (TLS), without a password in it."""
+    """``url`` checked: ``redis://HOST:PORT[/DB]``, ``rediss://`` (TLS), or ``redis+cluster://HOST:PORT``
+    (``rediss+cluster://``), without a password in it."""
     parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("redis", "rediss"):
-        raise ConfigError(f"stream URL must be redis://HOST:PORT[/DB] or rediss://..., got {url!r}")
+    if parsed.scheme not in ("redis", "rediss", *_CLUSTER_SCHEMES):
+        raise ConfigError(
+            f"stream URL must be redis://HOST:PORT[/DB], rediss://... or redis+cluster://HOST:PORT, got {url!r}"
+        )
     if not parsed.hostname:
         raise ConfigError(f"stream URL {url!r} names no host")
     if parsed.password:
@@ -38,20 +54,66 @@ def parse_stream_url(url: str) -> str:
     path = parsed.path.strip("/")
     if path and not path.isdigit():
         raise ConfigError(f"stream URL database must be a number, got {path!r}")
+    if parsed.scheme in _CLUSTER_SCHEMES and path not in ("", "0"):
+        raise ConfigError(f"stream URL {url!r}: a cluster has only database 0")
     return url
+
+
+def describe_redis_error(exc: BaseException, *, cluster: bool) -> str:
+    """One line a person can act on, for the errors a wrong setup gives (else the error's own text)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, redis.exceptions.MovedError | redis.exceptions.AskError) and not cluster:
+        return (
+            f"{type(exc).__name__}: the server is a Redis Cluster node: "
+            "use --stream-cluster (TOML stream.cluster = true) or a redis+cluster:// URL"
+        )
+    if cluster and isinstance(exc, redis.exceptions.RedisClusterException | redis.ResponseError) and (
+        "cluster mode is not enabled" in text.lower() or "cluster support disabled" in text.lower()
+    ):
+        return f"{type(exc).__name__}: the server is not a Redis Cluster node: drop --stream-cluster ({text})"
+    if isinstance(exc, redis.AuthenticationError | redis.exceptions.AuthenticationWrongNumberOfArgsError):
+        return f"{type(exc).__name__}: the server refused the password ({text})"
+    if isinstance(exc, redis.ResponseError) and text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+        return f"{type(exc).__name__}: the server refused the credentials ({text})"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _cluster_url(url: str) -> str:
+    parsed = urllib.parse.urlsplit(url)
+    scheme = _CLUSTER_SCHEMES.get(parsed.scheme, parsed.scheme)
+    return urllib.parse.urlunsplit((scheme, parsed.netloc, "", "", ""))
 
 
 @attrs.frozen(slots=True)
 class StreamTarget:
-    """A Redis/Valkey server (or a Valkey/Redis cluster's entry node) and how to talk to it."""
+    """A Redis/Valkey server, or a Redis/Valkey cluster (reached through any of its nodes), and how to talk to
+    it."""
 
     url: str = attrs.field(converter=parse_stream_url)
     password: str | None = attrs.field(default=None, repr=False)
     username: str | None = None
     socket_timeout: float = 5.0
+    cluster: bool = False
 
-    def client(self) -> redis.Redis:
-        """A new sync client (no connection is made until its first command)."""
+    @property
+    def is_cluster(self) -> bool:
+        """A cluster: said by the flag, or by the URL's scheme."""
+        return self.cluster or urllib.parse.urlsplit(self.url).scheme in _CLUSTER_SCHEMES
+
+    def client(self) -> RedisClient:
+        """A new sync client.  A plain one connects at its first command; a cluster one reads the cluster's
+        slot map from the URL's node now (blocking: call it from a worker thread; raises what a command
+        would)."""
+        if self.is_cluster:
+            return redis.cluster.RedisCluster.from_url(
+                _cluster_url(self.url),
+                password=self.password,
+                username=self.username,
+                socket_timeout=self.socket_timeout,
+                socket_connect_timeout=self.socket_timeout,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
         return redis.Redis.from_url(
             self.url,
             password=self.password,
