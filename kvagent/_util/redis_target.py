@@ -67,8 +67,10 @@ def describe_redis_error(exc: BaseException, *, cluster: bool) -> str:
             f"{type(exc).__name__}: the server is a Redis Cluster node: "
             "use --stream-cluster (TOML stream.cluster = true) or a redis+cluster:// URL"
         )
-    if cluster and isinstance(exc, redis.exceptions.RedisClusterException | redis.ResponseError) and (
-        "cluster mode is not enabled" in text.lower() or "cluster support disabled" in text.lower()
+    if (
+        cluster
+        and isinstance(exc, redis.exceptions.RedisClusterException | redis.ResponseError)
+        and ("cluster mode is not enabled" in text.lower() or "cluster support disabled" in text.lower())
     ):
         return f"{type(exc).__name__}: the server is not a Redis Cluster node: drop --stream-cluster ({text})"
     if isinstance(exc, redis.AuthenticationError | redis.exceptions.AuthenticationWrongNumberOfArgsError):
