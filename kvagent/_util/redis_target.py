@@ -11,8 +11,10 @@ the owner must re-read the stream's top from the replica that took over before i
 
 from __future__ import annotations
 
+import contextlib
 import urllib.parse
-from typing import TypeAlias
+from collections.abc import Callable
+from typing import TypeAlias, TypeVar
 
 import attrs
 import redis
@@ -22,7 +24,14 @@ from redis.retry import Retry
 
 from kvagent.model.errors import ConfigError
 
-__all__ = ["REDIS_ERRORS", "RedisClient", "StreamTarget", "describe_redis_error", "parse_stream_url"]
+__all__ = [
+    "REDIS_ERRORS",
+    "OwnedClient",
+    "RedisClient",
+    "StreamTarget",
+    "describe_redis_error",
+    "parse_stream_url",
+]
 
 RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
 # What a Redis call may raise: the server's or the socket's errors, and the cluster client's own (it raises
@@ -73,10 +82,11 @@ def describe_redis_error(exc: BaseException, *, cluster: bool) -> str:
         and ("cluster mode is not enabled" in text.lower() or "cluster support disabled" in text.lower())
     ):
         return f"{type(exc).__name__}: the server is not a Redis Cluster node: drop --stream-cluster ({text})"
-    if isinstance(exc, redis.AuthenticationError | redis.exceptions.AuthenticationWrongNumberOfArgsError):
-        return f"{type(exc).__name__}: the server refused the password ({text})"
-    if isinstance(exc, redis.ResponseError) and text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-        return f"{type(exc).__name__}: the server refused the credentials ({text})"
+    lowered = text.lower()
+    if isinstance(exc, redis.AuthenticationError) or any(
+        word in lowered for word in ("username-password", "wrongpass", "noauth", "invalid password", "noperm")
+    ):
+        return f"{type(exc).__name__}: the server refused the credentials (--stream-password-file, username): {text}"
     return f"{type(exc).__name__}: {text}"
 
 
@@ -125,3 +135,52 @@ class StreamTarget:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+
+
+_T = TypeVar("_T")
+
+
+class OwnedClient:
+    """The client of one Trio task, made, refreshed and used only inside that task's worker-thread calls.
+
+    After a failure (:meth:`failed`), a plain client is replaced by a new one (its sockets may hang); a
+    cluster client is kept and re-reads the cluster's slot map at the next call, from every node it has
+    learned (the URL's node may be the master that was killed).
+    """
+
+    def __init__(self, factory: Callable[[], RedisClient]) -> None:
+        self._factory = factory
+        self._client: RedisClient | None = None
+        self._stale: list[RedisClient] = []
+        self._refresh = False
+
+    def call(self, fn: Callable[[RedisClient], _T]) -> _T:
+        """Run ``fn`` with the client (blocking: from a worker thread, one call at a time)."""
+        while self._stale:  # clients dropped after a failure: closed here, off the Trio thread
+            with contextlib.suppress(*REDIS_ERRORS):
+                self._stale.pop().close()
+        client = self._client
+        if client is None:
+            client = self._client = self._factory()  # a cluster client reads the slot map now
+        elif self._refresh and isinstance(client, redis.cluster.RedisCluster):
+            client.nodes_manager.initialize()
+        self._refresh = False
+        return fn(client)
+
+    def failed(self) -> None:
+        """A call failed: refresh (a cluster client) or replace (a plain one) before the next call."""
+        if isinstance(self._client, redis.cluster.RedisCluster):
+            self._refresh = True
+        elif self._client is not None:
+            self._stale.append(self._client)
+            self._client = None
+
+    def close(self) -> None:
+        """Close every client (blocking)."""
+        self.failed()
+        if self._client is not None:
+            self._stale.append(self._client)
+            self._client = None
+        while self._stale:
+            with contextlib.suppress(*REDIS_ERRORS):
+                self._stale.pop().close()

@@ -18,7 +18,6 @@ each master for the slots' heads: no global key.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -30,7 +29,13 @@ import redis
 import structlog
 import trio
 
-from kvagent._util.redis_target import REDIS_ERRORS, RedisClient, StreamTarget, describe_redis_error
+from kvagent._util.redis_target import (
+    REDIS_ERRORS,
+    OwnedClient,
+    RedisClient,
+    StreamTarget,
+    describe_redis_error,
+)
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError, IndexApplyError
 from kvagent.model.status import AgentStatus
@@ -266,8 +271,7 @@ class StreamFollower:
                 target, socket_timeout=max(target.socket_timeout, 2 * block_ms / 1000)
             ).client()
         )
-        self._client: RedisClient | None = None
-        self._stale: list[RedisClient] = []
+        self._client = OwnedClient(self._client_factory)
         self._limiter = trio.CapacityLimiter(1)
         self.replicas: dict[str, SlotReplica] = {}
         self._grouped: set[str] = set()
@@ -292,28 +296,13 @@ class StreamFollower:
         )
 
     async def _call(self, fn: Callable[[RedisClient], _T]) -> _T:
-        def call() -> _T:
-            while self._stale:  # clients dropped after a failure: closed here, off the Trio thread
-                with contextlib.suppress(*REDIS_ERRORS):
-                    self._stale.pop().close()
-            # Built in the worker thread: a cluster client reads the slot map when it is made.
-            if self._client is None:
-                self._client = self._client_factory()
-            return fn(self._client)
-
-        return await trio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=True)
-
-    def _drop_client(self) -> None:
-        if self._client is not None:
-            self._stale.append(self._client)
-            self._client = None
+        return await trio.to_thread.run_sync(
+            self._client.call, fn, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     async def aclose(self) -> None:
-        self._drop_client()
-        stale, self._stale = self._stale, []
-        for client in stale:
-            with trio.move_on_after(1, shield=True):
-                await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+        with trio.move_on_after(1, shield=True):
+            await trio.to_thread.run_sync(self._client.close, limiter=self._limiter, abandon_on_cancel=True)
 
     async def wait_until(self, predicate: Callable[[StreamFollower], bool]) -> None:
         """Return once ``predicate(self)`` holds (checked after every round of reads).
@@ -447,7 +436,7 @@ class StreamFollower:
                     log.warning("stream_read_failed", error=self._last_error)
                     # A fresh client after the outage: fresh connections and group reads, and a cluster's
                     # slot map read anew (the replica that took over from a killed master is the master now).
-                    self._drop_client()
+                    self._client.failed()
                     # A Redis restarted without its data lost the groups with the streams (XREADGROUP then
                     # answers NOGROUP): join every group again, at each replica's position (BUSYGROUP: kept).
                     self._grouped.clear()

@@ -25,7 +25,6 @@ it continues, in the same pipeline: a stream found elsewhere than where the writ
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +35,13 @@ import redis
 import structlog
 import trio
 
-from kvagent._util.redis_target import REDIS_ERRORS, RedisClient, StreamTarget, describe_redis_error
+from kvagent._util.redis_target import (
+    REDIS_ERRORS,
+    OwnedClient,
+    RedisClient,
+    StreamTarget,
+    describe_redis_error,
+)
 from kvagent.model.errors import ConfigError
 from kvagent.model.events import RouterEvent
 from kvagent.model.status import AgentStatus, AttachmentStatus
@@ -186,8 +191,7 @@ class StreamWriter:
         self._ring = ring
         self._status = status
         self._client_factory = client_factory or config.target.client
-        self._client: RedisClient | None = None
-        self._stale: list[RedisClient] = []
+        self._client = OwnedClient(self._client_factory)
         self._cluster = config.target.is_cluster
         self._established = False  # once: from then on, a top found below ``_written`` is a loss
         self._lost = 0
@@ -263,7 +267,7 @@ class StreamWriter:
                     if self._connected or self._failures == 1:
                         log.warning("stream_write_failed", stream=self.keys.events, error=self._last_error)
                     self._connected = False
-                    self._drop_client()
+                    self._client.failed()
                     self._note_progress()
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, self.config.backoff_max)
@@ -274,28 +278,15 @@ class StreamWriter:
                         await self._write_round()
                     except REDIS_ERRORS as exc:
                         log.warning("stream_final_write_failed", stream=self.keys.events, error=str(exc))
-            client, self._client = self._client, None
-            if client is not None:
-                with trio.move_on_after(1, shield=True):
-                    await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+            with trio.move_on_after(1, shield=True):
+                await trio.to_thread.run_sync(
+                    self._client.close, limiter=self._limiter, abandon_on_cancel=True
+                )
 
     async def _call(self, fn: Callable[[RedisClient], _T]) -> _T:
-        def call() -> _T:
-            while self._stale:  # clients dropped after a failure: closed here, off the Trio thread
-                with contextlib.suppress(*REDIS_ERRORS):
-                    self._stale.pop().close()
-            # Built in the worker thread: a cluster client reads the slot map when it is made.
-            if self._client is None:
-                self._client = self._client_factory()
-            return fn(self._client)
-
-        return await trio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=True)
-
-    def _drop_client(self) -> None:
-        """Forget the client after a failure (the next call makes a new one and closes this one)."""
-        if self._client is not None:
-            self._stale.append(self._client)
-            self._client = None
+        return await trio.to_thread.run_sync(
+            self._client.call, fn, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     def _note_progress(self) -> None:
         self._progress.set()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,13 +27,29 @@ import redis.cluster
 import trio
 
 from kvagent._util.redis_target import StreamTarget
-from tests.support.redis_server import _free_port, _stop, redis_binary
+from tests.support.redis_server import _stop, redis_binary
 
 __all__ = ["RedisClusterServer", "private_redis_cluster", "redis_cluster"]
 
 NODES = 6
 NODE_TIMEOUT_MS = 1000
 START_TIMEOUT = 30.0
+
+
+def _cluster_port(taken: set[int]) -> int:
+    """A free port P with P + 10000 free too (a cluster node's bus port), so P <= 55535."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port > 55535 or port in taken or port + 10000 in taken:
+            continue
+        try:
+            with socket.socket() as bus:
+                bus.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
 
 
 def _info(port: int) -> dict[str, str]:
@@ -61,7 +78,12 @@ class RedisClusterServer:
         self._binary = binary
         self._cli = shutil.which("redis-cli") or str(Path(binary).with_name("redis-cli"))
         self.directory = directory
-        self.ports = [_free_port() for _ in range(NODES)]
+        taken: set[int] = set()
+        self.ports: list[int] = []
+        for _ in range(NODES):
+            port = _cluster_port(taken)
+            taken.update((port, port + 10000))
+            self.ports.append(port)
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
@@ -147,11 +169,30 @@ class RedisClusterServer:
             node = client.get_node_from_key(key)
             return int(node.port)
 
+    def keys_of(self, port: int, pattern: str) -> list[str]:
+        """Keys matching ``pattern`` on the node on ``port``."""
+        with redis.Redis(port=port, socket_timeout=5) as client:
+            return sorted(k.decode() for k in client.scan_iter(match=pattern, count=1000))
+
+    def replica_of(self, master: int) -> int:
+        """Port of the replica of the master on ``master``."""
+        with redis.Redis(port=master, socket_timeout=1) as client:
+            info = client.info("replication")
+        return int(info["slave0"]["port"])
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP the node (a replica paused stops replicating: what its master acknowledges meanwhile is
+        lost if the master dies and this replica takes over)."""
+        self._processes[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self._processes[port].send_signal(signal.SIGCONT)
+
     def _kill_blocking(self, port: int) -> None:
         process = self._processes.pop(port)
         _stop(process, signal.SIGKILL)
 
-    def _failed_over(self, dead: int) -> bool:
+    def _failed_over(self) -> bool:
         live = self._live()
         if len(self.masters()) != NODES // 2:
             return False
@@ -165,11 +206,16 @@ class RedisClusterServer:
     async def start(self) -> None:
         await trio.to_thread.run_sync(self._start_blocking)
 
-    async def kill_master(self, port: int) -> None:
-        """SIGKILL the master on ``port``; return once its replica has taken over (3 masters, state ok)."""
+    async def kill_master(self, port: int, *, wait: bool = True) -> None:
+        """SIGKILL the master on ``port``; with ``wait``, return once its replica has taken over."""
         assert port in self.masters(), f"{port} is not a live master"
         await trio.to_thread.run_sync(self._kill_blocking, port)
-        await trio.to_thread.run_sync(self._wait, lambda: self._failed_over(port), "the replica's takeover")
+        if wait:
+            await self.wait_failed_over()
+
+    async def wait_failed_over(self) -> None:
+        """Return once three masters serve again and every live node says cluster_state:ok."""
+        await trio.to_thread.run_sync(self._wait, self._failed_over, "the replica's takeover")
 
     async def restart_node(self, port: int) -> None:
         """Start a killed node again (its nodes.conf is kept: it rejoins, as a replica)."""
