@@ -131,8 +131,10 @@ async def test_a_master_killed_mid_stream(private_redis_cluster: RedisClusterSer
             victim = cluster.master_of(_writer(slots[0]).keys.events)
             on_victim = [s for s in slots if cluster.master_of(_writer(s).keys.events) == victim]
             await cluster.kill_master(victim, wait=False)
-            # A reader started while the cluster is failing over: it retries until it can catch up.
-            restarted = _follower(cluster.target(), prefix)
+            # A reader started while the cluster is failing over (through a node that is up): it retries until
+            # it can catch up.
+            entry = next(p for p in cluster.ports if p != victim)
+            restarted = _follower(StreamTarget(f"redis://127.0.0.1:{entry}", cluster=True), prefix)
             nursery.start_soon(restarted.run)
             await cluster.wait_failed_over()
             for slot in on_victim:  # the writers saw the master die and write again to its replica
@@ -174,6 +176,7 @@ async def test_entries_lost_to_asynchronous_replication_are_never_applied_past(
             replica = cluster.replica_of(master)
             cluster.pause(replica)
             try:
+                cluster.cut_replication(master)
                 slot.step(300)
                 slot.set_ready(1, ready=False)  # a status change only the lost entries carry
                 await slot.flushed()

@@ -181,9 +181,15 @@ class RedisClusterServer:
         return int(info["slave0"]["port"])
 
     def pause(self, port: int) -> None:
-        """SIGSTOP the node (a replica paused stops replicating: what its master acknowledges meanwhile is
-        lost if the master dies and this replica takes over)."""
+        """SIGSTOP the node (with :meth:`cut_replication`, what its master acknowledges meanwhile is lost if
+        the master dies and this replica takes over)."""
         self._processes[port].send_signal(signal.SIGSTOP)
+
+    def cut_replication(self, master: int) -> None:
+        """Close the master's links to its replicas (a paused replica then gets nothing written after this:
+        not even what a kernel buffer would have held for it)."""
+        with redis.Redis(port=master, socket_timeout=1) as client:
+            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
 
     def resume(self, port: int) -> None:
         self._processes[port].send_signal(signal.SIGCONT)
