@@ -73,15 +73,18 @@ def describe_redis_error(exc: BaseException, *, cluster: bool) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     if isinstance(exc, redis.exceptions.MovedError | redis.exceptions.AskError) and not cluster:
         return (
-            f"{type(exc).__name__}: the server is a Redis Cluster node: "
-            "use --stream-cluster (TOML stream.cluster = true) or a redis+cluster:// URL"
+            f"{type(exc).__name__}: the server is a Redis Cluster node: use a redis+cluster:// URL, "
+            "or --stream-cluster (TOML stream.cluster = true; stream-follow --cluster)"
         )
     if (
         cluster
         and isinstance(exc, redis.exceptions.RedisClusterException | redis.ResponseError)
         and ("cluster mode is not enabled" in text.lower() or "cluster support disabled" in text.lower())
     ):
-        return f"{type(exc).__name__}: the server is not a Redis Cluster node: drop --stream-cluster ({text})"
+        return (
+            f"{type(exc).__name__}: the server is not a Redis Cluster node: "
+            f"use a redis:// URL without --stream-cluster ({text})"
+        )
     lowered = text.lower()
     if isinstance(exc, redis.AuthenticationError) or any(
         word in lowered for word in ("username-password", "wrongpass", "noauth", "invalid password", "noperm")
