@@ -385,6 +385,9 @@ def _report_cluster(
     finally:
         client.close()
 
+    def cpu_us_per_event(runs: list[dict[str, Any]]) -> float:
+        return 1e6 * sum(float(r["cpu"]) for r in runs) / max(1, sum(int(r["events"]) for r in runs))
+
     def cpu_ms_per_slot_second(runs: list[dict[str, Any]]) -> float:
         return 1000 * sum(float(r["cpu"]) / float(r["wall"]) for r in runs) / slots
 
@@ -397,6 +400,8 @@ def _report_cluster(
         Row("write lag p99", _percentile(lags, 0.99) * 1000, "ms", higher_is_better=False),
         Row("agent CPU per slot", cpu_ms_per_slot_second(streamed), "ms/s", "same slots, no stream",
             cpu_ms_per_slot_second(plain), higher_is_better=False),
+        Row("agent CPU per event", cpu_us_per_event(streamed), "us", "same slots, no stream",
+            cpu_us_per_event(plain), higher_is_better=False, note="simulated engine and index included"),
         Row("Redis memory per slot", used / slots, "bytes", higher_is_better=False),
         Row("Redis memory per event kept", stream_bytes / max(1, events), "bytes", higher_is_better=False),
         Row("cold replica rebuild, every slot", seconds, "s", higher_is_better=False,
