@@ -41,10 +41,24 @@ REDIS_ERRORS = (redis.RedisError, OSError, redis.exceptions.RedisClusterExceptio
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
+def _split_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """``url`` with its first node only, and the further ``HOST:PORT`` nodes a cluster URL may list
+    (``redis+cluster://a:7000,b:7000,c:7000``: any one that answers is enough to find the cluster)."""
+    parsed = urllib.parse.urlsplit(url)
+    first, *rest = parsed.netloc.split(",")
+    extra: list[tuple[str, int]] = []
+    for node in rest:
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"stream URL {url!r}: a further node must be HOST:PORT, got {node!r}")
+        extra.append((host.strip("[]"), int(port)))
+    return urllib.parse.urlunsplit(parsed._replace(netloc=first)), extra
+
+
 def parse_stream_url(url: str) -> str:
     """``url`` checked: ``redis://HOST:PORT[/DB]``, ``rediss://`` (TLS), or ``redis+cluster://HOST:PORT``
-    (``rediss+cluster://``), without a password in it."""
-    parsed = urllib.parse.urlsplit(url)
+    (``rediss+cluster://``; ``,HOST:PORT`` may name further nodes), without a password in it."""
+    parsed = urllib.parse.urlsplit(_split_nodes(url)[0])
     if parsed.scheme not in ("redis", "rediss", *_CLUSTER_SCHEMES):
         raise ConfigError(
             f"stream URL must be redis://HOST:PORT[/DB], rediss://... or redis+cluster://HOST:PORT, got {url!r}"
@@ -94,7 +108,7 @@ def describe_redis_error(exc: BaseException, *, cluster: bool) -> str:
 
 
 def _cluster_url(url: str) -> str:
-    parsed = urllib.parse.urlsplit(url)
+    parsed = urllib.parse.urlsplit(_split_nodes(url)[0])
     scheme = _CLUSTER_SCHEMES.get(parsed.scheme, parsed.scheme)
     return urllib.parse.urlunsplit((scheme, parsed.netloc, "", "", ""))
 
@@ -110,6 +124,10 @@ class StreamTarget:
     socket_timeout: float = 5.0
     cluster: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        if _split_nodes(self.url)[1] and not self.is_cluster:
+            raise ConfigError(f"stream URL {self.url!r} names several nodes: only a cluster's URL may")
+
     @property
     def is_cluster(self) -> bool:
         """A cluster: said by the flag, or by the URL's scheme."""
@@ -122,6 +140,7 @@ class StreamTarget:
         if self.is_cluster:
             return redis.cluster.RedisCluster.from_url(
                 _cluster_url(self.url),
+                startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in _split_nodes(self.url)[1]],  # type: ignore[no-untyped-call]
                 password=self.password,
                 username=self.username,
                 socket_timeout=self.socket_timeout,
