@@ -53,6 +53,9 @@ def add_stream_follow_parser(sub: Any) -> None:
     follow.add_argument("--once", action="store_true", help="catch up, print, exit")
     follow.add_argument("--dump", action="store_true", help="with --once: print every slot's tree dump")
     follow.add_argument("--interval", type=float, default=1.0, help="seconds between a slot's lines")
+    follow.add_argument(
+        "--poll-ms", type=int, default=20, help="a cluster's live reads: milliseconds between idle polls"
+    )
     follow.add_argument("--group", help="read live entries through this consumer group (with --consumer)")
     follow.add_argument("--consumer", help="this reader's name in --group")
 
@@ -92,7 +95,12 @@ async def run_stream_follow(args: argparse.Namespace) -> int:
         args.url, password=_password(args.password_file), username=args.username, cluster=args.cluster
     )
     follower = StreamFollower(
-        target, prefix=args.prefix, slots=args.slot, group=args.group, consumer=args.consumer
+        target,
+        prefix=args.prefix,
+        slots=args.slot,
+        group=args.group,
+        consumer=args.consumer,
+        poll_ms=args.poll_ms,
     )
     if args.once:
         try:
