@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 
 import pytest
+import redis
 import trio
 
 from kvagent._util.redis_target import StreamTarget
@@ -152,6 +153,39 @@ async def test_a_master_killed_mid_stream(private_redis_cluster: RedisClusterSer
             await cold.catch_up()
             _assert_exact(cold, slots)
             await cold.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_resharding_mid_stream(private_redis_cluster: RedisClusterServer) -> None:
+    """A slot's hash slot migrates to another master while its writer writes and a reader follows: the
+    clients follow ASK and MOVED, nothing is reported as a failure, and the state stays exact."""
+    cluster, prefix = private_redis_cluster, _prefix()
+    config = _config(cluster.target(), prefix)
+    slots = [SimulatedSlot.create(n, config, ring=1 << 14) for n in range(3)]
+    moved = _writer(slots[0]).keys
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await run_writers(slots, nursery)
+            for slot in slots:
+                slot.set_ready(1, ready=True)
+            follower = _follower(cluster.target(), prefix)
+            stop = trio.Event()
+            nursery.start_soon(_produce, slots, stop)
+            await _writer(slots[0]).wait_until(lambda s: s.written_cursor >= 300)
+            await nursery.start(follower.run)
+            source, target = await cluster.move_slot_of(moved.events)
+            assert cluster.master_of(moved.events) == target != source
+            written = slots[0].index.current_event_id()
+            await _writer(slots[0]).wait_until(lambda s: s.written_cursor > written + 100)
+            stop.set()
+            for slot in slots:
+                await slot.flushed()
+            await follower.wait_until(_caught_up(slots))
+            _assert_exact(follower, slots)
+            with redis.Redis(port=target) as client:  # the stream lives on the new master now
+                assert client.exists(moved.events, moved.snapshot, moved.head) == 3
+            assert _writer(slots[0]).statistics().failures == 0
+            assert follower.statistics().failures == 0
             nursery.cancel_scope.cancel()
 
 

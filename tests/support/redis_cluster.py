@@ -194,6 +194,30 @@ class RedisClusterServer:
     def resume(self, port: int) -> None:
         self._processes[port].send_signal(signal.SIGCONT)
 
+    def _move_blocking(self, key: str) -> tuple[int, int]:
+        """Migrate the hash slot of ``key`` to another master, key by key (clients meet ASK, then MOVED)."""
+        source = self.master_of(key)
+        target = next(p for p in self.masters() if p != source)
+        with (
+            redis.Redis(port=source, socket_timeout=5) as src,
+            redis.Redis(port=target, socket_timeout=5) as dst,
+        ):
+            slot = int(src.execute_command("CLUSTER", "KEYSLOT", key))
+            src_id = src.execute_command("CLUSTER", "MYID")
+            dst_id = dst.execute_command("CLUSTER", "MYID")
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10):
+                src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            for port in self.masters():
+                with redis.Redis(port=port, socket_timeout=5) as node:
+                    node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        return source, target
+
+    async def move_slot_of(self, key: str) -> tuple[int, int]:
+        """Reshard: the hash slot of ``key`` moves to another master; returns (source, target) ports."""
+        return await trio.to_thread.run_sync(self._move_blocking, key)
+
     def _kill_blocking(self, port: int) -> None:
         process = self._processes.pop(port)
         _stop(process, signal.SIGKILL)
