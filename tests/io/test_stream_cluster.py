@@ -229,7 +229,7 @@ async def test_entries_lost_to_asynchronous_replication_are_never_applied_past(
             assert stats.resets >= 2 and stats.lag_events == 0
             await follower.wait_until(_caught_up([slot]))
             _assert_exact(follower, [slot])
-            cold = _follower(cluster.target(), prefix)
+            cold = _follower(StreamTarget(cluster.every_node_url), prefix)
             await cold.catch_up()
             _assert_exact(cold, [slot])
             await cold.aclose()

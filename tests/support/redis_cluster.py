@@ -91,6 +91,11 @@ class RedisClusterServer:
         """The entry node's URL (a cluster client learns the others from it)."""
         return f"redis://127.0.0.1:{self.ports[0]}"
 
+    @property
+    def every_node_url(self) -> str:
+        """A cluster URL naming every node (any that answers will do: survives a killed entry node)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
     def target(self, **kwargs: float) -> StreamTarget:
         return StreamTarget(self.url, cluster=True, **kwargs)  # type: ignore[arg-type]
 
