@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
 import trio
 
 from kvagent._util.redis_target import StreamTarget
-from kvagent.stream.format import StreamKeys, slots_key
+from kvagent.stream.format import StreamKeys, cursor_of_id, slots_key
 from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig, StreamWriter, StreamWriterStatistics
 from tests.support.redis_cluster import RedisClusterServer, private_redis_cluster, redis_cluster
@@ -112,6 +113,45 @@ async def test_slots_are_sharded_and_rebuilt_exactly(redis_cluster: RedisCluster
             await follower.wait_until(_caught_up(slots))
             _assert_exact(follower, slots)
             assert follower.statistics().failures == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_consumer_group_members_on_a_cluster(redis_cluster: RedisClusterServer) -> None:
+    """Each member of a group follows its own slot through XREADGROUP/XACK polls, on the slot's shard."""
+    prefix = _prefix()
+    config = _config(redis_cluster.target(), prefix)
+    slots = [SimulatedSlot.create(n, config) for n in (20, 21)]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await run_writers(slots, nursery)
+            for slot in slots:
+                await slot.flushed()
+            members = [
+                StreamFollower(
+                    redis_cluster.target(),
+                    prefix=prefix,
+                    slots=[slot.name],
+                    block_ms=200,
+                    poll_ms=10,
+                    group="routers",
+                    consumer=f"r{i}",
+                )
+                for i, slot in enumerate(slots)
+            ]
+            for member in members:
+                await nursery.start(member.run)
+            for slot in slots:
+                slot.set_ready(1, ready=True)
+                slot.step(700)
+            for member, slot in zip(members, slots, strict=True):
+                await member.wait_until(_caught_up([slot]))
+                _assert_exact(member, [slot])
+            with redis_cluster.client() as client:
+                for slot in slots:
+                    groups: Any = client.xinfo_groups(_writer(slot).keys.events)
+                    # Delivered through the group (heartbeats may follow the last event: "700-N").
+                    assert [g["name"] for g in groups] == [b"routers"]
+                    assert cursor_of_id(groups[0]["last-delivered-id"]) == 700
             nursery.cancel_scope.cancel()
 
 
