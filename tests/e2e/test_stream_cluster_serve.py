@@ -83,3 +83,15 @@ async def test_a_plain_url_at_a_cluster_is_one_line_and_the_slots_go_on(
         assert "unexpected" not in text, text
         if result.returncode != 0:
             assert len(text.strip().splitlines()) == 1 and "redis+cluster://" in text, text
+
+
+async def test_stream_follow_with_no_node_up_is_one_line() -> None:
+    with trio.socket.socket() as sock:  # a port nothing listens on
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "kvagent.cli.main", "stream-follow", f"redis+cluster://127.0.0.1:{port}"]
+    with trio.fail_after(TIMEOUT):
+        result = await trio.run_process([*command, "--once"], capture_stderr=True, check=False)
+    text = result.stderr.decode().strip()
+    assert result.returncode != 0 and len(text.splitlines()) == 1, text
+    assert "cannot be connected" in text and "unexpected" not in text, text
