@@ -315,9 +315,7 @@ def _le_array(data: bytes, rows: int, field: str) -> array[int]:
     return column
 
 
-_LIVE = bytes(
-    0 if flag == FLAG_DEAD else 1 for flag in range(256)
-)  # flags -> 1 for a live row, 0 for padding
+_LIVE = bytes(0 if flag == FLAG_DEAD else 1 for flag in range(256))  # flags -> 1 for a live row, 0 for padding
 
 
 def _compacted(columns: SnapshotColumns) -> tuple[bytes, bytes, bytes, bytes, list[list[object]]]:
