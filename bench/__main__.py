@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller traces and shorter windows")
     parser.add_argument("--peer", choices=("dynamo", "none"),
                         help="ingest side by side with Dynamo's indexer (installed if needed), or kvagent alone")
+    parser.add_argument("--slots", type=int, help="fleet: N slots on a private 3-master Redis Cluster")
     args = parser.parse_args(argv)
     fig_peer.peer_choice = args.peer
+    fig_fleet.slots_choice = args.slots
     names = selected(args.names, args.peer)
     unknown = [name for name in names if name not in FIGURES]
     if unknown:

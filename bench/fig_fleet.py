@@ -1,5 +1,11 @@
 """Issue #27: a fleet's slots writing their events into one redis-server, one reader rebuilding them all.
 
+``python -m bench fleet --slots 1000`` (issue #36): the same slots on a private 3-master Redis Cluster (no
+replicas, no persistence), 8 processes, each slot paced at 50 events/s as a steady engine publishes: the write
+lag (publish to written, p50/p99), Redis memory per slot and per event kept, the agent's CPU per slot (with and
+without the stream), and one cold reader rebuilding every slot from the cluster (time, and exactness against
+each slot's own state).  The rest of this docstring is the single-server figure.
+
 ``python -m bench fleet``: a private ``redis-server`` (no persistence) on a free loopback port; N simulated
 slots (bench/fleet_sim.py: a real RecoveryIndex and StreamWriter each, fed with random outbound events) in
 P worker processes, all writing at once; then one cold StreamFollower rebuilding every slot from the
@@ -24,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.cluster
 import trio
 
-from bench.fleet_sim import SimulatedSlot, canonical_state
+from bench.fleet_sim import SimulatedSlot, canonical_state, run_paced
 from bench.harness import FigureResult, Row
 from kvagent._util.redis_target import StreamTarget
 from kvagent.stream.reader import StreamFollower
@@ -35,6 +42,13 @@ from kvagent.stream.writer import StreamConfig
 NAME = "fleet"
 TITLE = "Fleet: slots' events into one redis-server, one reader rebuilding all"
 STEP = 1000  # events a slot applies per turn (in coordinator-sized chunks of 128)
+
+slots_choice: int | None = None  # ``--slots N``: the cluster figure with N slots (bench/__main__.py sets it)
+CLUSTER_MASTERS = 3
+CLUSTER_PROCESSES = 8
+SLOT_RATE = 50.0  # events/s per slot
+STEADY_SECONDS = 20.0  # the paced window with the stream (the one without it: BASELINE_SECONDS)
+BASELINE_SECONDS = 8.0
 
 
 def _digest(state: frozenset[tuple[object, ...]]) -> str:
@@ -107,6 +121,9 @@ def _used_memory(client: redis.Redis) -> int:
 
 
 def run(result: FigureResult, *, quick: bool) -> None:
+    if slots_choice is not None:
+        run_cluster(result, slots=slots_choice, quick=quick)
+        return
     binary = os.environ.get("KVAGENT_REDIS_SERVER") or shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("no redis-server: apt-get install redis-server (or set KVAGENT_REDIS_SERVER)")
@@ -201,3 +218,215 @@ def _measure(
         refused=sum(r["refused"] for r in streamed),
         reader=follower.statistics().__repr__(),
     )
+
+
+# --- the cluster figure (--slots N) ----------------------------------------------------------------------
+
+
+def _cluster_port(taken: set[int]) -> int:
+    """A free port P with P + 10000 (its cluster bus) free too."""
+    while True:
+        port = _free_port()
+        if port > 55535 or port in taken or port + 10000 in taken:
+            continue
+        try:
+            with socket.socket() as bus:
+                bus.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        taken.update((port, port + 10000))
+        return port
+
+
+def _start_cluster(binary: str, directory: Path) -> tuple[list[int], list[subprocess.Popen[bytes]]]:
+    """CLUSTER_MASTERS cluster-enabled servers joined by ``redis-cli --cluster create`` (no replicas)."""
+    taken: set[int] = set()
+    ports = [_cluster_port(taken) for _ in range(CLUSTER_MASTERS)]
+    processes = []
+    for port in ports:
+        node = directory / str(port)
+        node.mkdir()
+        command = [
+            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(node), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+        ]  # fmt: skip
+        processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for port in ports:
+        _wait_ping(redis.Redis(port=port))
+    cli = shutil.which("redis-cli") or str(Path(binary).with_name("redis-cli"))
+    nodes = [f"127.0.0.1:{port}" for port in ports]
+    subprocess.run(
+        [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    deadline = time.monotonic() + 30
+    while True:  # an external process's state: polling is the only option
+        states = []
+        for port in ports:
+            info: Any = redis.Redis(port=port).cluster("INFO")
+            states.append(
+                info.get("cluster_state") == "ok" if isinstance(info, dict) else b"cluster_state:ok" in info
+            )
+        if all(states):
+            return ports, processes
+        if time.monotonic() > deadline:
+            raise RuntimeError("the cluster did not reach cluster_state:ok")
+        time.sleep(0.1)
+
+
+def _wait_ping(client: redis.Redis) -> None:
+    deadline = time.monotonic() + 20
+    while True:  # an external process's startup: polling is the only option
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+async def _paced_slots(
+    target: StreamTarget | None, prefix: str, numbers: list[int], seconds: float
+) -> dict[str, Any]:
+    config = None if target is None else StreamConfig(target, prefix=prefix)
+    slots = [SimulatedSlot.create(n, config) for n in numbers]
+    paced = await run_paced(slots, rate=SLOT_RATE, seconds=seconds)
+    writers = [s.writer.statistics() for s in slots if s.writer is not None]
+    return {
+        **paced,
+        "digests": {slot.name: _digest(canonical_state(slot.index)) for slot in slots},
+        "blocks": sum(slot.index.resident_block_count for slot in slots),
+        "failures": sum(w.failures for w in writers),
+        "resets": sum(w.resets for w in writers),
+        "entries": sum(w.entries for w in writers),
+    }
+
+
+def paced_worker(url: str | None, prefix: str, numbers: list[int], seconds: float) -> dict[str, Any]:
+    """One worker process of the cluster figure (``url`` None: no stream, the CPU baseline)."""
+    target = None if url is None else StreamTarget(url, cluster=True)
+    return trio.run(_paced_slots, target, prefix, numbers, seconds)
+
+
+def _paced_fleet(url: str | None, prefix: str, slots: int, seconds: float) -> list[dict[str, Any]]:
+    shares = [list(range(p, slots, CLUSTER_PROCESSES)) for p in range(CLUSTER_PROCESSES)]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(CLUSTER_PROCESSES, mp_context=context) as pool:
+        futures = [pool.submit(paced_worker, url, prefix, share, seconds) for share in shares]
+        return [future.result() for future in futures]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _cluster_memory(ports: list[int]) -> int:
+    return sum(_used_memory(redis.Redis(port=port)) for port in ports)
+
+
+def run_cluster(result: FigureResult, *, slots: int, quick: bool) -> None:
+    binary = os.environ.get("KVAGENT_REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("no redis-server: apt-get install redis-server (or set KVAGENT_REDIS_SERVER)")
+    steady = 5.0 if quick else STEADY_SECONDS
+    with tempfile.TemporaryDirectory(prefix="kvagent-fleet-cluster-") as tmp:
+        ports, processes = _start_cluster(binary, Path(tmp))
+        try:
+            url = f"redis://127.0.0.1:{ports[0]}"
+            baseline_memory = _cluster_memory(ports)
+            plain = _paced_fleet(None, "unused", slots, 2.0 if quick else BASELINE_SECONDS)
+            prefix = f"fleet-{uuid.uuid4().hex[:8]}"
+            streamed = _paced_fleet(url, prefix, slots, steady)
+            used = _cluster_memory(ports) - baseline_memory
+            _report_cluster(result, url, prefix, slots, plain, streamed, used)
+            version: Any = redis.Redis(port=ports[0]).info("server")
+            result.params.update(
+                slots=slots,
+                processes=CLUSTER_PROCESSES,
+                masters=CLUSTER_MASTERS,
+                rate_per_slot=SLOT_RATE,
+                steady_seconds=steady,
+                redis=version.get("redis_version"),
+                cpus=os.cpu_count(),
+                note="shared 2-core machine, other engineers' load: figures are indicative",
+            )
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=10)
+
+
+def _report_cluster(
+    result: FigureResult,
+    url: str,
+    prefix: str,
+    slots: int,
+    plain: list[dict[str, Any]],
+    streamed: list[dict[str, Any]],
+    used: int,
+) -> None:
+    lags = [lag for r in streamed for lag in r["lags"]]
+    events = sum(r["events"] for r in streamed)
+    digests = {name: digest for r in streamed for name, digest in r["digests"].items()}
+    seconds, follower = trio.run(_rebuild_cluster, url, prefix)
+    rebuilt = {name: _digest(canonical_state(r.index)) for name, r in follower.replicas.items()}
+    exact = sum(1 for name, digest in digests.items() if rebuilt.get(name) == digest)
+    client = redis.cluster.RedisCluster.from_url(url)
+    try:
+        stream_bytes = sum(int(client.memory_usage(r.keys.events) or 0) for r in follower.replicas.values())
+        snapshot_bytes = sum(
+            int(client.memory_usage(r.keys.snapshot) or 0) for r in follower.replicas.values()
+        )
+    finally:
+        client.close()
+
+    def cpu_us_per_event(runs: list[dict[str, Any]]) -> float:
+        return 1e6 * sum(float(r["cpu"]) for r in runs) / max(1, sum(int(r["events"]) for r in runs))
+
+    def cpu_ms_per_slot_second(runs: list[dict[str, Any]]) -> float:
+        return 1000 * sum(float(r["cpu"]) / float(r["wall"]) for r in runs) / slots
+
+    wall = max(float(r["wall"]) for r in streamed)
+    result.rows += [
+        Row("events paced into the cluster", events / wall, "events/s", "asked",
+            SLOT_RATE * slots, note=f"{len(streamed)} processes"),
+        Row("write lag p50 (publish to written)", _percentile(lags, 0.5) * 1000, "ms", higher_is_better=False,
+            note=f"{slots} slots x {SLOT_RATE:.0f} ev/s, sampled every 20 ms"),
+        Row("write lag p99", _percentile(lags, 0.99) * 1000, "ms", higher_is_better=False),
+        Row("agent CPU per slot", cpu_ms_per_slot_second(streamed), "ms/s", "same slots, no stream",
+            cpu_ms_per_slot_second(plain), higher_is_better=False),
+        Row("agent CPU per event", cpu_us_per_event(streamed), "us", "same slots, no stream",
+            cpu_us_per_event(plain), higher_is_better=False, note="simulated engine and index included"),
+        Row("Redis memory per slot", used / slots, "bytes", higher_is_better=False),
+        Row("Redis memory per event kept", stream_bytes / max(1, events), "bytes", higher_is_better=False),
+        Row("cold replica rebuild, every slot", seconds, "s", higher_is_better=False,
+            note=f"{events} events, {exact}/{slots} slots exact"),
+    ]  # fmt: skip
+    result.extra.update(
+        events=events,
+        exact_slots=exact,
+        redis_used_memory=used,
+        stream_bytes=stream_bytes,
+        snapshot_bytes=snapshot_bytes,
+        writer_failures=sum(r["failures"] for r in streamed),
+        writer_resets=sum(r["resets"] for r in streamed),
+        entries=sum(r["entries"] for r in streamed),
+        reader=repr(follower.statistics()),
+    )
+    if exact != slots:
+        raise AssertionError(f"the cold reader rebuilt {exact} of {slots} slots exactly")
+
+
+async def _rebuild_cluster(url: str, prefix: str) -> tuple[float, StreamFollower]:
+    """A cold router replica: every slot found by SCAN of the masters, rebuilt from snapshot and stream."""
+    follower = StreamFollower(StreamTarget(url, cluster=True, socket_timeout=30), prefix=prefix)
+    started = time.perf_counter()
+    await follower.catch_up()
+    seconds = time.perf_counter() - started
+    await follower.aclose()
+    return seconds, follower

@@ -1,4 +1,5 @@
-"""``kvagent stream-follow redis://HOST:PORT[/DB] [--slot NAME ... | --all]``: slots rebuilt from Redis alone.
+"""``kvagent stream-follow redis://HOST:PORT[/DB] [--cluster] [--slot NAME ... | --all]``: slots rebuilt from
+Redis alone (a Redis Cluster: ``--cluster``, or a ``redis+cluster://`` URL).
 
 Reads each slot's snapshot and stream entries (docs/fleet.md), with no connection to any agent, and prints
 one JSON line per slot: after the catch-up, then whenever a slot's cursor or readiness changes (at most once
@@ -17,7 +18,8 @@ from typing import Any
 
 import trio
 
-from kvagent._util.redis_target import StreamTarget
+from kvagent._util.redis_target import REDIS_ERRORS, StreamTarget, describe_redis_error
+from kvagent.cli.errors import CliError
 from kvagent.cli.logs import configure_logging
 from kvagent.model.errors import ConfigError
 from kvagent.stream.reader import SlotReplica, StreamFollower
@@ -32,7 +34,16 @@ def add_stream_follow_parser(sub: Any) -> None:
         "stream-follow",
         help="rebuild slots from their Redis/Valkey streams (no agent connection) and follow them",
     )
-    follow.add_argument("url", metavar="redis://HOST:PORT[/DB]", help="the server (rediss:// for TLS)")
+    follow.add_argument(
+        "url",
+        metavar="redis://HOST:PORT[/DB]",
+        help="the server (rediss:// for TLS; redis+cluster://HOST:PORT for a cluster's node)",
+    )
+    follow.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the URL is a node of a Redis/Valkey Cluster (all its shards are read)",
+    )
     which = follow.add_mutually_exclusive_group()
     which.add_argument("--slot", action="append", help="a slot to follow (repeatable)")
     which.add_argument("--all", action="store_true", help="every slot in the directory (the default)")
@@ -42,6 +53,9 @@ def add_stream_follow_parser(sub: Any) -> None:
     follow.add_argument("--once", action="store_true", help="catch up, print, exit")
     follow.add_argument("--dump", action="store_true", help="with --once: print every slot's tree dump")
     follow.add_argument("--interval", type=float, default=1.0, help="seconds between a slot's lines")
+    follow.add_argument(
+        "--poll-ms", type=int, default=20, help="a cluster's live reads: milliseconds between idle polls"
+    )
     follow.add_argument("--group", help="read live entries through this consumer group (with --consumer)")
     follow.add_argument("--consumer", help="this reader's name in --group")
 
@@ -77,13 +91,22 @@ async def run_stream_follow(args: argparse.Namespace) -> int:
     if (args.group is None) != (args.consumer is None):
         raise ConfigError("--group and --consumer go together")
     configure_logging("text", logging.WARNING)  # stderr: stdout carries only the JSON lines
-    target = StreamTarget(args.url, password=_password(args.password_file), username=args.username)
+    target = StreamTarget(
+        args.url, password=_password(args.password_file), username=args.username, cluster=args.cluster
+    )
     follower = StreamFollower(
-        target, prefix=args.prefix, slots=args.slot, group=args.group, consumer=args.consumer
+        target,
+        prefix=args.prefix,
+        slots=args.slot,
+        group=args.group,
+        consumer=args.consumer,
+        poll_ms=args.poll_ms,
     )
     if args.once:
         try:
             await follower.catch_up()
+        except REDIS_ERRORS as exc:
+            raise CliError(f"{args.url}: {describe_redis_error(exc, cluster=target.is_cluster)}") from exc
         finally:
             await follower.aclose()
         for name in sorted(follower.replicas):

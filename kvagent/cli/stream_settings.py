@@ -20,7 +20,7 @@ class StreamSettings:
     """``[stream]``: the server, and how each slot's stream is kept (docs/fleet.md)."""
 
     url: str = setting(
-        help="append every slot's events to its own stream there (redis://HOST:PORT[/DB] or rediss://)",
+        help="append every slot's events to its own stream there (redis://HOST:PORT[/DB], rediss://, redis+cluster://)",
         flags=("--stream",),
         metavar="redis://HOST:PORT[/DB]",
     )
@@ -32,6 +32,12 @@ class StreamSettings:
         metavar="FILE",
     )
     username: str | None = setting(None, help="the stream server's user (ACL), with password_file")
+    cluster: bool = setting(
+        False,
+        help="the URL is a node of a Redis/Valkey Cluster: shard the slots over it (as a redis+cluster:// URL does)",
+        flags=("--stream-cluster",),
+        switch=True,
+    )
     prefix: str = option_from(StreamConfig, "prefix")
     maxlen: int = option_from(StreamConfig, "maxlen")
     entry_events: int = option_from(StreamConfig, "entry_events")
@@ -58,5 +64,5 @@ def stream_config(settings: StreamSettings) -> StreamConfig:
             raise ConfigError(
                 f"stream.password_file {settings.password_file}: {exc.strerror or exc}"
             ) from None
-    target = StreamTarget(settings.url, password=password, username=settings.username)
+    target = StreamTarget(settings.url, password=password, username=settings.username, cluster=settings.cluster)
     return configured(StreamConfig, settings, target=target)

@@ -3,14 +3,23 @@
 No connection to any agent: a slot's replica is its stream's snapshot (a tree dump at a cursor) plus the
 event entries after it (docs/fleet.md).  :class:`SlotReplica` is sans-IO: it takes decoded entries and says
 when it needs its snapshot again (a ``snap`` marker beyond its cursor, or entries that start after it: the
-stream was trimmed under a slow reader, or lost with a restarted Redis).  :class:`StreamFollower` is its Trio
-shell: it owns one redis-py sync client, used from one worker thread at a time, and reads every followed
-stream with one blocking ``XREAD`` (or ``XREADGROUP``, for routers that share the entries of a group).
+stream was trimmed under a slow reader, lost with a restarted Redis, or lost to a failover): it never applies
+past a hole.  :class:`StreamFollower` is its Trio shell: it owns one redis-py sync client, used from one worker
+thread at a time, and reads every followed stream with one blocking ``XREAD`` (or ``XREADGROUP``, for routers
+that share the entries of a group).
+
+Against a Redis Cluster (``StreamTarget.is_cluster``) the client is redis-py's cluster client, which follows
+MOVED/ASK and reads the slot map anew after resharding or a failover.  A cluster refuses a multi-key ``XREAD``
+whose keys are not in one hash slot (CROSSSLOT), and every slot has its own hash tag, so there the live reads
+are one pipelined round trip per shard (a non-blocking ``XRANGE``, or ``XREADGROUP``, of each of the shard's
+streams), again at once while entries come, else after ``poll_ms``.  The directory is found by ``SCAN`` of
+each master for the slots' heads: no global key.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -20,7 +29,13 @@ import redis
 import structlog
 import trio
 
-from kvagent._util.redis_target import StreamTarget
+from kvagent._util.redis_target import (
+    REDIS_ERRORS,
+    OwnedClient,
+    RedisClient,
+    StreamTarget,
+    describe_redis_error,
+)
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError, IndexApplyError
 from kvagent.model.status import AgentStatus
@@ -133,7 +148,7 @@ class FollowerStatistics:
     last_error: str | None
 
 
-def _read_pages(client: redis.Redis, *, requests: list[tuple[str, str]]) -> list[Any]:
+def _read_pages(client: RedisClient, *, requests: list[tuple[str, str]]) -> list[Any]:
     """One page of each stream after its position (a pipeline: one round trip for every stream)."""
     pipe = client.pipeline(transaction=False)
     for key, position in requests:
@@ -142,8 +157,38 @@ def _read_pages(client: redis.Redis, *, requests: list[tuple[str, str]]) -> list
     return pages
 
 
+def _poll_pages(
+    client: RedisClient, *, requests: list[tuple[str, str]], group: str | None, consumer: str | None
+) -> list[Any]:
+    """One page of each stream, non-blocking, one pipelined round trip per shard (a cluster's live read)."""
+    if group is None or consumer is None:
+        return _read_pages(client, requests=requests)
+    pipe = client.pipeline(transaction=False)
+    for key, _ in requests:
+        pipe.xreadgroup(group, consumer, {key: ">"}, count=PAGE_ENTRIES)
+    pages: list[Any] = []
+    for answer in pipe.execute():
+        if not answer:
+            pages.append([])
+        elif isinstance(answer, dict):  # RESP3
+            pages.append(next(iter(answer.values()), []))
+        else:
+            pages.append(answer[0][1])
+    return pages
+
+
+def _head_keys(client: RedisClient, *, prefix: str) -> list[str]:
+    """Every slot's head key under ``prefix``, by SCAN of every master (a cluster: no global directory)."""
+    assert isinstance(client, redis.cluster.RedisCluster)
+    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", "{" + prefix + ":") + "*}:head"
+    keys = client.scan_iter(
+        match=pattern, count=1000, _type="hash", target_nodes=redis.cluster.RedisCluster.PRIMARIES
+    )
+    return sorted({_text(key) for key in keys})
+
+
 def _xread(
-    client: redis.Redis, *, streams: dict[str, str], group: str | None, consumer: str | None, block: int
+    client: RedisClient, *, streams: dict[str, str], group: str | None, consumer: str | None, block: int
 ) -> list[tuple[Any, Any]]:
     """One blocking XREAD (or XREADGROUP) of every stream: [(key, [(id, fields), ...]), ...]."""
     keys: Any = streams
@@ -158,9 +203,16 @@ def _xread(
     return [(key, entries) for key, entries in result]
 
 
-def _ack(client: redis.Redis, *, key: str, group: str | None, ids: list[Any]) -> None:
+def _ack(client: RedisClient, *, key: str, group: str | None, ids: list[Any]) -> None:
     if group is not None:
         client.xack(key, group, *ids)
+
+
+def _ack_all(client: RedisClient, *, group: str, acks: list[tuple[str, list[Any]]]) -> None:
+    pipe = client.pipeline(transaction=False)
+    for key, ids in acks:
+        pipe.xack(key, group, *ids)
+    pipe.execute()
 
 
 def _text(value: bytes | str) -> str:
@@ -185,7 +237,8 @@ class StreamFollower:
         group: str | None = None,
         consumer: str | None = None,
         on_update: Callable[[SlotReplica], None] | None = None,
-        client_factory: Callable[[], redis.Redis] | None = None,
+        client_factory: Callable[[], RedisClient] | None = None,
+        poll_ms: int = 20,
     ) -> None:
         if (group is None) != (consumer is None):
             raise ValueError("a consumer group needs both group and consumer names")
@@ -193,6 +246,8 @@ class StreamFollower:
         self.prefix = prefix
         self._slots = None if slots is None else list(slots)
         self._block_ms = block_ms
+        self._poll_ms = poll_ms
+        self._cluster = target.is_cluster
         self._group = group
         self._consumer = consumer
         self._on_update = on_update
@@ -201,7 +256,7 @@ class StreamFollower:
                 target, socket_timeout=max(target.socket_timeout, 2 * block_ms / 1000)
             ).client()
         )
-        self._client: redis.Redis | None = None
+        self._client = OwnedClient(self._client_factory)
         self._limiter = trio.CapacityLimiter(1)
         self.replicas: dict[str, SlotReplica] = {}
         self._grouped: set[str] = set()
@@ -225,16 +280,14 @@ class StreamFollower:
             last_error=self._last_error,
         )
 
-    async def _call(self, fn: Callable[[redis.Redis], _T]) -> _T:
-        if self._client is None:
-            self._client = self._client_factory()
-        return await trio.to_thread.run_sync(fn, self._client, limiter=self._limiter, abandon_on_cancel=True)
+    async def _call(self, fn: Callable[[RedisClient], _T]) -> _T:
+        return await trio.to_thread.run_sync(
+            self._client.call, fn, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with trio.move_on_after(1, shield=True):
-                await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+        with trio.move_on_after(1, shield=True):
+            await trio.to_thread.run_sync(self._client.close, limiter=self._limiter, abandon_on_cancel=True)
 
     async def wait_until(self, predicate: Callable[[StreamFollower], bool]) -> None:
         """Return once ``predicate(self)`` holds (checked after every round of reads).
@@ -247,18 +300,28 @@ class StreamFollower:
     # --- one pass ---------------------------------------------------------------------------------
     async def refresh_heads(self) -> None:
         """Find the followed slots' current streams; a slot whose publisher changed starts over."""
-        prefix, wanted = self.prefix, self._slots
+        prefix, wanted, cluster = self.prefix, self._slots, self._cluster
 
-        def heads(client: redis.Redis) -> dict[str, dict[bytes, bytes]]:
-            names = (
-                wanted if wanted is not None else sorted(_text(n) for n in client.smembers(slots_key(prefix)))
-            )
+        def heads(client: RedisClient) -> dict[str, dict[bytes, bytes]]:
+            if wanted is not None:
+                keys = {head_key(prefix, name): name for name in wanted}
+            elif cluster:
+                keys = {key: key for key in _head_keys(client, prefix=prefix)}  # named by the head's field
+            else:
+                keys = {head_key(prefix, _text(n)): _text(n) for n in client.smembers(slots_key(prefix))}
             pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.hgetall(head_key(prefix, name))
-            return dict(zip(names, pipe.execute(), strict=True))
+            for key in keys:
+                pipe.hgetall(key)
+            found: dict[str, dict[bytes, bytes]] = {}
+            for (key, name), fields in zip(keys.items(), pipe.execute(), strict=True):
+                if key == name and fields and b"slot" in fields:  # found by SCAN: the head names its slot
+                    name = _text(fields[b"slot"])
+                    if head_key(prefix, name) != key:
+                        continue  # another prefix's key that the pattern matched
+                found[name] = fields
+            return found
 
-        for name, fields in (await self._call(heads)).items():
+        for name, fields in sorted((await self._call(heads)).items()):
             if not fields:
                 continue  # not written yet (or lost with a restarted Redis, until the writer is back)
             try:
@@ -275,7 +338,7 @@ class StreamFollower:
     async def _load_snapshot(self, replica: SlotReplica) -> None:
         key = replica.keys.snapshot
 
-        def get(client: redis.Redis) -> bytes | None:
+        def get(client: RedisClient) -> bytes | None:
             value: bytes | None = client.get(key)  # type: ignore[assignment]
             return value
 
@@ -352,11 +415,13 @@ class StreamFollower:
                         started = True
                     backoff = 0.1
                     await self._read_live()
-                except (redis.RedisError, OSError) as exc:
+                except REDIS_ERRORS as exc:
                     self._failures += 1
-                    self._last_error = f"{type(exc).__name__}: {exc}"
+                    self._last_error = describe_redis_error(exc, cluster=self._cluster)
                     log.warning("stream_read_failed", error=self._last_error)
-                    self._client = None  # a fresh connection (and fresh group reads) after the outage
+                    # A fresh client after the outage: fresh connections and group reads, and a cluster's
+                    # slot map read anew (the replica that took over from a killed master is the master now).
+                    self._client.failed()
                     # A Redis restarted without its data lost the groups with the streams (XREADGROUP then
                     # answers NOGROUP): join every group again, at each replica's position (BUSYGROUP: kept).
                     self._grouped.clear()
@@ -367,6 +432,9 @@ class StreamFollower:
 
     async def _read_live(self) -> None:
         """Blocking reads of every replica's stream, until a replica needs its snapshot or heads may move."""
+        if self._cluster:
+            await self._poll_live()
+            return
         while True:
             replicas = [r for r in self.replicas.values() if r.loaded]
             if not replicas:
@@ -398,6 +466,49 @@ class StreamFollower:
             if needs_snapshot:
                 return
 
+    async def _poll_live(self) -> None:
+        """A cluster's live reads: every stream's next page, one pipelined round trip per shard, until a
+        replica needs its snapshot or nothing came for ``block_ms`` (then the heads may have moved)."""
+        idle_since = trio.current_time()
+        while True:
+            replicas = [r for r in self.replicas.values() if r.loaded]
+            if not replicas:
+                await self._sleep_ms(self._block_ms)
+                return
+            requests = [(r.keys.events, r.position) for r in replicas]
+            read = partial(_poll_pages, requests=requests, group=self._group, consumer=self._consumer)
+            pages = await self._call(read)
+            needs_snapshot = got = False
+            acks: list[tuple[str, list[Any]]] = []
+            self._acknowledging = self._group is not None
+            try:
+                for replica, entries in zip(replicas, pages, strict=True):
+                    if not entries:
+                        continue
+                    got = True
+                    ok = self._apply_entries(replica, entries)
+                    if self._group is not None:
+                        acks.append((replica.keys.events, [raw_id for raw_id, _ in entries]))
+                    if not ok:
+                        replica.loaded = False
+                        needs_snapshot = True
+                    elif self._on_update is not None:
+                        self._on_update(replica)
+                if acks and self._group is not None:
+                    await self._call(partial(_ack_all, group=self._group, acks=acks))
+            finally:
+                self._acknowledging = False
+            self._note_progress()
+            if needs_snapshot:
+                return
+            now = trio.current_time()
+            if got:
+                idle_since = now
+            elif (now - idle_since) * 1000 >= self._block_ms:
+                return
+            else:
+                await self._sleep_ms(self._poll_ms)
+
     async def _join_groups(self) -> None:
         """Create the group on every caught-up replica's stream not joined yet, at the replica's position.
 
@@ -409,7 +520,7 @@ class StreamFollower:
         if not todo or group is None:
             return
 
-        def create(client: redis.Redis) -> None:
+        def create(client: RedisClient) -> None:
             for replica in todo:
                 try:
                     client.xgroup_create(replica.keys.events, group, id=replica.position, mkstream=True)

@@ -9,9 +9,18 @@ stream's top (Redis was down long enough, or the stream is new or lost), it writ
 at most about one snapshot plus ``maxlen`` entries.  Status changes and idle heartbeats go in the stream too
 (docs/fleet.md has the format, ``kvagent/stream/format.py`` the bytes).
 
-redis-py's sync client runs in a worker thread, one call at a time, owned by this task alone.  Failures are
-counted and logged once per outage; the task backs off exponentially and, on reconnecting, re-reads the
+redis-py's sync client (a cluster client against a Redis Cluster: a slot's keys share one hash tag, so all
+of its calls go to one shard) runs in a worker thread, one call at a time, owned by this task alone.  Failures
+are counted and logged once per outage (one line naming a wrong setup: a cluster URL at a single server or the
+reverse, a refused password); the task backs off exponentially, drops its client (a cluster's slot map is
+read anew: after a failover the replica that took over is the master), and on reconnecting re-reads the
 stream's top before writing anything, so nothing is written twice and nothing is skipped.
+
+A failover may lose entries Redis acknowledged (replication is asynchronous): the top the writer re-reads is
+then below what it had written.  The loss is counted (``lost_entries``) and answered with a reset (a fresh
+snapshot and a ``snap`` marker above every cursor written), so a reader that read the lost entries, or the
+status among them, reloads the snapshot rather than missing what they said.  Every append also reads the top
+it continues, in the same pipeline: a stream found elsewhere than where the writer left it is the same loss.
 """
 
 from __future__ import annotations
@@ -26,7 +35,13 @@ import redis
 import structlog
 import trio
 
-from kvagent._util.redis_target import StreamTarget
+from kvagent._util.redis_target import (
+    REDIS_ERRORS,
+    OwnedClient,
+    RedisClient,
+    StreamTarget,
+    describe_redis_error,
+)
 from kvagent.model.events import RouterEvent
 from kvagent.model.options import option, option_validator, positive
 from kvagent.model.status import AgentStatus, AttachmentStatus
@@ -125,6 +140,8 @@ class StreamWriterStatistics:
         snapshots: snapshots written (refreshes and resets); resets: of them, with a ``snap`` marker.
         status_entries, heartbeats: those entries appended.
         refused: entries Redis refused as already present (a retried write; idempotence at work).
+        lost_entries: times the stream's top was found below what had been written (entries a failover lost,
+            or a server restarted without its data), each answered with a reset.
         failures: Redis calls that failed; last_error: the newest failure's text.
     """
 
@@ -139,6 +156,7 @@ class StreamWriterStatistics:
     status_entries: int
     heartbeats: int
     refused: int
+    lost_entries: int
     failures: int
     last_error: str | None
 
@@ -150,6 +168,10 @@ def _status_key(status: AgentStatus) -> tuple[AttachmentStatus | None, bool]:
 def _redis_fields(fields: dict[str, bytes]) -> dict[Any, Any]:
     """An entry's fields as redis-py's ``xadd`` types them (its invariant dict type takes no ``str`` keys)."""
     return fields
+
+
+class StreamTopMoved(redis.RedisError):
+    """The stream's top is not where this writer left it (raised to re-establish: re-read it, then reset)."""
 
 
 def _is_refused_id(exc: BaseException) -> bool:
@@ -174,7 +196,7 @@ class StreamWriter:
         kv_block_size: int,
         ring: EventRing,
         status: StatusSource,
-        client_factory: Callable[[], redis.Redis] | None = None,
+        client_factory: Callable[[], RedisClient] | None = None,
     ) -> None:
         self.config = config
         self.keys = StreamKeys(config.prefix, slot, publisher_id)
@@ -182,7 +204,10 @@ class StreamWriter:
         self._ring = ring
         self._status = status
         self._client_factory = client_factory or config.target.client
-        self._client: redis.Redis | None = None
+        self._client = OwnedClient(self._client_factory)
+        self._cluster = config.target.is_cluster
+        self._established = False  # once: from then on, a top found below ``_written`` is a loss
+        self._lost = 0
         self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
         self._connected = False
@@ -215,6 +240,7 @@ class StreamWriter:
             status_entries=self._status_entries,
             heartbeats=self._heartbeats,
             refused=self._refused,
+            lost_entries=self._lost,
             failures=self._failures,
             last_error=self._last_error,
         )
@@ -248,12 +274,13 @@ class StreamWriter:
                     await self._write_round()
                     backoff = self.config.backoff_initial
                     await self._wait_for_work()
-                except (redis.RedisError, OSError) as exc:
+                except REDIS_ERRORS as exc:
                     self._failures += 1
-                    self._last_error = f"{type(exc).__name__}: {exc}"
+                    self._last_error = describe_redis_error(exc, cluster=self._cluster)
                     if self._connected or self._failures == 1:
                         log.warning("stream_write_failed", stream=self.keys.events, error=self._last_error)
                     self._connected = False
+                    self._client.failed()
                     self._note_progress()
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, self.config.backoff_max)
@@ -262,18 +289,17 @@ class StreamWriter:
                 with trio.move_on_after(1, shield=True):
                     try:
                         await self._write_round()
-                    except (redis.RedisError, OSError) as exc:
+                    except REDIS_ERRORS as exc:
                         log.warning("stream_final_write_failed", stream=self.keys.events, error=str(exc))
-            client, self._client = self._client, None
-            if client is not None:
-                with trio.move_on_after(1, shield=True):
-                    await trio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+            with trio.move_on_after(1, shield=True):
+                await trio.to_thread.run_sync(
+                    self._client.close, limiter=self._limiter, abandon_on_cancel=True
+                )
 
-    async def _call(self, fn: Callable[[redis.Redis], _T]) -> _T:
-        if self._client is None:
-            self._client = self._client_factory()
-        client = self._client
-        return await trio.to_thread.run_sync(fn, client, limiter=self._limiter, abandon_on_cancel=True)
+    async def _call(self, fn: Callable[[RedisClient], _T]) -> _T:
+        return await trio.to_thread.run_sync(
+            self._client.call, fn, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     def _note_progress(self) -> None:
         self._progress.set()
@@ -282,9 +308,9 @@ class StreamWriter:
     async def _establish(self) -> None:
         """Register the head, then learn how far the stream already is (after an outage or a restart)."""
         keys, head = self.keys, encode_head(self._head)
-        prefix, slot = self.config.prefix, self._head.slot
+        prefix, slot, cluster = self.config.prefix, self._head.slot, self._cluster
 
-        def establish(client: redis.Redis) -> tuple[list[Any], bool]:
+        def establish(client: RedisClient) -> tuple[list[Any], bool]:
             previous: Any = client.hget(keys.head, "publisher_id")
             pipe = client.pipeline(transaction=False)
             if previous is not None and previous.isdigit() and int(previous) != keys.publisher_id:
@@ -294,17 +320,24 @@ class StreamWriter:
                 pipe.expire(retired.events, RETIRED_STREAM_TTL)
                 pipe.expire(retired.snapshot, RETIRED_STREAM_TTL)
             pipe.hset(keys.head, mapping=head)  # type: ignore[arg-type]
-            pipe.sadd(slots_key(prefix), slot)
+            if not cluster:  # a cluster has no global key: readers find the heads by SCAN on each shard
+                pipe.sadd(slots_key(prefix), slot)
             pipe.xrevrange(keys.events, count=1)
             pipe.exists(keys.snapshot)
             result = pipe.execute()
             return result[-2], bool(result[-1])
 
         top, has_snapshot = await self._call(establish)
-        self._written = cursor_of_id(top[0][0]) if top else 0
+        top_cursor = cursor_of_id(top[0][0]) if top else 0
+        lost = self._established and top_cursor < self._written
+        if lost:
+            self._lost += 1
+            log.warning("stream_entries_lost", stream=self.keys.events, written=self._written, top=top_cursor)
+        self._established = True
+        self._written = top_cursor
         self._written_status = None  # a restarted Redis may have lost it: write the status again
         self._connected = True
-        if not top or not has_snapshot:
+        if lost or not top or not has_snapshot:
             await self._reset()
 
     async def _write_round(self) -> None:
@@ -345,10 +378,11 @@ class StreamWriter:
             start = last + 1
         if complete and start <= current:
             entries.append((start, current, ()))  # ids the agent skipped (a restart): covered, no events
-        keys, maxlen = self.keys, self.config.maxlen
+        keys, maxlen, expected = self.keys, self.config.maxlen, self._written
 
-        def append(client: redis.Redis) -> list[Any]:
+        def append(client: RedisClient) -> list[Any]:
             pipe = client.pipeline(transaction=False)
+            pipe.xrevrange(keys.events, count=1)  # the top this round continues, read where it writes
             for first, last, events in entries:
                 fields = encode_events_entry(first, events)
                 pipe.xadd(
@@ -361,7 +395,13 @@ class StreamWriter:
             results: list[Any] = pipe.execute(raise_on_error=False)
             return results
 
-        results = await self._call(append)
+        top, *results = await self._call(append)
+        if isinstance(top, Exception):
+            raise top
+        if not top or cursor_of_id(top[0][0]) != expected:
+            # Not where this writer left it (a failover lost entries, or the stream was lost): what was just
+            # appended may follow a hole; readers refuse to apply past it, and the re-establish resets.
+            raise StreamTopMoved(f"stream top is {top[0][0] if top else None!r}, expected cursor {expected}")
         for (_, last, events), result in zip(entries, results, strict=True):
             if isinstance(result, Exception):
                 if not _is_refused_id(result):
@@ -391,7 +431,7 @@ class StreamWriter:
         keys, maxlen = self.keys, self.config.maxlen
         marker_id = f"{max(cursor, self._written)}-*"
 
-        def write(client: redis.Redis) -> None:
+        def write(client: RedisClient) -> None:
             payload = encode_snapshot(snapshot, status)
             pipe = client.pipeline(transaction=False)
             pipe.set(keys.snapshot, payload)
@@ -421,7 +461,7 @@ class StreamWriter:
     async def _xadd(self, entry_id: str, fields: dict[str, bytes]) -> None:
         keys, maxlen = self.keys, self.config.maxlen
 
-        def xadd(client: redis.Redis) -> None:
+        def xadd(client: RedisClient) -> None:
             client.xadd(keys.events, _redis_fields(fields), id=entry_id, maxlen=maxlen, approximate=True)
 
         await self._call(xadd)
