@@ -18,7 +18,7 @@ import collections
 import random
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import msgpack
 import structlog
@@ -248,13 +248,11 @@ class FakeVllmEngine:
     async def _watch_subscriptions(self, pub: TrioSocket) -> None:
         # The only task that waits on the XPUB's FD. Sends (in publish_batch) never wait, and they drain
         # subscriptions themselves because a send can consume the FD's edge (pyzmq's documentation of zmq.FD).
-        fd = cast(int, pub.socket.getsockopt(zmq.FD))
         # kill() closes the socket while this task may be runnable (its cancellation then comes at the next
-        # checkpoint): check before touching it.
+        # checkpoint): check before touching it (wait_readable checks too, and re-reads EVENTS before waiting).
         while not pub.socket.closed:
             self._drain_subscriptions()
-            if not cast(int, pub.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                await trio.lowlevel.wait_readable(fd)  # the ZMQ FD itself: this task is the XPUB's adapter
+            await pub.wait_readable()
 
     async def wait_for_subscriber(self, count: int = 1) -> None:
         """Return once ``count`` subscriptions have reached this incarnation of the publisher socket."""
