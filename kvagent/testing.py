@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import trio
-
+from kvagent._util.sync import Changed
 from kvagent.model.errors import SinkError
 from kvagent.model.events import RouterEvent
 from kvagent.simulator.engine import (
@@ -46,17 +45,15 @@ class RecordingSink:
         self.calls = 0
         self.events: list[RouterEvent] = []
         self.fail = False
-        self._changed = trio.Event()
+        self._called = Changed()  # publish was called
 
     def publish(self, events: Sequence[RouterEvent]) -> None:
         self.calls += 1
-        self._changed.set()
-        self._changed = trio.Event()
+        self._called.notify()
         if self.fail:
             raise SinkError("injected publication failure")
         self.events.extend(events)
 
     async def wait_for_calls(self, count: int) -> None:
         """Return once ``publish`` has been called ``count`` times in all."""
-        while self.calls < count:
-            await self._changed.wait()
+        await self._called.wait_for(lambda: self.calls >= count)

@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError
 
+from kvagent._util.sync import Changed
 from kvagent.cli.errors import agent_connection_problem
 from kvagent.model.errors import FollowOverrun, RecoveryClientError
 from kvagent.model.events import Cleared, ResidencyDomain, RouterEvent, StorageTier, Stored
@@ -171,7 +172,7 @@ class SlotRow:
 class TopState:
     url: str
     rows: dict[str, SlotRow] = attrs.field(factory=dict)
-    updated: trio.Event = attrs.field(factory=trio.Event)
+    updated: Changed = attrs.field(factory=Changed)
 
     def apply_list(self, slots: list[dict[str, Any]], now: float) -> list[str]:
         """The ``list`` answer; returns the names of slots seen for the first time."""
@@ -187,8 +188,7 @@ class TopState:
         return new
 
     def changed(self) -> None:
-        self.updated.set()
-        self.updated = trio.Event()
+        self.updated.notify()
 
 
 # --- rendering ---------------------------------------------------------------------------------------
@@ -317,6 +317,7 @@ async def _until_quit(fd: int, keys: bool, signals: AsyncIterator[int]) -> None:
 
         async def on_key() -> None:
             while True:
+                # The terminal's own FD (FdStream would make the shared tty non-blocking for the shell too).
                 await trio.lowlevel.wait_readable(fd)
                 typed = os.read(fd, 32)
                 if not typed or b"q" in typed.lower():
@@ -343,8 +344,9 @@ async def _live(state: TopState, args: argparse.Namespace, console: Console) -> 
 
             async def redraw() -> None:
                 while True:
+                    drawn = state.updated.version  # this frame shows every change up to here
                     live.update(render_table(state), refresh=True)
-                    await state.updated.wait()
+                    await state.updated.wait(drawn)
                     await trio.sleep(0.1)  # at most ten redraws a second, however busy the streams are
 
             nursery.start_soon(quit_then_stop)

@@ -35,6 +35,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent._util.sync import Changed, checkpoint
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import KvAgentError, SinkError
 from kvagent.model.events import RouterEvent
@@ -251,11 +252,11 @@ class VllmRepublisher:
                 self._pub.close()
                 raise
         self._subscriptions = 0
-        self._subscribed = trio.Event()
+        self._subscribed = Changed()  # a subscription was counted
         self._resync_gate = ResyncGate(config.resync_interval, config.resync_bytes_per_second)
-        self._resync_wanted = trio.Event()
-        self._mirror_caught_up = trio.Event()
-        self._state.on_mirror_current = self._mirror_caught_up.set
+        self._resync_wanted = Changed()  # the gate was marked wanted
+        self._mirror_caught_up = Changed()  # the last snapshot stream holding the mirror back ended
+        self._state.on_mirror_current = self._mirror_caught_up.notify
         self._resync_dropped = 0
         self._batches_sent = 0
         self._dropped_batches = 0
@@ -369,17 +370,15 @@ class VllmRepublisher:
             # late, or it followed this slot before kvagent restarted): it gets the whole state.
             if self.config.resync_on_subscribe and self._state.last_seq is not None:
                 self._resync_gate.want()
-                self._resync_wanted.set()
-            self._subscribed.set()
-            self._subscribed = trio.Event()
+                self._resync_wanted.notify()
+            self._subscribed.notify()
 
     async def wait_for_subscriber(self, count: int = 1) -> None:
         """Return once ``count`` subscriptions reached the PUB (counted since it was opened).
 
         Notifications are taken by :meth:`run`'s watcher and by every publish; this waits on neither FD.
         """
-        while self._subscriptions < count:
-            await self._subscribed.wait()
+        await self._subscribed.wait_for(lambda: self._subscriptions >= count)
 
     # --- tasks -----------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -405,20 +404,18 @@ class VllmRepublisher:
         """Send a resync whenever a subscription wants one and the gate allows it."""
         gate = self._resync_gate
         while True:
-            await self._resync_wanted.wait()
+            # Wanted until a resync is sent (_send_resync clears it with every subscription noted so far).
+            await self._resync_wanted.wait_for(lambda: gate.wanted)
             await trio.sleep_until(gate.not_before)
-            while not self._state.mirror_current:
-                # A replay snapshot holds the mirror back until it ends (or is abandoned at its deadline), and a
-                # resync starts from the state after the newest batch.
-                self._mirror_caught_up = trio.Event()
-                self._state.on_mirror_current = self._mirror_caught_up.set
-                await self._mirror_caught_up.wait()
+            # A replay snapshot holds the mirror back until it ends (or is abandoned at its deadline), and a
+            # resync starts from the state after the newest batch.
+            await self._mirror_caught_up.wait_for(lambda: self._state.mirror_current)
             build = self._state.begin_resync()
             try:
                 # Encoded a chunk at a time, so the coordinator (which goes on publishing: the resync re-sends
                 # what it publishes meanwhile) and the other tasks run between chunks.
                 while not build.encode(RESYNC_CHUNK_PAYLOADS):
-                    await trio.lowlevel.checkpoint()
+                    await checkpoint()
                 self._send_resync(build)
             finally:
                 build.close()
@@ -426,8 +423,9 @@ class VllmRepublisher:
     def _send_resync(self, build: ResyncBuild) -> None:
         if self._pub.closed:
             raise trio.ClosedResourceError("the republisher is closed")
-        self._poll_subscriptions()  # every subscription noted so far is served by this resync
-        self._resync_wanted = trio.Event()
+        # Every subscription noted so far is served by this resync: gate.sent below clears ``wanted`` with no
+        # await in between.
+        self._poll_subscriptions()
         batches = self._state.finish_resync(build)
         size = dropped = 0
         for seq, payload in batches:
@@ -459,16 +457,18 @@ class VllmRepublisher:
                 await router.wait_readable()
                 continue
             if self._send_round(router):
-                await trio.lowlevel.checkpoint()
+                await checkpoint()
                 continue
             # Every answer's pipe is full. Let libzmq process its commands (a peer's read activates its pipe),
             # try once more, then sleep until the next command or the nearest deadline.
             router.socket.getsockopt(zmq.EVENTS)
             if self._send_round(router):
-                await trio.lowlevel.checkpoint()
+                await checkpoint()
                 continue
             wait = min(BLOCKED_RETRY, max(0.0, self._nearest_deadline() - trio.current_time()))
             with trio.move_on_after(wait):
+                # The raw FD, not router.wait_readable(): libzmq signals it for any change of EVENTS (a blocked
+                # pipe turning writable, too), and that wait returns only once a request is readable.
                 await trio.lowlevel.wait_readable(fd)
 
     # --- requests --------------------------------------------------------------------------------

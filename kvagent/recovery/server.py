@@ -36,6 +36,7 @@ from kvagent._util.listen import (
     default_pending_limit,
     shed_pending_handshakes,
 )
+from kvagent._util.sync import Changed
 from kvagent.model.options import option, option_validator, positive
 from kvagent.recovery.protocol import DEFAULT_HOST, DEFAULT_PORT, ServerStatistics, SlotDirectory
 from kvagent.recovery.session import Session, SessionConfig
@@ -265,7 +266,7 @@ class _Server:
         self.stopping = False
         self._scope = trio.CancelScope(shield=True)  # outer cancellation waits for shutdown()
         self._listeners: list[trio.SocketListener] = []
-        self._idle = trio.Event()
+        self._idle = Changed()  # the last connection ended
 
     async def run(self, listeners: list[trio.SocketListener], *, task_status: trio.TaskStatus[None]) -> None:
         self._listeners = listeners
@@ -295,7 +296,7 @@ class _Server:
         for ws in list(self.connections):
             ws.close(CLOSE_GOING_AWAY, "going away", urgent=True)
         if self.connections:
-            await self._idle.wait()
+            await self._idle.wait(self._idle.version)  # the next time none is left
 
     def abort(self) -> None:
         self._scope.cancel()
@@ -412,8 +413,7 @@ class _Server:
             if ws.overrun:
                 log.info("peer_overrun", slot=session.slot, send_deadline=options.send_deadline)
             if not self.connections:
-                self._idle.set()
-                self._idle = trio.Event()
+                self._idle.notify()
 
     async def _connection_body(self, ws: WebSocket, session: Session) -> None:
         """One connection's lifetime: its session beside its heartbeat; a bug closes only this connection."""

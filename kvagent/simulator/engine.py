@@ -18,13 +18,14 @@ import collections
 import random
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import msgpack
 import structlog
 import trio
 import zmq
 
+from kvagent._util.sync import Changed, checkpoint
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.simulator.events import (
     NONE_HASH,
@@ -130,9 +131,8 @@ class FakeVllmEngine:
         self._nursery: trio.Nursery | None = None
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
-        self._subscribed = trio.Event()
-        self._subscription_changed = trio.Event()
-        self.replay_served = trio.Event()
+        self._subscription_changed = Changed()  # a subscription was counted
+        self.replay_served = Changed()  # a replay request was answered
 
     @property
     def endpoint(self) -> str:
@@ -189,7 +189,6 @@ class FakeVllmEngine:
         self._sockets = sockets
         self._pub = sockets[0]
         self.subscriptions = 0
-        self._subscribed = trio.Event()
         assert self._nursery is not None
         self._scope = trio.CancelScope()
         self._nursery.start_soon(self._serve, self._scope, sockets[0], router)
@@ -244,26 +243,21 @@ class FakeVllmEngine:
                 return
             if message[:1] == b"\x01":
                 self.subscriptions += 1
-                self._subscribed.set()
-                self._subscription_changed.set()
-                self._subscription_changed = trio.Event()
+                self._subscription_changed.notify()
 
     async def _watch_subscriptions(self, pub: TrioSocket) -> None:
         # The only task that waits on the XPUB's FD. Sends (in publish_batch) never wait, and they drain
         # subscriptions themselves because a send can consume the FD's edge (pyzmq's documentation of zmq.FD).
-        fd = cast(int, pub.socket.getsockopt(zmq.FD))
         # kill() closes the socket while this task may be runnable (its cancellation then comes at the next
-        # checkpoint): check before touching it.
+        # checkpoint): check before touching it (wait_readable checks too, and re-reads EVENTS before waiting).
         while not pub.socket.closed:
             self._drain_subscriptions()
-            if not cast(int, pub.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                await trio.lowlevel.wait_readable(fd)
+            await pub.wait_readable()
 
     async def wait_for_subscriber(self, count: int = 1) -> None:
         """Return once ``count`` subscriptions have reached this incarnation of the publisher socket."""
         self._drain_subscriptions()
-        while self.subscriptions < count:
-            await self._subscription_changed.wait()
+        await self._subscription_changed.wait_for(lambda: self.subscriptions >= count)
 
     # -- live path --------------------------------------------------------------------------------------
 
@@ -334,7 +328,7 @@ class FakeVllmEngine:
         ``swap_with_next``: sent live right after the next batch; ``duplicate``: sent live twice.
         The events are part of the engine's ``truth`` whatever happens to the batch.
         """
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         if skip_seq:
             self.next_seq += 1
         seq = self.next_seq
@@ -370,14 +364,14 @@ class FakeVllmEngine:
 
     async def publish_frames(self, frames: Sequence[bytes]) -> None:
         """Send raw frames on the live socket (malformed messages; nothing is buffered)."""
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         self._send(list(frames))
 
     publish_raw = publish_frames
 
     async def send_payload(self, payload: bytes, *, seq: int | None = None) -> int:
         """Publish an already-encoded batch payload under the next seq (or ``seq``) and buffer it."""
-        await trio.lowlevel.checkpoint()
+        await checkpoint()
         if seq is None:
             seq = self.next_seq
         self.next_seq = seq + 1
@@ -437,8 +431,7 @@ class FakeVllmEngine:
             # Served in one go like vLLM's publisher thread; ROUTER drops beyond its HWM instead of blocking.
             for reply in self.replay_replies(start):
                 router.try_send_multipart([identity, *reply])
-            self.replay_served.set()
-            self.replay_served = trio.Event()
+            self.replay_served.notify()
 
 
 # --- the workload ----------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import structlog
 import trio
 import zmq
 
+from kvagent._util.sync import Changed
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.model.errors import WireDecodeError
 from kvagent.vllm.decode import split_replay_frames
@@ -108,7 +109,7 @@ class ReplayClient:
         self._request_id = 0
         self._pending: tuple[int, int] | None = None  # (request id, start seq) not yet sent
         self._attempt = trio.CancelScope()  # the running attempt (a fresh, unused scope when idle)
-        self._wakeup = trio.Event()
+        self._requested = Changed()  # a request was made
         self._socket = self._connect()
 
     @property
@@ -121,7 +122,7 @@ class ReplayClient:
         self.cancel()
         self._pending = (self._request_id, start)
         self.requests += 1
-        self._wakeup.set()
+        self._requested.notify()
         return self._request_id
 
     def cancel(self) -> None:
@@ -151,10 +152,9 @@ class ReplayClient:
         task_status.started()
         try:
             while True:
-                while self._pending is None:
-                    self._wakeup = trio.Event()
-                    await self._wakeup.wait()
-                request, start = self._pending
+                while (pending := self._pending) is None:
+                    await self._requested.wait(self._requested.version)  # no await since the look
+                request, start = pending
                 self._pending = None
                 self._attempt = trio.CancelScope()
                 complete = False
