@@ -131,6 +131,13 @@ def structure(value: object, cls: type[_T], *, what: str, error: type[KvAgentErr
         raise exc from None
 
 
+def _validated_field(exc: BaseException) -> attrs.Attribute[Any] | None:
+    """The field an attrs validator refused (its ValueError/TypeError carries the message, then the field)."""
+    if isinstance(exc, ValueError | TypeError) and len(exc.args) >= 2 and isinstance(exc.args[1], attrs.Attribute):
+        return exc.args[1]
+    return None
+
+
 def _as_error(exc: BaseException, what: str, error: type[KvAgentError]) -> KvAgentError:
     leaf = _first_leaf(exc)
     error_class = type(leaf) if isinstance(leaf, KvAgentError) else error
@@ -138,6 +145,9 @@ def _as_error(exc: BaseException, what: str, error: type[KvAgentError]) -> KvAge
         return error_class(f"{what} {exc}")
     message = transform_error(exc, path=what, format_exception=_describe)[0]  # "problem @ path"
     problem, _, path = message.rpartition(" @ ")
+    field = _validated_field(leaf)
+    if field is not None:  # an attrs validator's refusal: it names the field, cattrs only its object
+        path, problem = f"{path}.{field.name}", str(leaf.args[0]).removeprefix(f"'{field.name}' ")
     return error_class(f"{path} {problem}" if problem.startswith(("is ", "has ", "must ")) else f"{path}: {problem}")
 
 
