@@ -48,7 +48,7 @@ def test_the_status_json_keeps_its_member_order_and_round_trips() -> None:
         ({"last_event_age_s": -1}, "status: "),
         ({"last_event_age_s": True}, "status.last_event_age_s must be a number, got True"),
         ({"republish": {"endpoint": "tcp://*:1", "seq": None}}, "status.republish is missing 'replay_endpoint'"),
-        ({"persistence": {"state": "lost", "persisted_id": 0, "lag_events": 0, "disk_bytes": 0}}, "status.persistence: "),
+        ({"persistence": {"state": "lost", "persisted_id": 0, "lag_events": 0, "disk_bytes": 0}}, "status.persistence.state must be in"),
     ],
 )
 def test_a_status_member_that_is_not_its_own_json_is_named(change: dict[str, object], message: str) -> None:
