@@ -18,9 +18,13 @@ from itertools import compress, islice
 from typing import TypeAlias
 
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot
+from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, RingRange, Route
 from kvagent.model.errors import CodecError
 from kvagent.model.events import TIER_BY_VALUE, MmExtraInfo, RouterEvent, StorageTier, Stored
 from kvagent.persist.codec import (
+    BATCH_CLEARED,
+    BATCH_REMOVED,
+    BATCH_STORED,
     decode_event_row,
     encode_event_row,
     pack,
@@ -29,6 +33,7 @@ from kvagent.persist.codec import (
     unpack,
 )
 from kvagent.persist.records import MirrorRow
+from kvagent.wire.router_event import mm_extra_info_to_wire
 
 __all__ = [
     "CHUNK_ROWS",
@@ -36,6 +41,7 @@ __all__ = [
     "decode_snapshot_chunk",
     "encode_dump_chunks",
     "encode_mirror_chunks",
+    "encode_ring_batch",
     "encode_snapshot_chunks",
 ]
 
@@ -330,3 +336,60 @@ def decode_mirror_chunk(body: bytes) -> list[MirrorRow]:
         )
         rows.extend(MirrorRow(tier, block, parent, token_bytes) for block, parent, token_bytes in columns)
     return rows
+
+
+# --- suffix batches straight from the ring's columns (issue #34) ---------------------------------------
+
+
+def _route_index(route: Route, indexes: dict[Route, int], rows: list[tuple[object, ...]]) -> int:
+    """The batch's index of ``route`` (a new route row at its first use, as ``codec.encode_batch``)."""
+    index = indexes.get(route)
+    if index is None:
+        index = indexes[route] = len(rows)
+        worker_id, tier, domain, dp_rank, source, session = route
+        rows.append((worker_id, tier.value, domain.value, dp_rank, None if source is None else str(source), session))
+    return index
+
+
+def encode_ring_batch(applied: RingRange) -> tuple[bytes, array[int]]:
+    """(the body, the ids) of ``codec.encode_batch(applied.events(), tokens=False)``, byte for byte, read
+    from the ring's columns: no RouterEvent, Stored or tuple per event (the persistence writer's append)."""
+    route_index: dict[Route, int] = {}
+    route_rows: list[tuple[object, ...]] = []
+    rows: list[list[object]] = []
+    append = rows.append
+    ids_out: array[int] = array("Q")
+    for segment, first, end in applied.pieces:
+        table = segment.route_table
+        codes: dict[int, int] = {}  # segment route code -> route row, in order of first use (as encode_batch)
+        ids, routes, kinds, parents = segment.ids, segment.routes, segment.kinds, segment.parents
+        offsets, hashes, tokens, extras = segment.offsets, segment.hashes, segment.tokens, segment.extras
+        ids_out.extend(ids[first:end])
+        for position in range(first, end):
+            kind = kinds[position]
+            event_id, code = ids[position], routes[position]
+            route = codes.get(code)
+            if route is None:
+                route = codes[code] = _route_index(table[code], route_index, route_rows)
+            if kind == KIND_CLEARED:
+                append([event_id, route, BATCH_CLEARED])
+                continue
+            low, high = offsets[position], offsets[position + 1]
+            if kind == KIND_REMOVED:
+                append([event_id, route, BATCH_REMOVED, hashes[low:high].tolist()])
+                continue
+            start, infos = extras.get(position, (None, None))
+            append(
+                [
+                    event_id,
+                    route,
+                    BATCH_STORED,
+                    parents[position] if kind == KIND_STORED_CHILD else None,
+                    hashes[low:high].tolist(),
+                    tokens[low:high].tolist(),
+                    None,
+                    start,
+                    None if infos is None else [mm_extra_info_to_wire(info) for info in infos],
+                ]
+            )
+    return pack([route_rows, rows]), ids_out
