@@ -104,6 +104,7 @@ def breakdown(batches: int = 20_000) -> dict[str, Any]:
     """µs per event of each stage over a trace of ``batches`` batches (see the module docstring)."""
     from kvagent._util.gcutil import gc_paused
     from kvagent.coordinator.machine import SlotCoordinator
+    from kvagent.coordinator.task import DRAIN_CHUNKS
     from kvagent.index.recovery_index import DEFAULT_RING_CAPACITY, RecoveryIndex
     from kvagent.index.ring import EventRing
     from kvagent.model.events import WorkerWithDpRank
@@ -160,8 +161,10 @@ def breakdown(batches: int = 20_000) -> dict[str, Any]:
     stamped = _NoIndex()
     core, _ = coordinator(stamped)
     def coordinate() -> None:
-        for chunk in chunks:
-            core.handle_ingress(chunk)
+        for first in range(0, len(chunks), DRAIN_CHUNKS):  # as the coordinator task drains
+            with core.ingress_batch():
+                for chunk in chunks[first : first + DRAIN_CHUNKS]:
+                    core.handle_ingress(chunk)
 
     seconds["coordinator"] = _cpu(coordinate)
     runs = [list(run) for run in stamped.runs]
