@@ -4,7 +4,7 @@
 runs alone over the same pre-encoded trace the side-by-side figure sends, with the parts kvagent uses
 (no Trio, no HTTP), and is timed with this thread's CPU clock:
 
-- **read**: ``recv_multipart`` of every message from a SUB on loopback TCP (the reader's drain loop;
+- **read**: every message received from a SUB on loopback TCP (the reader's drain loop, frame by frame;
   libzmq's own I/O thread is not counted);
 - **native ingest**: the listener's per-batch work without Trio: the frames split, the payload digest,
   ``AttachmentNormalizer.normalize_payload`` (the compiled pass) and the chunking;
@@ -85,11 +85,14 @@ def _read(payloads: list[bytes]) -> float:
         for seq, payload in enumerate(payloads):
             pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload], copy=False)
         received = 0
-        recv = sub.recv_multipart
+        recv, more = sub.recv, sub.get  # the reader's loop (kvagent/vllm/reader.py's _drain)
+        nonblock, rcvmore = int(zmq.NOBLOCK), int(zmq.RCVMORE)
         start = time.thread_time()
         while received < len(payloads):
             try:
-                frames = recv(zmq.NOBLOCK)
+                frames = [recv(nonblock)]
+                while more(rcvmore):
+                    frames.append(recv(nonblock))
             except zmq.Again:
                 sub.poll(1000)
                 continue
