@@ -293,10 +293,16 @@ def run(result: FigureResult, *, quick: bool) -> None:
         workdir = Path(tmp)
         burst = _burst_phase(result, {**factories, **EXTRA_BURST}, plan, workdir)
         closed = _burst_phase(result, factories, plan, workdir, prefix_closed=True)
-        fills = _fill_phase(factories, plan, workdir)
+        # RSS per block also through the default serve (persistence on): issue #34's memory target.
+        fills = _fill_phase({**factories, "kvagent-default": EXTRA_BURST["kvagent-default"]}, plan, workdir)
         paced = _paced_phase(factories, plan, workdir)
-    result.extra.update(burst=burst, burst_prefix_closed=closed, memory=fills, paced=paced)
-    from bench.peer_report import add_rows, plot_curves
+    from bench.stages import breakdown
+
+    # The per-stage breakdown (issue #34): each stage alone, in process, on the same trace shape.
+    stages = breakdown(min(plan["batches"], 20_000))
+    result.extra.update(burst=burst, burst_prefix_closed=closed, memory=fills, paced=paced, stages=stages)
+    from bench.peer_report import add_rows, plot_curves, print_breakdown
 
     add_rows(result, burst, closed, fills, paced, dynamo)
+    print_breakdown(stages, burst)
     plot_curves(result, burst, paced, RESULTS_DIR / f"{NAME}-curves.png")

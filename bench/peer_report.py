@@ -41,6 +41,7 @@ def _every_kvagent_run(
     burst: dict[str, Runs], fills: dict[str, Any], paced: dict[str, dict[str, Runs]]
 ) -> Runs:
     runs = list(burst["kvagent"]) + list(burst.get("kvagent-python", [])) + [fills["kvagent"]]
+    runs += [fills["kvagent-default"]] if "kvagent-default" in fills else []
     for rate_runs in paced["kvagent"].values():
         runs += rate_runs
     return runs
@@ -260,6 +261,20 @@ def add_rows(
             note=f"{kvagent_fill['resident_blocks']} blocks resident; RSS delta of the process over a stores-only burst",
         )
     )
+    default_fill = fills.get("kvagent-default")
+    if default_fill is not None:
+        result.rows.append(
+            Row(
+                "RSS / resident block, default serve",
+                default_fill["bytes_per_block"],
+                "B",
+                "Dynamo indexer",
+                None if dynamo_fill is None else dynamo_fill["bytes_per_block"],
+                target="<= 200 B (issue #34: persistence on, default budget)",
+                higher_is_better=False,
+                note=f"{default_fill['resident_blocks']} blocks resident; kvagent serve as installed",
+            )
+        )
     result.rows += _paced_rows(paced, note)
     result.rows.append(
         Row(
@@ -271,6 +286,16 @@ def add_rows(
             note=f"max over every kvagent run; shed/drop/loss/gap counters summed: {counters:.0f}",
         )
     )
+
+
+def print_breakdown(stages: dict[str, Any], burst: dict[str, Runs]) -> None:
+    """The per-stage breakdown (bench/stages.py) beside serve's measured burst CPU per event."""
+    from bench.stages import format_breakdown
+
+    serve = _median(burst.get("kvagent-default", []), "cpu_us_per_event")
+    print(format_breakdown(stages, serve), flush=True)
+    if serve is not None:
+        print("   (serve, measured: the default kvagent serve burst, median CPU per event)", flush=True)
 
 
 def _curve(runs_by_rate: dict[str, Runs], burst: Runs, key: str) -> list[float | None]:

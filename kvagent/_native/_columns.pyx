@@ -423,3 +423,117 @@ def ring_append(object segment, object event):
     size = len(offsets)
     resize_smart(offsets, size + 1)
     offsets.data.as_uints[size] = <uint32_t>len(hashes)
+
+
+# --- the persistence writer's suffix batch rows (kvagent/persist/columns.py's encode_ring_batch) ---------
+
+
+cdef inline Py_ssize_t uint_size(uint64_t value) noexcept nogil:
+    if value < 128:
+        return 1
+    if value < 256:
+        return 2
+    if value < 65536:
+        return 3
+    if value <= <uint64_t>0xFFFFFFFFU:
+        return 5
+    return 9
+
+
+cdef inline char* put_uint(char* at, uint64_t value) noexcept nogil:
+    """``value`` as msgpack-python packs a non-negative int: the smallest of its unsigned forms."""
+    if value < 128:
+        at[0] = <char>value
+        return at + 1
+    if value < 256:
+        at[0] = <char>0xCC
+        at[1] = <char>value
+        return at + 2
+    if value < 65536:
+        at[0] = <char>0xCD
+        at[1] = <char>(value >> 8)
+        at[2] = <char>(value & 0xFF)
+        return at + 3
+    if value <= <uint64_t>0xFFFFFFFFU:
+        at[0] = <char>0xCE
+        at[1] = <char>(value >> 24)
+        at[2] = <char>((value >> 16) & 0xFF)
+        at[3] = <char>((value >> 8) & 0xFF)
+        at[4] = <char>(value & 0xFF)
+        return at + 5
+    at[0] = <char>0xCF
+    return put_u64(at + 1, value)
+
+
+def encode_batch_rows(
+    bytearray out,
+    const uint32_t[:] route_map,
+    const uint64_t[:] ids,
+    const uint16_t[:] routes,
+    const uint8_t[:] kinds,
+    const uint64_t[:] parents,
+    const uint32_t[:] offsets,
+    const uint64_t[:] hashes,
+    const uint64_t[:] tokens,
+    Py_ssize_t first,
+    Py_ssize_t end,
+):
+    """Append the msgpack rows of ``codec.encode_batch`` (tokens left out) for events first..end of a ring
+    segment with no extras (start position, multimodal info); ``route_map[code]`` is the batch's route index."""
+    cdef Py_ssize_t total = 0, position, count, block
+    cdef uint8_t kind
+    cdef uint32_t lo, hi
+    for position in range(first, end):
+        kind = kinds[position]
+        total += 2 + uint_size(ids[position]) + uint_size(route_map[routes[position]])
+        if kind == KIND_CLEARED:
+            continue
+        lo, hi = offsets[position], offsets[position + 1]
+        count = hi - lo
+        total += array_header_size(count)
+        for block in range(lo, hi):
+            total += uint_size(hashes[block])
+        if kind != KIND_REMOVED:
+            total += (uint_size(parents[position]) if kind == KIND_STORED_CHILD else 1) + 3
+            total += array_header_size(count)
+            for block in range(lo, hi):
+                total += uint_size(tokens[block])
+    cdef char* at = grow(out, total)
+    for position in range(first, end):
+        kind = kinds[position]
+        if kind == KIND_CLEARED:
+            at[0] = <char>0x93
+        elif kind == KIND_REMOVED:
+            at[0] = <char>0x94
+        else:
+            at[0] = <char>0x99
+        at = put_uint(at + 1, ids[position])
+        at = put_uint(at, route_map[routes[position]])
+        if kind == KIND_CLEARED:
+            at[0] = <char>2
+            at += 1
+            continue
+        lo, hi = offsets[position], offsets[position + 1]
+        if kind == KIND_REMOVED:
+            at[0] = <char>1
+            at = put_array_header(at + 1, hi - lo)
+            for block in range(lo, hi):
+                at = put_uint(at, hashes[block])
+            continue
+        at[0] = <char>0
+        at += 1
+        if kind == KIND_STORED_CHILD:
+            at = put_uint(at, parents[position])
+        else:
+            at[0] = <char>0xC0
+            at += 1
+        at = put_array_header(at, hi - lo)
+        for block in range(lo, hi):
+            at = put_uint(at, hashes[block])
+        at = put_array_header(at, hi - lo)
+        for block in range(lo, hi):
+            at = put_uint(at, tokens[block])
+        at[0] = <char>0xC0  # token bytes left out
+        at[1] = <char>0xC0  # start position
+        at[2] = <char>0xC0  # multimodal info
+        at += 3

@@ -731,6 +731,7 @@ cdef int ring_extend(object ring, list events) except -1:
     cdef Py_ssize_t segment_events = ring._segment_events, capacity = ring.capacity
     cdef Py_ssize_t count = ring._count, head = ring._head, tail_length, index
     cdef list segments = ring._segments, firsts = ring._firsts
+    cdef object retired = ring._retired  # EventRing.retain: evicted segments kept for the persistence writer
     cdef object event
     cdef _Tail columns = None
     cdef bint compiled = _segment_append is not _python_segment_append
@@ -756,6 +757,8 @@ cdef int ring_extend(object ring, list events) except -1:
                 count -= 1
                 head += 1
                 if head >= len(segments[0].kinds):
+                    if retired is not None:
+                        retired.append(segments[0])
                     del segments[0]
                     del firsts[0]
                     head = 0

@@ -472,6 +472,25 @@ class RecoveryIndex:
         """The buffered events with ids first_id..last_id, when all of them (consecutive ids) are buffered."""
         return self._ring.between(first_id, last_id)
 
+    # --- the applied events for one trailing reader (the persistence writer, issue #34) -------------
+
+    def retain_applied(self, on: bool) -> None:
+        """Keep (True) the ring's segments past their eviction until :meth:`release_applied_through`, so a
+        reader that trails the ring reads every applied event from its columns (no subscription, which
+        would make every apply call back per event); False drops what is kept."""
+        self._ring.retain(on)
+
+    def applied_after(self, event_id: int) -> RingRange:
+        """Every applied event with id above ``event_id`` the ring holds or retains, as column pieces."""
+        return self._ring.applied_after(event_id)
+
+    def release_applied_through(self, event_id: int) -> None:
+        self._ring.release_through(event_id)
+
+    def retained_applied_events(self) -> int:
+        """Events kept past their eviction from the ring (see :meth:`retain_applied`)."""
+        return self._ring.retained_events()
+
     # --- restore (issue #17) ----------------------------------------------------------------------
 
     def restore(

@@ -298,7 +298,7 @@ class RingEvents(Sequence[RouterEvent]):
 class EventRing:
     """The last ``capacity`` applied events, as column segments (see the module docstring)."""
 
-    __slots__ = ("_count", "_firsts", "_head", "_segment_events", "_segments", "_tail", "capacity")
+    __slots__ = ("_count", "_firsts", "_head", "_retired", "_segment_events", "_segments", "_tail", "capacity")
 
     def __init__(self, capacity: int, segment_events: int | None = None) -> None:
         if capacity <= 0:
@@ -310,6 +310,9 @@ class EventRing:
         self._firsts: list[int] = []  # each segment's first id (its physical first event), for bisect
         self._head = 0  # first live position of the oldest segment
         self._count = 0
+        # Segments evicted from the ring but kept for a reader that has not taken them yet (the persistence
+        # writer, see :meth:`retain`); None: nobody retains, evicted segments are dropped.
+        self._retired: list[RingSegment] | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -346,8 +349,49 @@ class EventRing:
         self._count -= 1
         self._head += 1
         if self._head >= len(self._segments[0].kinds):
+            if self._retired is not None:
+                self._retired.append(self._segments[0])
             del self._segments[0], self._firsts[0]
             self._head = 0
+
+    # --- retention: the applied events as columns, for one reader that trails the ring (issue #34) ---
+
+    def retain(self, on: bool) -> None:
+        """Keep (True) every segment evicted from now on until :meth:`release_through` passes it, or stop
+        keeping them and drop those kept (False). Range answers never see retained segments."""
+        self._retired = [] if on else None
+
+    @property
+    def retaining(self) -> bool:
+        return self._retired is not None
+
+    def retained_events(self) -> int:
+        """Events in the retained segments (evicted from the ring, not yet released)."""
+        return 0 if self._retired is None else sum(len(segment.kinds) for segment in self._retired)
+
+    def release_through(self, event_id: int) -> None:
+        """Drop the retained segments whose events all have ids at or below ``event_id``."""
+        retired = self._retired
+        if retired:
+            keep = 0
+            while keep < len(retired) and retired[keep].ids[-1] <= event_id:
+                keep += 1
+            del retired[:keep]
+
+    def applied_after(self, event_id: int) -> RingRange:
+        """Every event with id above ``event_id`` the ring holds or retains (evicted ones included, while
+        retained), oldest first. Complete only while retaining since the reader's last ``event_id``."""
+        pieces: list[tuple[RingSegment, int, int]] = []
+        count = 0
+        for segment in [*(self._retired or ()), *self._segments]:
+            ids = segment.ids
+            end = len(segment.kinds)
+            if not end or ids[end - 1] <= event_id:
+                continue
+            first = bisect.bisect_right(ids, event_id, 0, end)
+            pieces.append((segment, first, end))
+            count += end - first
+        return RingRange(tuple(pieces), count)
 
     def tail(self, start: int) -> RingRange:
         """The buffered events with id >= ``start``, oldest first."""

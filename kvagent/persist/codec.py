@@ -40,6 +40,9 @@ from kvagent.wire.router_event import (
 )
 
 __all__ = [
+    "BATCH_CLEARED",
+    "BATCH_REMOVED",
+    "BATCH_STORED",
     "Route",
     "decode_batch",
     "decode_event_row",
@@ -92,6 +95,7 @@ def route_fields(
 # --- suffix events: one row per appended batch ---------------------------------------------------------
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
+BATCH_STORED, BATCH_REMOVED, BATCH_CLEARED = _STORED, _REMOVED, _CLEARED  # columns.encode_ring_batch writes them too
 
 
 def encode_batch(events: Sequence[RouterEvent], *, tokens: bool = True) -> bytes:

@@ -15,12 +15,17 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import compress, islice
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
+from kvagent import _native
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot
+from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, RingRange, RingSegment, Route
 from kvagent.model.errors import CodecError
 from kvagent.model.events import TIER_BY_VALUE, MmExtraInfo, RouterEvent, StorageTier, Stored
 from kvagent.persist.codec import (
+    BATCH_CLEARED,
+    BATCH_REMOVED,
+    BATCH_STORED,
     decode_event_row,
     encode_event_row,
     pack,
@@ -29,6 +34,7 @@ from kvagent.persist.codec import (
     unpack,
 )
 from kvagent.persist.records import MirrorRow
+from kvagent.wire.router_event import mm_extra_info_to_wire
 
 __all__ = [
     "CHUNK_ROWS",
@@ -36,6 +42,7 @@ __all__ = [
     "decode_snapshot_chunk",
     "encode_dump_chunks",
     "encode_mirror_chunks",
+    "encode_ring_batch",
     "encode_snapshot_chunks",
 ]
 
@@ -330,3 +337,95 @@ def decode_mirror_chunk(body: bytes) -> list[MirrorRow]:
         )
         rows.extend(MirrorRow(tier, block, parent, token_bytes) for block, parent, token_bytes in columns)
     return rows
+
+
+# --- suffix batches straight from the ring's columns (issue #34) ---------------------------------------
+
+
+def _route_index(route: Route, indexes: dict[Route, int], rows: list[tuple[object, ...]]) -> int:
+    """The batch's index of ``route`` (a new route row at its first use, as ``codec.encode_batch``)."""
+    index = indexes.get(route)
+    if index is None:
+        index = indexes[route] = len(rows)
+        worker_id, tier, domain, dp_rank, source, session = route
+        rows.append((worker_id, tier.value, domain.value, dp_rank, None if source is None else str(source), session))
+    return index
+
+
+def _array_header(count: int) -> bytes:
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 65536:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+def _rows(segment: RingSegment, first: int, end: int, route_map: array[int]) -> Iterator[list[object]]:
+    """The rows of ``codec.encode_batch`` (tokens left out) for events first..end of ``segment``."""
+    ids, routes, kinds, parents = segment.ids, segment.routes, segment.kinds, segment.parents
+    offsets, hashes, tokens, extras = segment.offsets, segment.hashes, segment.tokens, segment.extras
+    for position in range(first, end):
+        kind = kinds[position]
+        event_id, route = ids[position], route_map[routes[position]]
+        if kind == KIND_CLEARED:
+            yield [event_id, route, BATCH_CLEARED]
+            continue
+        low, high = offsets[position], offsets[position + 1]
+        if kind == KIND_REMOVED:
+            yield [event_id, route, BATCH_REMOVED, hashes[low:high].tolist()]
+            continue
+        start, infos = extras.get(position, (None, None))
+        yield [
+            event_id,
+            route,
+            BATCH_STORED,
+            parents[position] if kind == KIND_STORED_CHILD else None,
+            hashes[low:high].tolist(),
+            tokens[low:high].tolist(),
+            None,
+            start,
+            None if infos is None else [mm_extra_info_to_wire(info) for info in infos],
+        ]
+
+
+def _native_rows() -> Callable[..., None] | None:
+    """``encode_batch_rows`` of kvagent/_native/_columns.pyx when built (the same row bytes), else None."""
+    module = _native.columns
+    return None if module is None else cast("Callable[..., None]", module.encode_batch_rows)
+
+
+_NATIVE_ROWS = _native_rows()
+
+
+def encode_ring_batch(applied: RingRange) -> tuple[bytes, array[int]]:
+    """(the body, the ids) of ``codec.encode_batch(applied.events(), tokens=False)``, byte for byte, read
+    from the ring's columns: no RouterEvent, Stored or tuple per event (the persistence writer's append).
+
+    The rows of a piece without extras are written by the compiled ``encode_batch_rows`` when it is built;
+    otherwise (and for pieces with a start position or multimodal info) each row is packed here.
+    """
+    route_index: dict[Route, int] = {}
+    route_rows: list[tuple[object, ...]] = []
+    body = bytearray()
+    count = 0
+    ids_out: array[int] = array("Q")
+    native = _NATIVE_ROWS
+    for segment, first, end in applied.pieces:
+        if end <= first:
+            continue
+        table = segment.route_table
+        route_map = array("I", bytes(4 * len(table)))
+        for code in dict.fromkeys(segment.routes[first:end]):  # first use order, as encode_batch numbers them
+            route_map[code] = _route_index(table[code], route_index, route_rows)
+        ids_out.extend(segment.ids[first:end])
+        extras = segment.extras
+        if native is not None and not (extras and any(first <= position < end for position in extras)):
+            native(
+                body, route_map, segment.ids, segment.routes, segment.kinds, segment.parents, segment.offsets,
+                segment.hashes, segment.tokens, first, end,
+            )  # fmt: skip
+        else:
+            for row in _rows(segment, first, end, route_map):
+                body += pack(row)
+        count += end - first
+    return b"\x92" + pack(route_rows) + _array_header(count) + bytes(body), ids_out

@@ -290,7 +290,14 @@ class SlotStore:
         the reset leaves resident is stored after it, with tokens."""
         if not events and attachment is None:
             return
-        body = encode_batch(events, tokens=tokens) if events else None
+        body = encode_batch(events, tokens=tokens) if events else b""
+        self.append_encoded([event.event_id for event in events], body, attachment)
+
+    def append_encoded(self, ids: Sequence[int], body: bytes, attachment: AttachmentProgress | None) -> None:
+        """:meth:`append` of events already encoded (``ids``, and ``body`` as ``encode_batch`` writes them:
+        the persistence writer encodes straight from the ring's columns, persist/columns.py)."""
+        if not ids and attachment is None:
+            return
         progress = None if attachment is None else attachment_to_bytes(attachment)
         republished: int | None = None  # None: unchanged
         if events and not tokens:
@@ -302,20 +309,20 @@ class SlotStore:
         with self._transaction() as db:
             current = self._leases(db)
             new_last = current.last_event_id
-            if events:
+            if ids:
                 floor = max(current.last_event_id or 0, current.snapshot_id or 0)
-                _check_ascending([event.event_id for event in events], floor, current.lease_end)
-                new_last = events[-1].event_id
+                _check_ascending(ids, floor, current.lease_end)
+                new_last = ids[-1]
                 db.execute(
                     "INSERT INTO batches (first_id, last_id, count, body) VALUES (?, ?, ?, ?)",
-                    (events[0].event_id, new_last, len(events), body),
+                    (ids[0], new_last, len(ids), body),
                 )
             db.execute(
                 "UPDATE slot SET last_event_id = ?, attachment = coalesce(?, attachment), clean = 0,"
                 " republished = coalesce(?, republished)",
                 (new_last, progress, republished),
             )
-        self._suffix_count += len(events)
+        self._suffix_count += len(ids)
 
     def write_snapshot(
         self,

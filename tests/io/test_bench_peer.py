@@ -73,5 +73,9 @@ def test_the_figure_runs_kvagent_alone_and_says_why(tmp_path: Path, monkeypatch:
     assert rows["kvagent events lost"].value == 0
     assert rows["RSS / resident block"].value is not None
     assert rows["CPU @2k ev/s"].value is not None
+    assert rows["RSS / resident block, default serve"].value is not None  # issue #34: serve as installed
+    stages = result.extra["stages"]["us_per_event"]  # the per-stage breakdown, every stage measured
+    assert set(stages) == {"read", "native ingest", "coordinator", "index", "ring", "persistence", "sinks"}
+    assert all(value > 0 for value in stages.values())
     assert (tmp_path / "peer-curves.png").stat().st_size > 0
     json.dumps(result.to_json())  # what write_result stores must be plain JSON

@@ -242,12 +242,11 @@ class FlakyStore(SlotStore):
 
     failing = False
 
-    def append(
-        self, events: Sequence[RouterEvent], attachment: AttachmentProgress | None, *, tokens: bool = True
-    ) -> None:
+    def append_encoded(self, ids: Sequence[int], body: bytes, attachment: AttachmentProgress | None) -> None:
+        # Every append ends here (``append`` encodes, then calls it; the writer encodes from the ring).
         if FlakyStore.failing:
             raise StoreWriteError("database or disk is full")
-        super().append(events, attachment, tokens=tokens)
+        super().append_encoded(ids, body, attachment)
 
     def write_snapshot(
         self,
