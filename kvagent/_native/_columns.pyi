@@ -53,3 +53,16 @@ def parents_first(
     hashes: array[int], parents: array[int], flags: bytes | bytearray, slots: dict[int, int], span: int
 ) -> bool: ...
 def ring_append(segment: Any, event: RouterEvent) -> None: ...
+def encode_batch_rows(
+    out: bytearray,
+    route_map: array[int],
+    ids: array[int],
+    routes: array[int],
+    kinds: bytes | bytearray | array[int],
+    parents: array[int],
+    offsets: array[int],
+    hashes: array[int],
+    tokens: array[int],
+    first: int,
+    end: int,
+) -> None: ...

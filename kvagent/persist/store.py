@@ -291,20 +291,33 @@ class SlotStore:
         if not events and attachment is None:
             return
         body = encode_batch(events, tokens=tokens) if events else b""
-        self.append_encoded([event.event_id for event in events], body, attachment)
+        worker_reset = any(
+            type(event.data) is Cleared and event.residency_domain is ResidencyDomain.WORKER for event in events
+        )
+        self.append_encoded(
+            [event.event_id for event in events], body, attachment, tokens=tokens, worker_reset=worker_reset
+        )
 
-    def append_encoded(self, ids: Sequence[int], body: bytes, attachment: AttachmentProgress | None) -> None:
+    def append_encoded(
+        self,
+        ids: Sequence[int],
+        body: bytes,
+        attachment: AttachmentProgress | None,
+        *,
+        tokens: bool = False,
+        worker_reset: bool = False,
+    ) -> None:
         """:meth:`append` of events already encoded (``ids``, and ``body`` as ``encode_batch`` writes them:
-        the persistence writer encodes straight from the ring's columns, persist/columns.py)."""
+        the persistence writer encodes straight from the ring's columns without tokens, persist/columns.py).
+        ``tokens``: the body carries the stores' tokens; ``worker_reset``: the events hold a Worker
+        ``Cleared``. The republished fact follows as :meth:`append` says."""
         if not ids and attachment is None:
             return
         progress = None if attachment is None else attachment_to_bytes(attachment)
         republished: int | None = None  # None: unchanged
-        if events and not tokens:
+        if ids and not tokens:
             republished = 0
-        elif any(
-            type(event.data) is Cleared and event.residency_domain is ResidencyDomain.WORKER for event in events
-        ):
+        elif worker_reset:
             republished = 1
         with self._transaction() as db:
             current = self._leases(db)

@@ -242,11 +242,13 @@ class FlakyStore(SlotStore):
 
     failing = False
 
-    def append_encoded(self, ids: Sequence[int], body: bytes, attachment: AttachmentProgress | None) -> None:
+    def append_encoded(
+        self, ids: Sequence[int], body: bytes, attachment: AttachmentProgress | None, **facts: bool
+    ) -> None:
         # Every append ends here (``append`` encodes, then calls it; the writer encodes from the ring).
         if FlakyStore.failing:
             raise StoreWriteError("database or disk is full")
-        super().append_encoded(ids, body, attachment)
+        super().append_encoded(ids, body, attachment, **facts)
 
     def write_snapshot(
         self,

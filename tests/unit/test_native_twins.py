@@ -94,6 +94,13 @@ TWINS: dict[tuple[str, str], Twin] = {
         "kvagent.index.store.BlockStore.rows_parent_first",
         ("tests/io/test_dump_fast.py::test_columns_equal_the_reference_order",),
     ),
+    ("_columns", "encode_batch_rows"): Twin(
+        "kvagent.persist.columns.encode_ring_batch",  # its rows, written in Python for pieces with extras
+        (
+            "tests/unit/test_ring_retention.py::test_the_compiled_rows_write_every_int_width_as_msgpack_does",
+            "tests/unit/test_ring_retention.py::test_a_retaining_ring_hands_back_every_event_after_an_id_and_encodes_it_as_encode_batch",
+        ),
+    ),
     ("_columns", "ring_append"): Twin(
         "kvagent.index.ring.RingSegment.append",
         ("tests/unit/test_event_ring.py::test_the_ring_answers_every_range_as_a_list_does",),
