@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from bench.serve_process import start_serve
 from bench.trace import BLOCKS_PER_STORE
 
 WORKER_ID = 7
@@ -246,10 +247,10 @@ class ServeConsumer:
             "3600",
             *extra,
         ]
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Up at its own "serving" line, its output drained to serve.log (bench/serve_process.py).
+        self.serve = start_serve(command[len(entry) + 2 :], workdir, entry=entry, env=env)
+        self.process = self.serve.process
         self.http = HttpProbe(self.port)
-        _wait_until(lambda: self.http.get("/healthz")[0] == 200, self.process, "kvagent serve", self.log)
 
     def status(self) -> dict[str, object]:
         code, body = self.http.get(f"/v1/slots/{SLOT}/status")
@@ -282,7 +283,7 @@ class ServeConsumer:
 
     def stop(self) -> None:
         self.http.close()
-        _stop(self.process)
+        self.serve.stop()
 
 
 class DynamoConsumer:
