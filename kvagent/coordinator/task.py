@@ -1,30 +1,32 @@
 """The Trio shell around :class:`~kvagent.coordinator.machine.SlotCoordinator` (docs/spec/agent-semantics.md 3.2).
 
 ``open_coordinator(core)`` returns a :class:`CoordinatorHandle` (what the agent and the listener hold) and
-``run(*, task_status)`` (the coordinator task).  Two channels feed the task:
+``run(*, task_status)`` (the coordinator task).  One :class:`~kvagent._util.sync.ControlFirstInbox` feeds
+the task, with two queues:
 
-- **control**, bounded at 16: lifecycle commands, each with its own one-shot reply;
+- **control**, bounded at 16: lifecycle commands, each a :class:`~kvagent._util.sync.Request` with its own
+  one-shot reply;
 - **ingress**, unbounded: the listener's chunks and its :class:`~kvagent.model.events.SourceSignal` verdicts,
-  in one order, admitted with ``send_nowait`` so that admission never waits on coordinator progress (3.10:
+  in one order, admitted with ``put_nowait`` so that admission never waits on coordinator progress (3.10:
   Stored/Removed are lossy, not flow-controlled). The listener bounds it in bytes instead: it waits on
   :meth:`CoordinatorHandle.wait_ingress_bytes_at_most` before decoding more.
 
 Priority is exact: before every command and every drain of ingress (at most :data:`DRAIN_CHUNKS` chunks,
 handled inside ``SlotCoordinator.ingress_batch``) the task tries control first, so a queued command is
 always handled before any queued ingress.  Work runs in slices of about :data:`SLICE_SECONDS` between
-checkpoints; when both channels are empty the task sleeps on a wakeup event that every send sets.
+checkpoints; when both queues are empty the task sleeps until the inbox receives something or closes.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 import trio
 
+from kvagent._util.sync import Changed, ControlFirstInbox, Request, checkpoint, checkpoint_if_cancelled
 from kvagent.coordinator.machine import CoordinatorStatistics, SlotCoordinator, SourceProgress
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import IngressChunk, SourceSignal
@@ -38,7 +40,6 @@ __all__ = [
     "StatusCell",
     "admit_ingress",
     "open_coordinator",
-    "open_ingress_channel",
 ]
 
 log = structlog.get_logger(__name__)
@@ -55,7 +56,7 @@ IngressItem = IngressChunk | SourceSignal
 _Invoke = Callable[[SlotCoordinator, Iterable[IngressItem]], T]
 
 
-class _Command(Generic[T]):
+class _Command(Request[T]):
     """One control command and its one-shot reply.
 
     A caller that stops waiting before the task has run the command abandons it: the task skips it, so
@@ -64,67 +65,48 @@ class _Command(Generic[T]):
     task rolls back whatever a cancelled step had begun).
     """
 
-    __slots__ = ("_done", "_error", "_result", "abandoned", "dropped_message", "invoke", "stops")
+    __slots__ = ("dropped_message", "invoke", "stops")
 
     def __init__(self, invoke: _Invoke[T], dropped_message: str, *, stops: bool = False) -> None:
+        super().__init__()
         self.invoke = invoke
         self.dropped_message = dropped_message
         self.stops = stops
-        self.abandoned = False
-        self._done = trio.Event()
-        self._result: T | None = None
-        self._error: BaseException | None = None
 
     def execute(self, core: SlotCoordinator, queued: Iterable[IngressItem]) -> bool:
         """Run the command unless its caller abandoned it; True if it ran."""
-        if self.abandoned:
+        if self.abandoned():
             return False
         try:
-            self._result = self.invoke(core, queued)
+            result = self.invoke(core, queued)
         except Exception as error:
-            self._error = error
-        self._done.set()
+            self.fail(error)
+        else:
+            self.reply(result)
         return True
 
     def drop(self) -> None:
-        self._error = CoordinatorClosed(self.dropped_message)
-        self._done.set()
-
-    async def wait(self) -> T:
-        try:
-            await self._done.wait()
-        except trio.Cancelled:
-            self.abandoned = not self._done.is_set()  # not run yet: the task skips it
-            raise
-        if self._error is not None:
-            raise self._error
-        return self._result  # type: ignore[return-value]  # set whenever no error was recorded
+        self.fail(CoordinatorClosed(self.dropped_message))
 
 
-class _Wakeup:
-    """Set by every send; the task re-arms it only after finding both channels empty (no lost wakeups)."""
+_Inbox = ControlFirstInbox[_Command[Any], IngressItem]
 
-    def __init__(self) -> None:
-        self._event = trio.Event()
 
-    def set(self) -> None:
-        self._event.set()
-
-    def arm(self) -> trio.Event:
-        self._event = trio.Event()
-        return self._event
+def _open_inbox() -> _Inbox:
+    # Ingress is unbounded on purpose: the listener must never wait on the coordinator (3.10, 7.5). Memory
+    # is bounded in bytes by the listener (IngressMeter); the coordinator drains in batches.
+    return ControlFirstInbox[_Command[Any], IngressItem](CONTROL_CAPACITY)
 
 
 class _LeaseGate:
     """Where the task waits for the persisted outbound id lease to cover its next work (issue #17)."""
 
     def __init__(self) -> None:
-        self._extended = trio.Event()
+        self._extended = Changed()
         self.waiting = False  # the task is blocked on the lease (the persistence writer extends it at once)
 
     def extended(self) -> None:
-        self._extended.set()
-        self._extended = trio.Event()
+        self._extended.notify()
 
     async def wait_for_room(self, core: SlotCoordinator, needed: int) -> None:
         available = core.ids_available()
@@ -133,10 +115,14 @@ class _LeaseGate:
         log.warning("outbound_id_lease_wait", needed=needed, available=available, lease_end=core.lease_end)
         self.waiting = True
         try:
-            while (available := core.ids_available()) is not None and available < needed:
-                await self._extended.wait()
+            await self._extended.wait_for(lambda: _has_room(core, needed))
         finally:
             self.waiting = False
+
+
+def _has_room(core: SlotCoordinator, needed: int) -> bool:
+    available = core.ids_available()
+    return available is None or available >= needed
 
 
 class StatusCell:
@@ -148,7 +134,9 @@ class StatusCell:
 
     def __init__(self, initial: AgentStatus) -> None:
         self._status = initial
-        self._changed = trio.Event()
+        self._changed = Changed()
+        # An event, not a Changed: callers outside the coordinator take it and wait (the advertiser, the
+        # stream writer's StatusSource protocol); the next attachment change sets it and makes a new one.
         self._attachment_changed = trio.Event()
 
     def get(self) -> AgentStatus:
@@ -156,8 +144,7 @@ class StatusCell:
 
     def set(self, status: AgentStatus) -> None:
         previous, self._status = self._status, status
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
         if status.attachment != previous.attachment:
             self._attachment_changed.set()
             self._attachment_changed = trio.Event()
@@ -171,24 +158,15 @@ class StatusCell:
 
     async def wait_for(self, predicate: Callable[[AgentStatus], bool]) -> AgentStatus:
         """Wait until ``predicate(status)`` is true and return that status."""
-        while not predicate(self._status):
-            await self._changed.wait()
+        await self._changed.wait_for(lambda: predicate(self._status))
         return self._status
 
 
-def open_ingress_channel() -> tuple[
-    trio.MemorySendChannel[IngressItem], trio.MemoryReceiveChannel[IngressItem]
-]:
-    # Unbounded on purpose: the listener must never wait on the coordinator (3.10, 7.5). Memory is bounded
-    # in bytes by the listener (IngressMeter); the coordinator drains in batches.
-    return trio.open_memory_channel[IngressItem](math.inf)
-
-
-def admit_ingress(channel: trio.MemorySendChannel[IngressItem], item: IngressItem) -> None:
+def admit_ingress(inbox: ControlFirstInbox[Any, IngressItem], item: IngressItem) -> None:
     """Queue one chunk or signal without waiting; fails only when the coordinator is gone."""
     try:
-        channel.send_nowait(item)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        inbox.put_nowait(item)
+    except trio.ClosedResourceError:
         raise CoordinatorClosed(INGRESS_CLOSED) from None
 
 
@@ -204,7 +182,7 @@ class IngressMeter:
     def __init__(self) -> None:
         self.bytes = 0
         self.ids = 0  # the most outbound ids the queued items can take (the lease check before a command)
-        self._drained: trio.Event | None = None  # created only while someone waits
+        self._drained = Changed()  # an increment per subtraction while nobody waits
 
     def add(self, nbytes: int, ids: int = 0) -> None:
         self.bytes += nbytes
@@ -213,21 +191,15 @@ class IngressMeter:
     def sub(self, nbytes: int, ids: int = 0) -> None:
         self.bytes -= nbytes
         self.ids -= ids
-        drained = self._drained
-        if drained is not None:
-            self._drained = None
-            drained.set()
+        self._drained.notify()
 
     def clear(self) -> None:
         """The queue is gone (the coordinator stopped): nothing is held any more."""
         self.sub(self.bytes, self.ids)
 
     async def wait_at_most(self, limit: int) -> None:
-        while self.bytes > limit:
-            if self._drained is None:
-                self._drained = trio.Event()
-            await self._drained.wait()
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await self._drained.wait_for(lambda: self.bytes <= limit)
+        await checkpoint_if_cancelled()
 
 
 class CoordinatorHandle:
@@ -235,28 +207,23 @@ class CoordinatorHandle:
 
     def __init__(
         self,
-        control: trio.MemorySendChannel[_Command[Any]],
-        ingress: trio.MemorySendChannel[IngressItem],
-        wakeup: _Wakeup,
+        inbox: _Inbox,
         core: SlotCoordinator,
         meter: IngressMeter,
         lease: _LeaseGate | None = None,
-        progress: trio.lowlevel.ParkingLot | None = None,
+        progress: Changed | None = None,
     ) -> None:
-        self._control = control
-        self._ingress = ingress
-        self._wakeup = wakeup
+        self._inbox = inbox
         self._core = core
         self._meter = meter
         self._lease = lease if lease is not None else _LeaseGate()
-        self._progress = progress if progress is not None else trio.lowlevel.ParkingLot()
+        self._progress = progress if progress is not None else Changed()
 
     def admit_nowait(self, item: IngressChunk | SourceSignal) -> None:
         """Queue one ingress chunk or source signal without waiting, in order with everything admitted
         before it; raises CoordinatorClosed once the task is gone."""
-        admit_ingress(self._ingress, item)
+        admit_ingress(self._inbox, item)
         self._meter.add(item.raw_bytes if type(item) is IngressChunk else 0, SlotCoordinator.ids_needed(item))
-        self._wakeup.set()
 
     # -- persistence hooks (issue #17): synchronous reads, consistent with everything handled so far ---
 
@@ -281,7 +248,7 @@ class CoordinatorHandle:
 
     async def wait_progress(self) -> None:
         """Return after the task next handles a drain of ingress or a command (or blocks on the lease)."""
-        await self._progress.park()
+        await self._progress.wait(self._progress.version)
 
     def statistics(self) -> CoordinatorStatistics:
         """The coordinator's counters, with the real ingress queue depth and bytes."""
@@ -292,7 +259,7 @@ class CoordinatorHandle:
     @property
     def ingress_backlog(self) -> int:
         """Chunks and signals admitted but not yet taken by the coordinator."""
-        return self._ingress.statistics().current_buffer_used
+        return self._inbox.items_queued
 
     @property
     def ingress_bytes(self) -> int:
@@ -346,21 +313,18 @@ class CoordinatorHandle:
             return
 
     def close(self) -> None:
-        """Close both send channels; the task stops once it sees the closed control channel."""
-        self._control.close()
-        self._ingress.close()
-        self._wakeup.set()
+        """Close the inbox: the task runs the commands already queued, then stops (dropping queued ingress)."""
+        self._inbox.close()
 
     async def _call(self, invoke: _Invoke[T], dropped_message: str, *, stops: bool = False) -> T:
         command = _Command(invoke, dropped_message, stops=stops)
         try:
             try:
-                self._control.send_nowait(command)
+                self._inbox.send_control_nowait(command)
             except trio.WouldBlock:
-                await self._control.send(command)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._inbox.send_control(command)
+        except trio.ClosedResourceError:
             raise CoordinatorClosed() from None
-        self._wakeup.set()
         return await command.wait()
 
 
@@ -368,17 +332,13 @@ class _CoordinatorTask:
     def __init__(
         self,
         core: SlotCoordinator,
-        control: trio.MemoryReceiveChannel[_Command[Any]],
-        ingress: trio.MemoryReceiveChannel[IngressItem],
-        wakeup: _Wakeup,
+        inbox: _Inbox,
         meter: IngressMeter,
         lease: _LeaseGate,
-        progress: trio.lowlevel.ParkingLot,
+        progress: Changed,
     ) -> None:
         self._core = core
-        self._control = control
-        self._ingress = ingress
-        self._wakeup = wakeup
+        self._inbox = inbox
         self._meter = meter
         self._lease = lease
         self._progress = progress
@@ -398,16 +358,14 @@ class _CoordinatorTask:
 
     async def _loop(self) -> None:
         clock = time.perf_counter
+        inbox = self._inbox
         slice_end = clock() + SLICE_SECONDS
         while True:
-            try:
-                command: _Command[Any] | None = self._control.receive_nowait()
-            except trio.WouldBlock:
-                command = None
-            except trio.EndOfChannel:
-                return
+            command = inbox.take_control_nowait()
+            if command is None and inbox.closed:
+                return  # closed and every queued command handled: the queued ingress is dropped
             if command is not None:
-                if not command.stops and not command.abandoned:
+                if not command.stops and not command.abandoned():
                     # A command may publish a barrier and drain what is queued (CompleteDetach).
                     await self._await_lease(self._meter.ids + 1)
                 if command.execute(self._core, self._queued()) and command.stops:
@@ -416,25 +374,25 @@ class _CoordinatorTask:
             else:
                 # No other task runs while this drain is handled, so no command can arrive meanwhile: taking
                 # several chunks at once keeps the priority of control exact.
-                items = self._take_ingress(DRAIN_CHUNKS)
+                items = inbox.take_items_nowait(DRAIN_CHUNKS)
                 if not items:
-                    await self._wakeup.arm().wait()
+                    await inbox.wait()
                     slice_end = clock() + SLICE_SECONDS
                     continue
                 await self._await_lease(sum(map(SlotCoordinator.ids_needed, items)))
                 with self._core.ingress_batch():
                     for item in items:
                         self._ingest(item)
-            self._progress.unpark_all()
+            self._progress.notify()
             if clock() >= slice_end:
-                await trio.lowlevel.checkpoint()
+                await checkpoint()
                 slice_end = clock() + SLICE_SECONDS
 
     async def _await_lease(self, needed: int) -> None:
         available = self._core.ids_available()
         if available is None or available >= needed:
             return  # no lease, or room: the common case costs one call
-        self._progress.unpark_all()  # whoever extends the lease hears about it now
+        self._progress.notify()  # whoever extends the lease hears about it now
         await self._lease.wait_for_room(self._core, needed)
 
     def _note_open_generation(self) -> None:
@@ -442,25 +400,10 @@ class _CoordinatorTask:
         if open_generation is not None and open_generation > self._newest_opened:
             self._newest_opened = open_generation
 
-    def _next_item(self) -> IngressItem | None:
-        try:
-            return self._ingress.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return None
-
-    def _take_ingress(self, limit: int) -> list[IngressItem]:
-        items: list[IngressItem] = []
-        receive = self._ingress.receive_nowait
-        try:
-            while len(items) < limit:
-                items.append(receive())
-        except (trio.WouldBlock, trio.EndOfChannel):
-            pass
-        return items
-
     def _queued(self) -> Iterator[IngressItem]:
         """Everything already queued, taken without waiting (the CompleteDetach drain)."""
-        while (item := self._next_item()) is not None:
+        while taken := self._inbox.take_items_nowait(1):
+            item = taken[0]
             self._meter.sub(
                 item.raw_bytes if type(item) is IngressChunk else 0, SlotCoordinator.ids_needed(item)
             )
@@ -491,15 +434,14 @@ class _CoordinatorTask:
             log.exception("ingress_failed")
 
     def _close(self) -> None:
-        # Answer every command still queued so no caller waits forever, then close both receive sides so
-        # later sends and admissions fail with CoordinatorClosed.
-        while True:
-            try:
-                self._control.receive_nowait().drop()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-        self._control.close()
-        self._ingress.close()
+        # Close first, so later sends and admissions fail with CoordinatorClosed (and senders waiting for
+        # room are refused); then answer every command still queued so no caller waits forever, and let go
+        # of the queued ingress.
+        inbox = self._inbox
+        inbox.close()
+        while (command := inbox.take_control_nowait()) is not None:
+            command.drop()
+        inbox.take_items_nowait()
         self._meter.clear()
 
 
@@ -507,12 +449,10 @@ def open_coordinator(
     core: SlotCoordinator,
 ) -> tuple[CoordinatorHandle, Callable[..., Awaitable[None]]]:
     """The handle and the ``run(*, task_status=trio.TASK_STATUS_IGNORED)`` coroutine function of one core."""
-    control_send, control_receive = trio.open_memory_channel[_Command[Any]](CONTROL_CAPACITY)
-    ingress_send, ingress_receive = open_ingress_channel()
-    wakeup = _Wakeup()
+    inbox = _open_inbox()
     meter = IngressMeter()
     lease = _LeaseGate()
-    progress = trio.lowlevel.ParkingLot()
-    task = _CoordinatorTask(core, control_receive, ingress_receive, wakeup, meter, lease, progress)
-    handle = CoordinatorHandle(control_send, ingress_send, wakeup, core, meter, lease, progress)
+    progress = Changed()
+    task = _CoordinatorTask(core, inbox, meter, lease, progress)
+    handle = CoordinatorHandle(inbox, core, meter, lease, progress)
     return handle, task.run

@@ -38,6 +38,7 @@ import trio
 import zmq
 from xxhash import xxh3_64_intdigest
 
+from kvagent._util.sync import checkpoint
 from kvagent.coordinator.signals import LISTENER_TERMINATED
 from kvagent.coordinator.task import CoordinatorHandle, StatusCell
 from kvagent.model.errors import ChunkingError, KvAgentError, ListenerError, WireDecodeError
@@ -338,7 +339,7 @@ class _Processor:
         if time.perf_counter() >= self._slice_end:
             # A burst is handled in slices, so the coordinator and recovery requests on the same event
             # loop get their turn every millisecond or so.
-            await trio.lowlevel.checkpoint()
+            await checkpoint()
             self._slice_end = time.perf_counter() + SLICE_SECONDS
 
     # -- input ----------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvagent._util.sync import Changed, checkpoint
 from kvagent._util.zmqtrio import TrioSocket
 from kvagent.coordinator.task import SLICE_SECONDS  # one slice length for every task on the loop
 from kvagent.model.errors import ListenerError
@@ -117,9 +118,9 @@ class Inbox:
         self.live_bytes = 0
         self.reply_bytes = 0
         self.reply_bytes_bound = reply_bytes_bound
-        self._arrived = trio.Event()
-        self._room = trio.Event()
-        self._space: trio.Event | None = None  # created only while the reader waits for space
+        self._arrived = Changed()  # an item was put, or wake() was called
+        self._room = Changed()  # a reply was taken and the replies in flight are within their bound
+        self._space = Changed()  # an item was taken, or space_freed() was called
 
     def __len__(self) -> int:
         return len(self._items)
@@ -131,39 +132,32 @@ class Inbox:
     def put_live(self, frames: list[bytes], nbytes: int) -> None:
         self._items.append(LiveItem(frames, nbytes))
         self.live_bytes += nbytes
-        self._arrived.set()
+        self._arrived.notify()
 
     def put_link(self, connected: bool) -> None:
         self._items.append(LinkItem(connected))
-        self._arrived.set()
+        self._arrived.notify()
 
     # ReplaySink
     def on_reply(self, request: int, reply: ReplayReply) -> None:
         self._items.append(ReplyItem(request, reply))
         self.reply_bytes += len(reply.payload)
-        self._arrived.set()
+        self._arrived.notify()
 
     def on_end(self, request: int, complete: bool, reason: str) -> None:
         self._items.append(ReplayEndItem(request, complete, reason))
-        self._arrived.set()
+        self._arrived.notify()
 
     async def wait_for_room(self) -> None:
-        while self.reply_bytes > self.reply_bytes_bound:
-            self._room = trio.Event()
-            await self._room.wait()
+        await self._room.wait_for(lambda: self.reply_bytes <= self.reply_bytes_bound)
 
     async def wait_for_space(self) -> None:
         """Return at the next :meth:`pop` or :meth:`space_freed` (the reader then checks its bound again)."""
-        if self._space is None:
-            self._space = trio.Event()
-        await self._space.wait()
+        await self._space.wait(self._space.version)
 
     def space_freed(self) -> None:
         """Something the reader counts against its bound went down (an item taken, held batches applied)."""
-        space = self._space
-        if space is not None:
-            self._space = None
-            space.set()
+        self._space.notify()
 
     def pop(self) -> InboxItem | None:
         if not self._items:
@@ -175,18 +169,17 @@ class Inbox:
         elif type(item) is ReplyItem:
             self.reply_bytes -= len(item.reply.payload)
             if self.reply_bytes <= self.reply_bytes_bound:
-                self._room.set()
+                self._room.notify()
         return item
 
     async def wait(self) -> None:
         """Return once an item is queued (or :meth:`wake` was called)."""
         if self._items:
             return
-        self._arrived = trio.Event()
-        await self._arrived.wait()
+        await self._arrived.wait(self._arrived.version)
 
     def wake(self) -> None:
-        self._arrived.set()
+        self._arrived.notify()
 
     def drop_live(self) -> int:
         """Drop every queued live batch (keeping replies and link changes, in order); returns the bytes freed."""
@@ -313,7 +306,7 @@ class LiveReader:
         self.last_live_at: float | None = None
         self.connect_warnings = 0
         self._handshake = trio.Event()  # set at the first successful handshake with the engine
-        self._live_waiter: trio.Event | None = None  # see wait_for_live
+        self._live = Changed()  # a drain received a live message (see wait_for_live)
         self._held_bytes = held_bytes  # bytes held past the inbox (SourceSync, the processor's batch)
         self._shed_held = shed_held  # drops what SourceSync holds; returns the bytes freed
         self.messages = 0
@@ -360,11 +353,9 @@ class LiveReader:
             outcome = self._drain(subscription.sub)
             if self.messages != received:
                 self.last_live_at = trio.current_time()  # once per drain, not per message
-                if self._live_waiter is not None:
-                    self._live_waiter.set()
-                    self._live_waiter = None
+                self._live.notify()
             if outcome is _Drained.SLICE_OVER:
-                await trio.lowlevel.checkpoint()  # let the processor and others run
+                await checkpoint()  # let the processor and others run
             elif outcome is _Drained.AGAIN and self.messages != received and (
                 wait := self.pacing.wait_after(self.messages - round_start, self.messages, self._current_rcvhwm)
             ):
@@ -472,9 +463,7 @@ class LiveReader:
 
     async def wait_for_live(self) -> None:
         """Return at the next drain that receives a live message (the slot's silence watch waits here)."""
-        if self._live_waiter is None:
-            self._live_waiter = trio.Event()
-        await self._live_waiter.wait()
+        await self._live.wait(self._live.version)
 
     async def _warn_if_never_connected(self) -> None:
         """One WARNING when no engine handshake succeeds in time, and one INFO if it succeeds later."""

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 import structlog.testing
 import trio
 import trio.testing
 
-from kvagent.coordinator.task import CoordinatorHandle, admit_ingress, open_coordinator, open_ingress_channel
+from kvagent._util.sync import ControlFirstInbox
+from kvagent.coordinator.task import (
+    CONTROL_CAPACITY,
+    CoordinatorHandle,
+    IngressItem,
+    admit_ingress,
+    open_coordinator,
+)
 from kvagent.model.errors import CoordinatorClosed, CoordinatorError
 from kvagent.model.events import (
     Cleared,
@@ -25,11 +34,14 @@ from tests.support.ids import OWNER, C, W, attachment_for
 
 
 def test_listener_admission_does_not_wait_for_coordinator_progress() -> None:
-    send, receive = open_ingress_channel()
+    inbox = ControlFirstInbox[Any, IngressItem](CONTROL_CAPACITY)
     for cursor in range(1, 1025):
-        admit_ingress(send, chunk(7, cursor))
-    assert receive.receive_nowait() == chunk(7, 1)
-    assert receive.statistics().current_buffer_used == 1023
+        admit_ingress(inbox, chunk(7, cursor))
+    assert inbox.take_items_nowait(1) == [chunk(7, 1)]
+    assert inbox.items_queued == 1023
+    inbox.close()
+    with pytest.raises(CoordinatorClosed, match="^state-agent ingress coordinator is closed$"):
+        admit_ingress(inbox, chunk(7, 1025))
 
 
 def test_handle_admission_does_not_wait_for_a_coordinator_that_is_not_running() -> None:
@@ -186,6 +198,33 @@ async def test_closed_control_channel_stops_the_loop_and_queued_commands_are_dro
             await nursery.start(run)
     assert outcomes == ["state-agent attach was dropped"]
     assert other.sink.calls == 0
+
+
+async def test_a_stop_drops_queued_commands_refuses_callers_waiting_for_room_and_lets_go_of_ingress() -> None:
+    slot = Slot()
+    handle, run = open_coordinator(slot.core)
+    handle.admit_nowait(chunk(1, 1, [store(W, None, 101, 11)]))
+    outcomes: list[str] = []
+
+    async def attach_and_record() -> None:
+        try:
+            await handle.attach(attachment_for(FIRST))
+        except CoordinatorClosed as error:
+            outcomes.append(str(error))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handle.shutdown)  # first in the queue: the task stops there
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(CONTROL_CAPACITY):  # the rest of the queue, then one caller waiting for room
+                nursery.start_soon(attach_and_record)
+                await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == [] and handle.ingress_backlog == 1
+            await nursery.start(run)
+    assert outcomes.count("state-agent attach was dropped") == CONTROL_CAPACITY - 1
+    assert outcomes.count("state-agent coordinator is closed") == 1  # refused while it waited for room
+    assert handle.ingress_backlog == 0 and handle.ingress_bytes == 0
+    assert slot.sink.calls == 0
 
 
 async def test_cancellation_stops_a_busy_loop() -> None:

@@ -8,7 +8,14 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvagent._util.sync import Changed, ControlFirstInbox, Request, checkpoint, shielded_checkpoint
+from kvagent._util.sync import (
+    Changed,
+    ControlFirstInbox,
+    Request,
+    checkpoint,
+    checkpoint_if_cancelled,
+    shielded_checkpoint,
+)
 
 # -- Changed -----------------------------------------------------------------------------------------
 
@@ -254,4 +261,23 @@ async def test_checkpoint_can_be_cancelled_and_the_shielded_one_cannot() -> None
         await checkpoint()
         reached_after = True  # pragma: no cover - the checkpoint raised Cancelled
     assert reached and scope.cancelled_caught
+    assert "reached_after" not in locals()
+
+
+async def test_checkpoint_if_cancelled_raises_only_when_cancelled_and_otherwise_does_not_yield() -> None:
+    ran: list[str] = []
+
+    async def other() -> None:
+        ran.append("other")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await checkpoint_if_cancelled()  # not cancelled: no yield, so the other task has not run yet
+        assert ran == []
+    assert ran == ["other"]
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await checkpoint_if_cancelled()
+        reached_after = True  # pragma: no cover - it raised Cancelled
+    assert scope.cancelled_caught
     assert "reached_after" not in locals()
