@@ -22,7 +22,8 @@ GUARD = 30  # seconds: a hang guard only
 async def test_a_flood_shed_and_repaired_by_replay_is_ready_and_exact_with_the_engine_idle() -> None:
     # ~24 KB batches into a 128 KiB listener bound: a handful fill it, so the reader sheds even on a fast,
     # idle machine (the processor cannot admit 600 of them as fast as ZMQ delivers).
-    options = ListenerOptions(max_payload_bytes=32 << 10, ingress_bytes=256 << 10)
+    # shed_after=0: shed at once (the default first stops reading for 5 s, and the processor catches up).
+    options = ListenerOptions(max_payload_bytes=32 << 10, ingress_bytes=256 << 10, shed_after=0.0)
     with trio.fail_after(GUARD):
         async with open_rig(options, replay=True) as rig:
             await rig.settle()
