@@ -16,6 +16,7 @@ from kvagent.model.events import RouterEvent
 from kvagent.publish.zmq_plane import ZmqEventPlane
 from kvagent.recovery.client import subscribe
 from kvagent.recovery.server import serve_recovery
+from kvagent.vllm.listener import ListenerOptions
 from tests.support.agent import XpubEngine, attach, batch, gpu_store
 from tests.support.ids import OWNER
 
@@ -31,8 +32,15 @@ async def test_dropped_event_plane_messages_are_repaired_through_recover() -> No
     progressed = trio.Event()
     try:
         with trio.fail_after(60):
+            # coalesce_window=0: one plane message per batch, so the slow reader behind SNDHWM 1 loses some
+            # (read together, the 600 batches can go out in messages few enough that none is dropped).
             config = SlotAgentConfig(
-                name="s0", cache_owner_id=OWNER, kv_block_size=32, ring_capacity=8192, publisher_id=publisher_id
+                name="s0",
+                cache_owner_id=OWNER,
+                kv_block_size=32,
+                ring_capacity=8192,
+                publisher_id=publisher_id,
+                listener=ListenerOptions(coalesce_window=0.0),
             )
             async with (
                 open_slot_agent(config, discovery=MemoryDiscovery(), sink=sink, zmq_context=context) as agent,
