@@ -22,6 +22,14 @@ FALLBACK_TESTS = (
     "tests/unit/test_coordinator.py",
     "tests/unit/test_coordinator_model.py",
     "tests/io/test_listener.py",
+    "tests/unit/test_native_encode.py",
+    "tests/unit/test_event_ring.py",
+    "tests/unit/test_wire_columns.py",
+    "tests/io/test_follow.py",
+    "tests/io/test_dump_fast.py",
+    "tests/unit/test_native_store.py",
+    "tests/unit/test_stream_apply.py",
+    "tests/unit/test_ring_retention.py",
 )
 
 
