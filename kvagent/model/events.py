@@ -7,7 +7,7 @@ block: the ingest hot path creates one object per event, not one per block.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
 
 import attrs
 
@@ -27,6 +27,7 @@ __all__ = [
     "MAX_RAW_PAYLOAD_BYTES",
     "Cleared",
     "EventData",
+    "EventRoute",
     "IngressChunk",
     "IngressProtocol",
     "MmExtraInfo",
@@ -39,6 +40,7 @@ __all__ = [
     "SourceSignal",
     "SourceState",
     "StorageTier",
+    "StoredExtra",
     "TIER_BY_VALUE",
     "Stored",
     "WorkerWithDpRank",
@@ -223,6 +225,23 @@ class RouterEvent:
     dp_rank: int
     state_source: CacheOwnerId | None = None
     session_id: str | None = None
+
+
+class EventRoute(NamedTuple):
+    """What a RouterEvent carries beside its id and data: the columnar layouts (a ring segment, a stream
+    entry) keep it once per distinct value, shared by the events that have it."""
+
+    worker_id: int
+    tier: StorageTier
+    domain: ResidencyDomain
+    dp_rank: int
+    state_source: CacheOwnerId | None
+    session_id: str | None
+
+
+# (start_position, mm_extra_infos) of a Stored event that has either: the rare Stored fields, which the
+# columnar layouts keep aside by event position.
+StoredExtra: TypeAlias = tuple[int | None, tuple[MmExtraInfo | None, ...] | None]
 
 
 @_per_event_value
