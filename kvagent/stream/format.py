@@ -42,7 +42,6 @@ from kvagent.model.events import (
     CLEARED,
     DOMAIN_BY_VALUE,
     FLAG_DEAD,
-    FLAG_PARENT,
     TIER_BY_VALUE,
     U32_MAX,
     U64_MAX,
@@ -56,6 +55,7 @@ from kvagent.model.events import (
     StorageTier,
     Stored,
     StoredExtra,
+    resident_row_events,
 )
 from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import AgentStatus
@@ -801,21 +801,10 @@ class StreamSnapshot:
         """Every resident block as a one-block Stored event, parents first (ids are positions, from 0)."""
         event_id = 0
         for g in self.groups:
-            mm = g.mm
-            for row, (block, parent, tokens, flag) in enumerate(
-                zip(g.hashes, g.parents, g.tokens, g.flags, strict=True)
-            ):
-                if flag == FLAG_DEAD:
-                    continue
-                info = mm.get(row) if mm else None
-                data = Stored(
-                    parent if flag == FLAG_PARENT else None,
-                    (block,),
-                    (tokens,),
-                    None if info is None else (info,),
-                )
-                yield RouterEvent(g.worker_id, g.tier, g.domain, event_id, data, g.dp_rank, g.source)
-                event_id += 1
+            route = EventRoute(g.worker_id, g.tier, g.domain, g.dp_rank, g.source, None)
+            events = resident_row_events(route, g.hashes, g.parents, g.tokens, g.flags, g.mm, event_id)
+            yield from events
+            event_id += len(events)
 
 
 def _decode_group(raw: object, field: str) -> _Group:
