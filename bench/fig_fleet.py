@@ -30,11 +30,10 @@ import redis
 import redis.cluster
 import trio
 
-from bench.fleet_sim import SimulatedSlot, canonical_state, run_paced
+from bench.fleet_sim import SimulatedSlot, canonical_state, run_paced, timed_catch_up
 from bench.harness import FigureResult, Row
 from bench.redis_procs import redis_server, redis_server_binary, start_cluster
 from kvagent._util.redis_target import StreamTarget
-from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig
 
 NAME = "fleet"
@@ -97,15 +96,6 @@ def _fleet(url: str | None, prefix: str, slots: int, processes: int, events: int
         return [future.result() for future in futures]
 
 
-async def _rebuild(url: str, prefix: str) -> tuple[float, StreamFollower]:
-    follower = StreamFollower(StreamTarget(url), prefix=prefix)
-    started = time.perf_counter()
-    await follower.catch_up()
-    seconds = time.perf_counter() - started
-    await follower.aclose()
-    return seconds, follower
-
-
 def _used_memory(client: redis.Redis) -> int:
     info: Any = client.info("memory")
     return int(info["used_memory"])
@@ -154,7 +144,7 @@ def _measure(
     blocks = {name: count for r in streamed for name, count in r["blocks"].items()}
     digests = {name: digest for r in streamed for name, digest in r["digests"].items()}
     used = _used_memory(client) - baseline_memory
-    seconds, follower = trio.run(_rebuild, url, prefix)
+    seconds, follower = trio.run(timed_catch_up, StreamTarget(url), prefix)
     rebuilt = {name: _digest(canonical_state(r.index)) for name, r in follower.replicas.items()}
     if rebuilt != digests:
         raise AssertionError("the reader's state differs from a slot's own")
@@ -274,7 +264,7 @@ def _report_cluster(
     lags = [lag for r in streamed for lag in r["lags"]]
     events = sum(r["events"] for r in streamed)
     digests = {name: digest for r in streamed for name, digest in r["digests"].items()}
-    seconds, follower = trio.run(_rebuild_cluster, url, prefix)
+    seconds, follower = trio.run(timed_catch_up, StreamTarget(url, cluster=True, socket_timeout=30), prefix)
     rebuilt = {name: _digest(canonical_state(r.index)) for name, r in follower.replicas.items()}
     exact = sum(1 for name, digest in digests.items() if rebuilt.get(name) == digest)
     client = redis.cluster.RedisCluster.from_url(url)
@@ -323,11 +313,3 @@ def _report_cluster(
         raise AssertionError(f"the cold reader rebuilt {exact} of {slots} slots exactly")
 
 
-async def _rebuild_cluster(url: str, prefix: str) -> tuple[float, StreamFollower]:
-    """A cold router replica: every slot found by SCAN of the masters, rebuilt from snapshot and stream."""
-    follower = StreamFollower(StreamTarget(url, cluster=True, socket_timeout=30), prefix=prefix)
-    started = time.perf_counter()
-    await follower.catch_up()
-    seconds = time.perf_counter() - started
-    await follower.aclose()
-    return seconds, follower

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 import trio
 
-from bench.fleet_sim import SimulatedSlot, canonical_state
+from bench.fleet_sim import SimulatedSlot, canonical_state, timed_catch_up
 from bench.harness import FigureResult, Row
 from bench.redis_procs import redis_server
 from kvagent._util.redis_target import StreamTarget
@@ -47,7 +47,7 @@ from kvagent.stream.format import (
     event_entry_id,
     slots_key,
 )
-from kvagent.stream.reader import PAGE_ENTRIES, StreamFollower
+from kvagent.stream.reader import PAGE_ENTRIES
 from kvagent.wire.router_event import decode_router_events
 
 NAME = "stream_entries"
@@ -110,15 +110,6 @@ def _legacy_catch_up(client: redis.Redis, prefix: str, slots: Sequence[Simulated
     return indexes
 
 
-async def _follow(url: str, prefix: str) -> tuple[float, StreamFollower]:
-    follower = StreamFollower(StreamTarget(url), prefix=prefix)
-    started = time.perf_counter()
-    await follower.catch_up()
-    seconds = time.perf_counter() - started
-    await follower.aclose()
-    return seconds, follower
-
-
 def _memory(client: redis.Redis, key: str) -> int:
     return int(client.memory_usage(key, samples=0) or 0)
 
@@ -149,7 +140,7 @@ def measure_entries(
     legacy_seconds = time.perf_counter() - started
     seconds = {}
     for version in (1, 2):
-        seconds[version], follower = trio.run(_follow, url, prefixes[version])
+        seconds[version], follower = trio.run(timed_catch_up, StreamTarget(url), prefixes[version])
         rebuilt = {name: _digest(r.index) for name, r in follower.replicas.items()}
         if rebuilt != truth:
             raise AssertionError(f"the reader's state of the version-{version} streams differs from a slot's own")
