@@ -167,8 +167,8 @@ async def open_rig(
         context.destroy(linger=0)
 
 
-async def wait_quiet(rig: TrustRig, quiet: float = 0.5) -> None:
-    """Until no live batch has arrived for ``quiet`` seconds and every task has been blocked a while.
+async def wait_quiet(rig: TrustRig, quiet: float = 0.5, *, cushion: float = 0.2) -> None:
+    """Until no live batch has arrived for ``quiet`` seconds and every task has been blocked ``cushion`` s.
 
     No sentinel on purpose: a batch after the flood would show the gap a shed's re-open left, and the
     case is the one where nothing comes after (the end of a flood).
@@ -180,7 +180,7 @@ async def wait_quiet(rig: TrustRig, quiet: float = 0.5) -> None:
             await reader.wait_for_live()
         if quiet_scope.cancelled_caught:
             break
-    await trio.testing.wait_all_tasks_blocked(cushion=0.2)
+    await trio.testing.wait_all_tasks_blocked(cushion=cushion)
 
 
 async def flood(rig: TrustRig, *, blocks_per_batch: int, batches: int = 600) -> None:
