@@ -19,9 +19,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
 import uuid
@@ -33,10 +30,10 @@ import redis
 import redis.cluster
 import trio
 
-from bench.fleet_sim import SimulatedSlot, canonical_state, run_paced
+from bench.fleet_sim import SimulatedSlot, canonical_state, run_paced, timed_catch_up
 from bench.harness import FigureResult, Row
+from bench.redis_procs import redis_server, redis_server_binary, start_cluster
 from kvagent._util.redis_target import StreamTarget
-from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig
 
 NAME = "fleet"
@@ -99,22 +96,6 @@ def _fleet(url: str | None, prefix: str, slots: int, processes: int, events: int
         return [future.result() for future in futures]
 
 
-async def _rebuild(url: str, prefix: str) -> tuple[float, StreamFollower]:
-    follower = StreamFollower(StreamTarget(url), prefix=prefix)
-    started = time.perf_counter()
-    await follower.catch_up()
-    seconds = time.perf_counter() - started
-    await follower.aclose()
-    return seconds, follower
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _used_memory(client: redis.Redis) -> int:
     info: Any = client.info("memory")
     return int(info["used_memory"])
@@ -124,45 +105,22 @@ def run(result: FigureResult, *, quick: bool) -> None:
     if slots_choice is not None:
         run_cluster(result, slots=slots_choice, quick=quick)
         return
-    binary = os.environ.get("KVAGENT_REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("no redis-server: apt-get install redis-server (or set KVAGENT_REDIS_SERVER)")
     slots, processes = (8, 2) if quick else (16, 4)
     total = 200_000 if quick else 1_000_000
     per_slot = total // slots
-    port = _free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    with tempfile.TemporaryDirectory(prefix="kvagent-fleet-") as tmp:
-        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        server = subprocess.Popen(
-            [*command, "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    with redis_server("kvagent-fleet-") as (url, client, workdir):
+        baseline_memory = _used_memory(client)
+        version: Any = client.info("server")
+        _measure(result, url, client, slots, processes, per_slot, baseline_memory)
+        result.params.update(
+            slots=slots,
+            processes=processes,
+            events=per_slot * slots,
+            redis=version.get("redis_version"),
+            cpus=os.cpu_count(),
+            note="shared machine (2 cores, several engineers): figures are indicative",
+            workdir=str(workdir),
         )
-        try:
-            client = redis.Redis(port=port)
-            deadline = time.monotonic() + 20
-            while True:  # an external process's startup: polling is the only option
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            baseline_memory = _used_memory(client)
-            version: Any = client.info("server")
-            _measure(result, url, client, slots, processes, per_slot, baseline_memory)
-            result.params.update(
-                slots=slots,
-                processes=processes,
-                events=per_slot * slots,
-                redis=version.get("redis_version"),
-                cpus=os.cpu_count(),
-                note="shared machine (2 cores, several engineers): figures are indicative",
-                workdir=str(Path(tmp)),
-            )
-        finally:
-            server.terminate()
-            server.wait(timeout=10)
 
 
 def _measure(
@@ -186,7 +144,7 @@ def _measure(
     blocks = {name: count for r in streamed for name, count in r["blocks"].items()}
     digests = {name: digest for r in streamed for name, digest in r["digests"].items()}
     used = _used_memory(client) - baseline_memory
-    seconds, follower = trio.run(_rebuild, url, prefix)
+    seconds, follower = trio.run(timed_catch_up, StreamTarget(url), prefix)
     rebuilt = {name: _digest(canonical_state(r.index)) for name, r in follower.replicas.items()}
     if rebuilt != digests:
         raise AssertionError("the reader's state differs from a slot's own")
@@ -221,71 +179,6 @@ def _measure(
 
 
 # --- the cluster figure (--slots N) ----------------------------------------------------------------------
-
-
-def _cluster_port(taken: set[int]) -> int:
-    """A free port P with P + 10000 (its cluster bus) free too."""
-    while True:
-        port = _free_port()
-        if port > 55535 or port in taken or port + 10000 in taken:
-            continue
-        try:
-            with socket.socket() as bus:
-                bus.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        taken.update((port, port + 10000))
-        return port
-
-
-def _start_cluster(binary: str, directory: Path) -> tuple[list[int], list[subprocess.Popen[bytes]]]:
-    """CLUSTER_MASTERS cluster-enabled servers joined by ``redis-cli --cluster create`` (no replicas)."""
-    taken: set[int] = set()
-    ports = [_cluster_port(taken) for _ in range(CLUSTER_MASTERS)]
-    processes = []
-    for port in ports:
-        node = directory / str(port)
-        node.mkdir()
-        command = [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(node), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-        ]  # fmt: skip
-        processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    for port in ports:
-        _wait_ping(redis.Redis(port=port))
-    cli = shutil.which("redis-cli") or str(Path(binary).with_name("redis-cli"))
-    nodes = [f"127.0.0.1:{port}" for port in ports]
-    subprocess.run(
-        [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    deadline = time.monotonic() + 30
-    while True:  # an external process's state: polling is the only option
-        states = []
-        for port in ports:
-            info: Any = redis.Redis(port=port).cluster("INFO")
-            states.append(
-                info.get("cluster_state") == "ok" if isinstance(info, dict) else b"cluster_state:ok" in info
-            )
-        if all(states):
-            return ports, processes
-        if time.monotonic() > deadline:
-            raise RuntimeError("the cluster did not reach cluster_state:ok")
-        time.sleep(0.1)
-
-
-def _wait_ping(client: redis.Redis) -> None:
-    deadline = time.monotonic() + 20
-    while True:  # an external process's startup: polling is the only option
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 async def _paced_slots(
@@ -329,12 +222,10 @@ def _cluster_memory(ports: list[int]) -> int:
 
 
 def run_cluster(result: FigureResult, *, slots: int, quick: bool) -> None:
-    binary = os.environ.get("KVAGENT_REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("no redis-server: apt-get install redis-server (or set KVAGENT_REDIS_SERVER)")
+    binary = redis_server_binary()
     steady = 5.0 if quick else STEADY_SECONDS
     with tempfile.TemporaryDirectory(prefix="kvagent-fleet-cluster-") as tmp:
-        ports, processes = _start_cluster(binary, Path(tmp))
+        ports, processes = start_cluster(binary, Path(tmp), CLUSTER_MASTERS)
         try:
             url = f"redis://127.0.0.1:{ports[0]}"
             baseline_memory = _cluster_memory(ports)
@@ -373,7 +264,7 @@ def _report_cluster(
     lags = [lag for r in streamed for lag in r["lags"]]
     events = sum(r["events"] for r in streamed)
     digests = {name: digest for r in streamed for name, digest in r["digests"].items()}
-    seconds, follower = trio.run(_rebuild_cluster, url, prefix)
+    seconds, follower = trio.run(timed_catch_up, StreamTarget(url, cluster=True, socket_timeout=30), prefix)
     rebuilt = {name: _digest(canonical_state(r.index)) for name, r in follower.replicas.items()}
     exact = sum(1 for name, digest in digests.items() if rebuilt.get(name) == digest)
     client = redis.cluster.RedisCluster.from_url(url)
@@ -422,11 +313,3 @@ def _report_cluster(
         raise AssertionError(f"the cold reader rebuilt {exact} of {slots} slots exactly")
 
 
-async def _rebuild_cluster(url: str, prefix: str) -> tuple[float, StreamFollower]:
-    """A cold router replica: every slot found by SCAN of the masters, rebuilt from snapshot and stream."""
-    follower = StreamFollower(StreamTarget(url, cluster=True, socket_timeout=30), prefix=prefix)
-    started = time.perf_counter()
-    await follower.catch_up()
-    seconds = time.perf_counter() - started
-    await follower.aclose()
-    return seconds, follower

@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 import trio
 
-from bench.fleet_sim import SimulatedSlot, canonical_state
+from bench.fleet_sim import SimulatedSlot, canonical_state, timed_catch_up
 from bench.harness import FigureResult, Row
+from bench.redis_procs import redis_server
 from kvagent._util.redis_target import StreamTarget
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import RouterEvent
@@ -51,7 +47,7 @@ from kvagent.stream.format import (
     event_entry_id,
     slots_key,
 )
-from kvagent.stream.reader import PAGE_ENTRIES, StreamFollower
+from kvagent.stream.reader import PAGE_ENTRIES
 from kvagent.wire.router_event import decode_router_events
 
 NAME = "stream_entries"
@@ -61,36 +57,6 @@ ENTRY_EVENTS = 256  # the writer's default entry_events
 
 def _digest(index: RecoveryIndex) -> str:
     return hashlib.sha256(repr(sorted(map(repr, canonical_state(index)))).encode()).hexdigest()
-
-
-@contextmanager
-def redis_server() -> Iterator[tuple[str, redis.Redis]]:
-    """A private redis-server on a free loopback port, without persistence: (url, client)."""
-    binary = os.environ.get("KVAGENT_REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("no redis-server: apt-get install redis-server (or set KVAGENT_REDIS_SERVER)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="kvagent-entries-") as tmp:
-        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        server = subprocess.Popen([*command, "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=port)
-        try:
-            deadline = time.monotonic() + 20
-            while True:  # an external process's startup: polling is the only option
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0", client
-        finally:
-            client.close()
-            server.terminate()
-            server.wait(timeout=10)
 
 
 def _write(
@@ -144,15 +110,6 @@ def _legacy_catch_up(client: redis.Redis, prefix: str, slots: Sequence[Simulated
     return indexes
 
 
-async def _follow(url: str, prefix: str) -> tuple[float, StreamFollower]:
-    follower = StreamFollower(StreamTarget(url), prefix=prefix)
-    started = time.perf_counter()
-    await follower.catch_up()
-    seconds = time.perf_counter() - started
-    await follower.aclose()
-    return seconds, follower
-
-
 def _memory(client: redis.Redis, key: str) -> int:
     return int(client.memory_usage(key, samples=0) or 0)
 
@@ -183,7 +140,7 @@ def measure_entries(
     legacy_seconds = time.perf_counter() - started
     seconds = {}
     for version in (1, 2):
-        seconds[version], follower = trio.run(_follow, url, prefixes[version])
+        seconds[version], follower = trio.run(timed_catch_up, StreamTarget(url), prefixes[version])
         rebuilt = {name: _digest(r.index) for name, r in follower.replicas.items()}
         if rebuilt != truth:
             raise AssertionError(f"the reader's state of the version-{version} streams differs from a slot's own")
@@ -213,7 +170,7 @@ def run(result: FigureResult, *, quick: bool) -> None:
         for event in made:
             slot.index.apply(event)
         events[slot.name] = made
-    with redis_server() as (url, client):
+    with redis_server("kvagent-entries-") as (url, client, _):
         version: Any = client.info("server")
         result.rows += measure_entries(client, url, slots, events)
         result.params.update(

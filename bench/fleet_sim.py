@@ -13,6 +13,7 @@ import time
 import attrs
 import trio
 
+from kvagent._util.redis_target import StreamTarget
 from kvagent.coordinator.task import StatusCell
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.events import (
@@ -37,6 +38,7 @@ from kvagent.model.ids import (
     StableDpSlotId,
 )
 from kvagent.model.status import AgentStatus, AttachmentStatus
+from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig, StreamWriter
 
 __all__ = ["SimulatedSlot", "canonical_state", "run_paced", "run_writers", "slot_owner"]
@@ -254,3 +256,13 @@ async def run_paced(
         nursery.cancel_scope.cancel()
     events = sum(s.index.current_event_id() for s in slots)
     return {"lags": lags, "cpu": cpu, "wall": wall, "events": events}
+
+
+async def timed_catch_up(target: StreamTarget, prefix: str) -> tuple[float, StreamFollower]:
+    """A cold router replica: every slot under ``prefix`` rebuilt from snapshot and stream; the seconds it took."""
+    follower = StreamFollower(target, prefix=prefix)
+    started = time.perf_counter()
+    await follower.catch_up()
+    seconds = time.perf_counter() - started
+    await follower.aclose()
+    return seconds, follower

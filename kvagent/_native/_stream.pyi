@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 
 from kvagent.index.store import ResidentStore
-from kvagent.stream.format import EntryExtra
+from kvagent.model.events import StoredExtra
 
 def run_ops(
     stores: Sequence[ResidentStore | None],
@@ -13,7 +13,7 @@ def run_ops(
     hashes: Sequence[int],
     tokens: Sequence[int],
     parents: Sequence[int],
-    extras: dict[int, EntryExtra],
+    extras: dict[int, StoredExtra],
     position: int,
     offsets: tuple[int, int, int],
 ) -> tuple[int, tuple[int, int, int]]: ...

@@ -31,11 +31,10 @@ from kvagent.index.ring import EventRing, RingEvents, RingRange, RingSegment, se
 from kvagent.index.store import ResidentStore, new_block_store
 from kvagent.model.errors import IndexApplyError
 from kvagent.model.events import (
-    FLAG_DEAD,
-    FLAG_PARENT,
     RESET_ALL,
     U64_MAX,
     Cleared,
+    EventRoute,
     Removed,
     ResidencyDomain,
     ResidencyOwner,
@@ -44,6 +43,7 @@ from kvagent.model.events import (
     Stored,
     WorkerWithDpRank,
     residency_owner,
+    resident_row_events,
 )
 from kvagent.model.ids import CacheOwnerId
 
@@ -620,24 +620,12 @@ class RecoveryIndex:
         if cached is None:
             snapshot = self.dump_snapshot()
             events: list[RouterEvent] = []
-            append = events.append
-            event_id = 0
             with gc_paused():
                 for worker_id, tier, domain, dp_rank, source, columns in snapshot.groups:
-                    mm = columns.mm
-                    rows = zip(columns.hashes, columns.parents, columns.tokens, columns.flags, strict=True)
-                    for row, (block, parent, tokens, flag) in enumerate(rows):
-                        if flag == FLAG_DEAD:
-                            continue
-                        info = mm.get(row) if mm else None
-                        data = Stored(
-                            parent if flag == FLAG_PARENT else None,
-                            (block,),
-                            (tokens,),
-                            None if info is None else (info,),
-                        )
-                        append(RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, source))
-                        event_id += 1
+                    route = EventRoute(worker_id, tier, domain, dp_rank, source, None)
+                    events += resident_row_events(
+                        route, columns.hashes, columns.parents, columns.tokens, columns.flags, columns.mm, len(events)
+                    )
             cached = self._dump_cache = TreeDumpAnswer(tuple(events), snapshot.last_event_id, RESET_ALL)
         return cached
 

@@ -26,20 +26,18 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeAlias, overload
+from typing import Any, NamedTuple, overload
 
 from kvagent import _native
 from kvagent.model.events import (
     CLEARED,
     EventData,
-    MmExtraInfo,
+    EventRoute,
     Removed,
-    ResidencyDomain,
     RouterEvent,
-    StorageTier,
     Stored,
+    StoredExtra,
 )
-from kvagent.model.ids import CacheOwnerId
 
 __all__ = [
     "KIND_CLEARED",
@@ -50,7 +48,6 @@ __all__ = [
     "RingEvents",
     "RingRange",
     "RingSegment",
-    "Route",
     "segment_append",
 ]
 
@@ -62,21 +59,6 @@ KIND_CLEARED = 3
 # Events per segment: big enough that a ring of millions is a few hundred segments (a bisect over them),
 # small enough that a segment's lazily built encoding is cheap to build and to drop.
 MAX_SEGMENT_EVENTS = 4096
-
-
-class Route(NamedTuple):
-    """What a RouterEvent carries beside its id and data (shared by most events of a segment)."""
-
-    worker_id: int
-    tier: StorageTier
-    domain: ResidencyDomain
-    dp_rank: int
-    state_source: CacheOwnerId | None
-    session_id: str | None
-
-
-# (start_position, mm_extra_infos) of a Stored event that has either.
-Extra: TypeAlias = tuple[int | None, tuple[MmExtraInfo | None, ...] | None]
 
 
 class RingSegment:
@@ -106,8 +88,8 @@ class RingSegment:
         self.offsets = array("I", (0,))
         self.hashes = array("Q")
         self.tokens = array("Q")
-        self.extras: dict[int, Extra] = {}
-        self.route_table: list[Route] = []
+        self.extras: dict[int, StoredExtra] = {}
+        self.route_table: list[EventRoute] = []
         # (worker_id, tier, domain, dp_rank, id(state_source), session_id) -> index in route_table
         self.route_codes: dict[tuple[object, ...], int] = {}
         # The recovery layer's encoded events of this segment (opaque here; dropped with the segment).
@@ -121,7 +103,7 @@ class RingSegment:
         code = self.route_codes[key] = len(self.route_table)
         source, session = event.state_source, event.session_id
         self.route_table.append(
-            Route(event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank, source, session)
+            EventRoute(event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank, source, session)
         )
         return code
 
@@ -205,7 +187,7 @@ class RingRange(NamedTuple):
         for segment, first, end in self.pieces:
             yield from segment.ids[first:end]
 
-    def select(self, keep: Callable[[Route], bool]) -> RingRange | None:
+    def select(self, keep: Callable[[EventRoute], bool]) -> RingRange | None:
         """The events whose route ``keep`` accepts, as a range, or None when the kept events are not one
         run per segment (the caller then takes them one by one)."""
         pieces: list[tuple[RingSegment, int, int]] = []

@@ -7,7 +7,8 @@ block: the ingest hot path creates one object per event, not one per block.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
 
 import attrs
 
@@ -27,6 +28,7 @@ __all__ = [
     "MAX_RAW_PAYLOAD_BYTES",
     "Cleared",
     "EventData",
+    "EventRoute",
     "IngressChunk",
     "IngressProtocol",
     "MmExtraInfo",
@@ -39,10 +41,12 @@ __all__ = [
     "SourceSignal",
     "SourceState",
     "StorageTier",
+    "StoredExtra",
     "TIER_BY_VALUE",
     "Stored",
     "WorkerWithDpRank",
     "block_count",
+    "resident_row_events",
 ]
 
 U32_MAX = (1 << 32) - 1
@@ -223,6 +227,53 @@ class RouterEvent:
     dp_rank: int
     state_source: CacheOwnerId | None = None
     session_id: str | None = None
+
+
+class EventRoute(NamedTuple):
+    """What a RouterEvent carries beside its id and data: the columnar layouts (a ring segment, a stream
+    entry) keep it once per distinct value, shared by the events that have it."""
+
+    worker_id: int
+    tier: StorageTier
+    domain: ResidencyDomain
+    dp_rank: int
+    state_source: CacheOwnerId | None
+    session_id: str | None
+
+
+def resident_row_events(
+    route: EventRoute,
+    hashes: Iterable[int],
+    parents: Iterable[int],
+    tokens: Iterable[int],
+    flags: bytes,
+    mm: Mapping[int, MmExtraInfo],
+    first_id: int,
+) -> list[RouterEvent]:
+    """The live rows of a resident-state copy (``FLAG_*`` flags) as one-block Stored events, ids from
+    ``first_id``: the tree dump and the stream snapshot both read their groups through this."""
+    worker_id, tier, domain, dp_rank, source, session = route
+    events: list[RouterEvent] = []
+    append = events.append
+    event_id = first_id
+    for row, (block, parent, tokens_hash, flag) in enumerate(zip(hashes, parents, tokens, flags, strict=True)):
+        if flag == FLAG_DEAD:
+            continue
+        info = mm.get(row) if mm else None
+        data = Stored(
+            parent if flag == FLAG_PARENT else None,
+            (block,),
+            (tokens_hash,),
+            None if info is None else (info,),
+        )
+        append(RouterEvent(worker_id, tier, domain, event_id, data, dp_rank, source, session))
+        event_id += 1
+    return events
+
+
+# (start_position, mm_extra_infos) of a Stored event that has either: the rare Stored fields, which the
+# columnar layouts keep aside by event position.
+StoredExtra: TypeAlias = tuple[int | None, tuple[MmExtraInfo | None, ...] | None]
 
 
 @_per_event_value

@@ -19,9 +19,9 @@ from typing import TypeAlias, cast
 
 from kvagent import _native
 from kvagent.index.recovery_index import DumpGroup, DumpSnapshot
-from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, RingRange, RingSegment, Route
+from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, RingRange, RingSegment
 from kvagent.model.errors import CodecError
-from kvagent.model.events import TIER_BY_VALUE, MmExtraInfo, RouterEvent, StorageTier, Stored
+from kvagent.model.events import TIER_BY_VALUE, EventRoute, MmExtraInfo, RouterEvent, StorageTier, Stored
 from kvagent.persist.codec import (
     BATCH_CLEARED,
     BATCH_REMOVED,
@@ -342,7 +342,7 @@ def decode_mirror_chunk(body: bytes) -> list[MirrorRow]:
 # --- suffix batches straight from the ring's columns (issue #34) ---------------------------------------
 
 
-def _route_index(route: Route, indexes: dict[Route, int], rows: list[tuple[object, ...]]) -> int:
+def _route_index(route: EventRoute, indexes: dict[EventRoute, int], rows: list[tuple[object, ...]]) -> int:
     """The batch's index of ``route`` (a new route row at its first use, as ``codec.encode_batch``)."""
     index = indexes.get(route)
     if index is None:
@@ -404,7 +404,7 @@ def encode_ring_batch(applied: RingRange) -> tuple[bytes, array[int]]:
     The rows of a piece without extras are written by the compiled ``encode_batch_rows`` when it is built;
     otherwise (and for pieces with a start position or multimodal info) each row is packed here.
     """
-    route_index: dict[Route, int] = {}
+    route_index: dict[EventRoute, int] = {}
     route_rows: list[tuple[object, ...]] = []
     body = bytearray()
     count = 0

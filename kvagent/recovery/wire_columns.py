@@ -28,8 +28,8 @@ from typing import NamedTuple
 import msgpack
 
 from kvagent import _native
-from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD, Route
-from kvagent.model.events import FLAG_PARENT, FLAG_ROOT, ResidencyDomain, StorageTier
+from kvagent.index.ring import KIND_CLEARED, KIND_REMOVED, KIND_STORED_CHILD
+from kvagent.model.events import FLAG_PARENT, FLAG_ROOT, EventRoute, ResidencyDomain, StorageTier
 from kvagent.model.ids import CacheOwnerId
 from kvagent.wire.router_event import (
     EVENT_TEMPLATES,
@@ -57,7 +57,7 @@ __all__ = [
 _packer = msgpack.Packer(use_bin_type=True)
 
 
-def route_templates(route: Route) -> tuple[bytes, bytes]:
+def route_templates(route: EventRoute) -> tuple[bytes, bytes]:
     """(head, tail) of a ring route's events: the bytes before the event id and after the data."""
     worker_id, tier, domain, dp_rank, source, session_id = route
     optional = (source is not None) + (session_id is not None)

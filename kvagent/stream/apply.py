@@ -18,13 +18,12 @@ from typing import TypeAlias
 from kvagent import _native
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.index.store import ResidentStore
-from kvagent.model.events import CLEARED, RouterEvent
+from kvagent.model.events import CLEARED, RouterEvent, StoredExtra
 from kvagent.stream.format import (
     KIND_CLEARED,
     KIND_REMOVED,
     KIND_STORED_CHILD,
     EntryColumns,
-    EntryExtra,
 )
 
 __all__ = ["RunOps", "apply_entry", "run_ops", "run_ops_python"]
@@ -42,7 +41,7 @@ RunOps: TypeAlias = Callable[
         Sequence[int],
         Sequence[int],
         Sequence[int],
-        dict[int, EntryExtra],
+        dict[int, StoredExtra],
         int,
         tuple[int, int, int],
     ],
@@ -58,7 +57,7 @@ def run_ops_python(
     hashes: Sequence[int],
     tokens: Sequence[int],
     parents: Sequence[int],
-    extras: dict[int, EntryExtra],
+    extras: dict[int, StoredExtra],
     position: int,
     offsets: tuple[int, int, int],
 ) -> tuple[int, tuple[int, int, int]]:

@@ -32,7 +32,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import attrs
 import msgpack
@@ -42,11 +42,11 @@ from kvagent.model.events import (
     CLEARED,
     DOMAIN_BY_VALUE,
     FLAG_DEAD,
-    FLAG_PARENT,
     TIER_BY_VALUE,
     U32_MAX,
     U64_MAX,
     EventData,
+    EventRoute,
     MmExtraInfo,
     MmObject,
     Removed,
@@ -54,6 +54,8 @@ from kvagent.model.events import (
     RouterEvent,
     StorageTier,
     Stored,
+    StoredExtra,
+    resident_row_events,
 )
 from kvagent.model.ids import CacheOwnerId
 from kvagent.model.status import AgentStatus
@@ -75,7 +77,6 @@ __all__ = [
     "KIND_STORED_CHILD",
     "SNAPSHOT_VERSION",
     "EntryColumns",
-    "EntryRoute",
     "EventsEntry",
     "HeartbeatEntry",
     "SlotHead",
@@ -226,21 +227,6 @@ _IS_STORE_KIND = bytes((1, 1, 0, 0) + (0,) * 252)  # kind -> 1 for a Stored
 _IS_CLEARED_KIND = bytes((0, 0, 0, 1) + (0,) * 252)
 
 
-class EntryRoute(NamedTuple):
-    """What an event carries beside its id and data, shared by the events of an entry that have it."""
-
-    worker_id: int
-    tier: StorageTier
-    domain: ResidencyDomain
-    dp_rank: int
-    state_source: CacheOwnerId | None
-    session_id: str | None
-
-
-# (start_position, mm_extra_infos) of a Stored event that has either.
-EntryExtra = tuple[int | None, tuple[MmExtraInfo | None, ...] | None]
-
-
 @attrs.frozen(slots=True, eq=True)
 class EntryColumns:
     """An entry's events as columns (format version 2, docs/fleet.md "Entry format"), no object per event.
@@ -251,7 +237,7 @@ class EntryColumns:
     consecutive (ids the agent skipped after a restart).  ``extras``: the rare Stored fields, by event.
     """
 
-    routes: tuple[EntryRoute, ...]
+    routes: tuple[EventRoute, ...]
     kinds: bytes
     route_codes: array[int]  # u16
     counts: array[int]  # u32
@@ -260,7 +246,7 @@ class EntryColumns:
     hashes: array[int]
     tokens: array[int]
     parents: array[int]
-    extras: dict[int, EntryExtra]
+    extras: dict[int, StoredExtra]
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -323,15 +309,15 @@ class EventsEntry:
 def entry_columns(events: Sequence[RouterEvent]) -> EntryColumns:
     """``events`` (ids increasing) as columns."""
     route_codes: dict[tuple[object, ...], int] = {}
-    by_value: dict[EntryRoute, int] = {}
-    routes: list[EntryRoute] = []
+    by_value: dict[EventRoute, int] = {}
+    routes: list[EventRoute] = []
     kinds = bytearray()
     codes = array("H")
     counts: list[int] = []
     hashes: list[int] = []
     tokens: list[int] = []
     parents: list[int] = []
-    extras: dict[int, EntryExtra] = {}
+    extras: dict[int, StoredExtra] = {}
     ids = [event.event_id for event in events]
     for position, event in enumerate(events):
         source = event.state_source
@@ -340,7 +326,7 @@ def entry_columns(events: Sequence[RouterEvent]) -> EntryColumns:
                event.session_id)  # fmt: skip
         code = route_codes.get(key)
         if code is None:
-            route = EntryRoute(event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank,
+            route = EventRoute(event.worker_id, event.storage_tier, event.residency_domain, event.dp_rank,
                                source, event.session_id)  # fmt: skip
             # An equal route under another source object (producers that build one per event) is one route.
             code = route_codes[key] = by_value.setdefault(route, len(routes))
@@ -384,12 +370,12 @@ def entry_columns(events: Sequence[RouterEvent]) -> EntryColumns:
     )
 
 
-def _route_to_wire(route: EntryRoute) -> list[object]:
+def _route_to_wire(route: EventRoute) -> list[object]:
     source = None if route.state_source is None else state_source_to_wire(route.state_source)
     return [route.worker_id, route.tier.value, route.domain.value, route.dp_rank, source, route.session_id]
 
 
-def _route_from_wire(raw: object) -> EntryRoute:
+def _route_from_wire(raw: object) -> EventRoute:
     if not isinstance(raw, list) or len(raw) != 6:
         raise CodecError("entry route must be [worker_id, tier, domain, dp_rank, state_source, session_id]")
     worker_id, tier_name, domain_name, dp_rank, source_raw, session = raw
@@ -405,7 +391,7 @@ def _route_from_wire(raw: object) -> EntryRoute:
     source = None if source_raw is None else state_source_from_wire(source_raw, "entry route state_source")
     if domain is ResidencyDomain.CACHE_OWNER and source is None:
         raise CodecError("a CacheOwner entry route has no state_source")
-    return EntryRoute(worker_id, tier, domain, dp_rank, source, session)
+    return EventRoute(worker_id, tier, domain, dp_rank, source, session)
 
 
 def _le_column(typecode: str, data: object, rows: int | None, field: str) -> array[int]:
@@ -523,7 +509,7 @@ def unpack_entry_columns(payload: bytes, cursor: int) -> tuple[int, EntryColumns
     return first, EntryColumns(routes, kinds, codes, counts, first_id, ids, hashes, tokens, parents, extras)
 
 
-def _cache_owner_device(routes: tuple[EntryRoute, ...], kinds: bytes, codes: array[int]) -> bool:
+def _cache_owner_device(routes: tuple[EventRoute, ...], kinds: bytes, codes: array[int]) -> bool:
     """Whether a Stored or Removed names a CacheOwner route on the Device tier (apply() refuses those)."""
     bad = {
         code
@@ -563,10 +549,10 @@ def _mm_from_compact(raw: object) -> MmExtraInfo | None:
     raise CodecError("entry extra mm_extra_info must be [[mm_hash, [start, end, ...]], ...] of u64s")
 
 
-def _extras_from_wire(raw: object, kinds: bytes, counts: array[int]) -> dict[int, EntryExtra]:
+def _extras_from_wire(raw: object, kinds: bytes, counts: array[int]) -> dict[int, StoredExtra]:
     if not isinstance(raw, list):
         raise CodecError("entry extras must be a list")
-    extras: dict[int, EntryExtra] = {}
+    extras: dict[int, StoredExtra] = {}
     for item in raw:
         if not isinstance(item, list) or len(item) != 3:
             raise CodecError("an entry extra must be [position, start_position, mm_extra_infos]")
@@ -815,21 +801,10 @@ class StreamSnapshot:
         """Every resident block as a one-block Stored event, parents first (ids are positions, from 0)."""
         event_id = 0
         for g in self.groups:
-            mm = g.mm
-            for row, (block, parent, tokens, flag) in enumerate(
-                zip(g.hashes, g.parents, g.tokens, g.flags, strict=True)
-            ):
-                if flag == FLAG_DEAD:
-                    continue
-                info = mm.get(row) if mm else None
-                data = Stored(
-                    parent if flag == FLAG_PARENT else None,
-                    (block,),
-                    (tokens,),
-                    None if info is None else (info,),
-                )
-                yield RouterEvent(g.worker_id, g.tier, g.domain, event_id, data, g.dp_rank, g.source)
-                event_id += 1
+            route = EventRoute(g.worker_id, g.tier, g.domain, g.dp_rank, g.source, None)
+            events = resident_row_events(route, g.hashes, g.parents, g.tokens, g.flags, g.mm, event_id)
+            yield from events
+            event_id += len(events)
 
 
 def _decode_group(raw: object, field: str) -> _Group:

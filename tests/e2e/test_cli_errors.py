@@ -14,12 +14,11 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import trio
 
 import kvagent.model.errors
 from tests.support.etcd_server import EtcdEndpoint
+from tests.support.ports import free_port, port_in_use
 from tests.support.serve import LineLog
 
 TIMEOUT = 60
@@ -75,21 +75,6 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-@contextmanager
-def port_in_use() -> Iterator[str]:
-    """A TCP port on 127.0.0.1 that something else listens on."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        yield f"127.0.0.1:{taken.getsockname()[1]}"
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 # -- addresses in use --------------------------------------------------------------------------------
 
 
@@ -123,7 +108,7 @@ async def test_an_address_not_of_this_machine_says_so(tmp_path: Path) -> None:
 
 
 async def test_two_options_on_one_address_are_a_usage_error_naming_both(tmp_path: Path) -> None:
-    port = closed_port()
+    port = free_port()
     status, line = await serve_fails(
         tmp_path, "--slot", "s", "--simulate", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{port}"
     )
@@ -192,7 +177,7 @@ async def test_a_usage_mistake_is_one_line_with_status_2(tmp_path: Path, argv: l
 
 
 async def test_unreachable_etcd_names_the_discovery_url(tmp_path: Path) -> None:
-    url = f"etcd://127.0.0.1:{closed_port()}"
+    url = f"etcd://127.0.0.1:{free_port()}"
     status, line = await serve_fails(tmp_path, "--slot", "s", "--simulate", "--discovery", url)
     assert status == 1
     assert f"--discovery {url}" in line and "etcd" in line

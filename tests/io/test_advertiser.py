@@ -119,15 +119,21 @@ async def test_a_closed_generation_is_withdrawn_and_never_advertised_again() -> 
             assert rig.ads() == [] and rig.advertiser.record is None
 
 
+async def withdraw_through_failures(discovery: MemoryDiscovery, failures: int) -> Rig:
+    """Advertise generation 1, fail the next ``failures`` unregisters, close it and wait until it is withdrawn."""
+    async with running(discovery) as rig:
+        rig.advertiser.open(rig.set_ready(1))
+        await rig.advertiser.wait_registration(1)
+        discovery.fail_next(failures, on=("unregister",))
+        rig.advertiser.close(1)
+        await rig.advertiser.wait_withdrawn(1)
+    return rig
+
+
 async def test_failed_withdrawals_are_retried_with_backoff(autojump_clock: trio.testing.MockClock) -> None:
     discovery = MemoryDiscovery()
     with structlog.testing.capture_logs() as logs:
-        async with running(discovery) as rig:
-            rig.advertiser.open(rig.set_ready(1))
-            await rig.advertiser.wait_registration(1)
-            discovery.fail_next(3, on=("unregister",))
-            rig.advertiser.close(1)
-            await rig.advertiser.wait_withdrawn(1)
+        rig = await withdraw_through_failures(discovery, 3)
     attempts = [a for a in discovery.attempts if a.operation == "unregister"]
     assert [a.failed for a in attempts] == [True, True, True, False]
     assert gaps([a.at for a in attempts]) == [0.1, 0.2, 0.4]
@@ -139,12 +145,7 @@ async def test_failed_withdrawals_are_retried_with_backoff(autojump_clock: trio.
 
 async def test_backoff_is_capped_at_five_seconds(autojump_clock: trio.testing.MockClock) -> None:
     discovery = MemoryDiscovery()
-    async with running(discovery) as rig:
-        rig.advertiser.open(rig.set_ready(1))
-        await rig.advertiser.wait_registration(1)
-        discovery.fail_next(8, on=("unregister",))
-        rig.advertiser.close(1)
-        await rig.advertiser.wait_withdrawn(1)
+    await withdraw_through_failures(discovery, 8)
     assert gaps(discovery.attempt_times("unregister")) == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
 
 

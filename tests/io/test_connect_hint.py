@@ -4,7 +4,6 @@ bind-address hint for when the engine's replay ROUTER answers while its live por
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -17,22 +16,19 @@ from kvagent.vllm.connect_hint import (
     tcp_address,
     unreachable_endpoint_hint,
 )
+from tests.support.ports import free_port, port_in_use
 
 GUARD = 10
 
 
 @pytest.fixture
 def listening() -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    with port_in_use() as address:
+        yield f"tcp://{address}"
 
 
 def free_endpoint() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def test_only_plain_tcp_endpoints_are_probed() -> None:

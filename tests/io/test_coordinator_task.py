@@ -169,6 +169,14 @@ async def test_complete_detach_drains_the_queue_through_the_handle() -> None:
     assert [(e.event_id, e.residency_domain) for e in slot.sink.events] == [(1, W), (2, C), (3, W)]
 
 
+async def attach_and_record(handle: CoordinatorHandle, outcomes: list[str]) -> None:
+    """Attach FIRST; if the coordinator refuses, record why in ``outcomes``."""
+    try:
+        await handle.attach(attachment_for(FIRST))
+    except CoordinatorClosed as error:
+        outcomes.append(str(error))
+
+
 async def test_closed_control_channel_stops_the_loop_and_queued_commands_are_dropped() -> None:
     slot = Slot()
     handle, run = open_coordinator(slot.core)
@@ -183,17 +191,11 @@ async def test_closed_control_channel_stops_the_loop_and_queued_commands_are_dro
     handle, run = open_coordinator(other.core)
     outcomes: list[str] = []
 
-    async def attach_and_record() -> None:
-        try:
-            await handle.attach(attachment_for(FIRST))
-        except CoordinatorClosed as error:
-            outcomes.append(str(error))
-
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle.shutdown)
             await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(attach_and_record)
+            nursery.start_soon(attach_and_record, handle, outcomes)
             await trio.testing.wait_all_tasks_blocked()
             await nursery.start(run)
     assert outcomes == ["state-agent attach was dropped"]
@@ -206,18 +208,12 @@ async def test_a_stop_drops_queued_commands_refuses_callers_waiting_for_room_and
     handle.admit_nowait(chunk(1, 1, [store(W, None, 101, 11)]))
     outcomes: list[str] = []
 
-    async def attach_and_record() -> None:
-        try:
-            await handle.attach(attachment_for(FIRST))
-        except CoordinatorClosed as error:
-            outcomes.append(str(error))
-
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle.shutdown)  # first in the queue: the task stops there
             await trio.testing.wait_all_tasks_blocked()
             for _ in range(CONTROL_CAPACITY):  # the rest of the queue, then one caller waiting for room
-                nursery.start_soon(attach_and_record)
+                nursery.start_soon(attach_and_record, handle, outcomes)
                 await trio.testing.wait_all_tasks_blocked()
             assert outcomes == [] and handle.ingress_backlog == 1
             await nursery.start(run)

@@ -13,10 +13,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from kvagent.simulator.engine import block_stored
 from kvagent.vllm.listener import ListenerOptions
-from tests.io.test_trust_ingest import wait_quiet
-from tests.io.trust_harness import BLOCK, TrustRig, open_rig
+from tests.io.trust_harness import flood, open_rig
 
 GUARD = 60  # seconds: a hang guard only
 BATCHES = 600  # ~6 KB each: ~3.6 MB into a 256 KiB budget, under the fake engine's PUB high-water mark
@@ -24,16 +22,6 @@ BATCHES = 600  # ~6 KB each: ~3.6 MB into a 256 KiB budget, under the fake engin
 
 def small_budget(options: ListenerOptions) -> ListenerOptions:
     return attrs.evolve(options, max_payload_bytes=8 << 10, ingress_bytes=256 << 10)
-
-
-async def burst(rig: TrustRig) -> None:
-    await rig.settle()
-    steps = []
-    for n in range(BATCHES):
-        hashes = list(range(24 * n + 1, 24 * n + 25))
-        steps.append([block_stored(hashes, None, [7_000 + n % 40_000] * (24 * BLOCK), BLOCK)])
-    rig.engine.publish_burst(steps)
-    await wait_quiet(rig)
 
 
 def test_the_library_default_listener_is_serve_s() -> None:
@@ -45,7 +33,7 @@ async def test_with_the_default_listener_a_burst_past_the_budget_waits_and_the_s
     with trio.fail_after(GUARD):
         # No replay socket: anything shed would be lost for good and leave the slot degraded.
         async with open_rig(small_budget(ListenerOptions()), replay=False) as rig:
-            await burst(rig)
+            await flood(rig, blocks_per_batch=24, batches=BATCHES)
             await rig.settle()
             stats = rig.listener()
             assert stats.ingest_sheds == 0 and stats.lost_batches == 0
@@ -56,7 +44,7 @@ async def test_with_the_default_listener_a_burst_past_the_budget_waits_and_the_s
 async def test_shedding_at_once_the_same_burst_is_shed() -> None:
     with trio.fail_after(GUARD):
         async with open_rig(small_budget(ListenerOptions(shed_after=0.0)), replay=False) as rig:
-            await burst(rig)
+            await flood(rig, blocks_per_batch=24, batches=BATCHES)
             await rig.settle()
             assert rig.listener().ingest_sheds > 0
             assert rig.state == "degraded"

@@ -33,6 +33,7 @@ from kvagent.publish.republisher import RepublishConfig
 from kvagent.simulator.engine import FakeVllmEngine, block_stored
 from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import IDENTITY, OWNER, WORKER
+from tests.support.persist import load_state_file
 from tests.support.recovery import FakeSlot
 
 GUARD = 20
@@ -70,16 +71,6 @@ def resident(events: Iterable[RouterEvent]) -> set[Key]:
 def index_state(slot: FakeSlot) -> set[Key]:
     domain = {True: ResidencyDomain.WORKER, False: ResidencyDomain.CACHE_OWNER}
     return {(domain[owner == WORKER], tier, h) for owner, tier, h in slot.index.resident_blocks()}
-
-
-def load(path: Path) -> LoadedSlot:
-    store = SlotStore.open(path)
-    try:
-        loaded = store.load()
-    finally:
-        store.close()
-    assert loaded is not None
-    return loaded
 
 
 def loaded_state(loaded: LoadedSlot) -> set[Key]:
@@ -175,7 +166,7 @@ async def test_appends_trail_the_index_and_load_as_the_state_at_the_persisted_id
                 await trio.lowlevel.checkpoint()  # let drains and writes interleave
         remove_worker(rig.slot, 105)
         await rig.settled()
-        loaded = load(rig.path)
+        loaded = load_state_file(rig.path)
         stats = rig.writer.statistics()
         assert stats.state is PersistenceState.OK and stats.appends >= 1 and stats.lag_events == 0
         assert loaded.last_event_id == rig.slot.index.current_event_id()
@@ -192,7 +183,7 @@ async def test_a_writer_started_after_events_were_applied_writes_a_snapshot_firs
             await nursery.start(rig.writer.run)
             await rig.settled()
             nursery.cancel_scope.cancel()
-        loaded = load(rig.path)
+        loaded = load_state_file(rig.path)
         assert rig.writer.statistics().snapshots == 1
         assert loaded.snapshot_id == rig.slot.index.current_event_id()
         assert loaded_state(loaded) == index_state(rig.slot)
@@ -209,7 +200,7 @@ async def test_compaction_keeps_the_suffix_within_its_bound(tmp_path: Path) -> N
             rig.step(5000 + round_)
             await rig.settled()
             assert rig.store.suffix_length() <= 32 + 21
-        loaded = load(rig.path)
+        loaded = load_state_file(rig.path)
         assert rig.writer.statistics().snapshots >= 2
         assert loaded_state(loaded) == index_state(rig.slot)
 
@@ -229,7 +220,7 @@ async def test_the_lease_is_extended_durably_before_half_of_it_is_used(tmp_path:
         current = rig.slot.index.current_event_id()
         assert rig.lease.extensions, "the lease was never extended"
         assert rig.lease.extensions == sorted(rig.lease.extensions)
-        loaded = load(rig.path)
+        loaded = load_state_file(rig.path)
         assert loaded.lease_end == rig.lease.extensions[-1] > current
 
 
@@ -281,7 +272,7 @@ async def test_a_full_disk_marks_persistence_failed_keeps_serving_and_recovers_w
         await rig.wait(lambda w: w.state is PersistenceState.OK and w.statistics().persisted_id == 3)
         stats = rig.writer.statistics()
         assert stats.failures >= 1 and stats.snapshots >= 1
-        assert loaded_state(load(rig.path)) == index_state(rig.slot)
+        assert loaded_state(load_state_file(rig.path)) == index_state(rig.slot)
 
 
 async def test_a_clean_close_records_the_next_id_without_a_jump(tmp_path: Path) -> None:
@@ -289,7 +280,7 @@ async def test_a_clean_close_records_the_next_id_without_a_jump(tmp_path: Path) 
         for block in range(10):
             rig.step(block)
         await rig.writer.close_clean()
-    loaded = load(rig.path)
+    loaded = load_state_file(rig.path)
     assert loaded.clean and loaded.lease_end == 11 and loaded.last_event_id == 10
 
 

@@ -12,7 +12,7 @@ import trio.testing
 
 from kvagent.simulator.engine import block_stored
 from kvagent.vllm.listener import ListenerOptions
-from tests.io.trust_harness import BLOCK, TrustRig, open_rig
+from tests.io.trust_harness import BLOCK, TrustRig, flood, open_rig
 
 GUARD = 30  # seconds: a hang guard only
 
@@ -50,22 +50,6 @@ async def test_a_batch_of_one_8192_block_store_then_more_batches_all_arrive(bloc
             assert stats.ingest_sheds == 0 and stats.lost_batches == 0 and rig.worker_resets() == 0
 
 
-async def wait_quiet(rig: TrustRig, quiet: float = 0.5) -> None:
-    """Until no live batch has arrived for ``quiet`` seconds and every task has been blocked a while.
-
-    No sentinel on purpose: a batch after the flood would show the gap a shed's re-open left, and the
-    case is the one where nothing comes after (the end of a flood).
-    """
-    reader = rig.listener_counters().reader
-    assert reader is not None
-    while True:
-        with trio.move_on_after(quiet) as quiet_scope:
-            await reader.wait_for_live()
-        if quiet_scope.cancelled_caught:
-            break
-    await trio.testing.wait_all_tasks_blocked(cushion=0.2)
-
-
 def check_exact_or_not_ready(rig: TrustRig) -> None:
     dump, truth = rig.dump(), rig.truth()
     if rig.state == "ready":
@@ -83,13 +67,7 @@ async def test_after_a_flood_past_the_budget_the_slot_is_exact_or_not_ready(repl
     options = ListenerOptions(max_payload_bytes=8 << 10, ingress_bytes=256 << 10, shed_after=0.0)  # shed at once
     with trio.fail_after(GUARD):
         async with open_rig(options, replay=replay) as rig:
-            await rig.settle()
-            steps = []
-            for n in range(600):
-                hashes = list(range(24 * n + 1, 24 * n + 25))
-                steps.append([block_stored(hashes, None, [7_000 + n % 40_000] * (24 * BLOCK), BLOCK)])
-            rig.engine.publish_burst(steps)
-            await wait_quiet(rig)
+            await flood(rig, blocks_per_batch=24)
             stats = rig.listener()
             print(
                 f"flood: state={rig.state} sheds={stats.ingest_sheds} messages={stats.messages} batches={stats.batches} "

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvagent.simulator.engine import block_removed, block_stored
 from kvagent.vllm.listener import ListenerOptions
-from tests.io.trust_harness import BLOCK, TrustRig, open_rig
+from tests.io.trust_harness import BLOCK, TrustRig, open_rig, wait_quiet
 
 POOL = 24  # small-batch hashes collide: stores and removes of one block, so order matters
 BIG_BASE = 1 << 40  # the oversized events' hashes
@@ -90,18 +90,6 @@ def check_exact_or_not_ready(rig: TrustRig, when: str) -> None:
         assert dump == truth, f"{when}: ready while wrong: missing {len(truth - dump)}, stale {len(dump - truth)}"
 
 
-async def quiet(rig: TrustRig, seconds: float = 0.25) -> None:
-    """Until no live batch arrived for ``seconds`` and every task has been blocked a while."""
-    reader = rig.listener_counters().reader
-    assert reader is not None
-    while True:
-        with trio.move_on_after(seconds) as scope:
-            await reader.wait_for_live()
-        if scope.cancelled_caught:
-            break
-    await trio.testing.wait_all_tasks_blocked(cushion=0.1)
-
-
 async def step(rig: TrustRig, workload: Workload, op: tuple[str, int]) -> None:
     engine = rig.engine
     kind, arg = op
@@ -135,7 +123,7 @@ async def scenario(seed: int, replay: bool, operations: list[tuple[str, int]]) -
         for op in operations:
             await step(rig, workload, op)
             if op[0] not in ENGINE_SIDE_LOSS:
-                await quiet(rig)
+                await wait_quiet(rig, 0.25, cushion=0.1)
                 check_exact_or_not_ready(rig, f"after {op}, nothing published since")
             await rig.settle(sentinels=1 if replay else 2)
             check_exact_or_not_ready(rig, f"after {op} and a sentinel")

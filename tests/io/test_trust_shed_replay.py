@@ -11,10 +11,9 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from kvagent.simulator.engine import block_stored
 from kvagent.vllm.listener import ListenerOptions
-from tests.io.test_trust_ingest import check_exact_or_not_ready, wait_quiet
-from tests.io.trust_harness import BLOCK, open_rig
+from tests.io.test_trust_ingest import check_exact_or_not_ready
+from tests.io.trust_harness import flood, open_rig
 
 GUARD = 30  # seconds: a hang guard only
 
@@ -26,13 +25,7 @@ async def test_a_flood_shed_and_repaired_by_replay_is_ready_and_exact_with_the_e
     options = ListenerOptions(max_payload_bytes=32 << 10, ingress_bytes=256 << 10, shed_after=0.0)
     with trio.fail_after(GUARD):
         async with open_rig(options, replay=True) as rig:
-            await rig.settle()
-            steps = []
-            for n in range(600):
-                hashes = list(range(96 * n + 1, 96 * n + 97))
-                steps.append([block_stored(hashes, None, [7_000 + n % 40_000] * (96 * BLOCK), BLOCK)])
-            rig.engine.publish_burst(steps)
-            await wait_quiet(rig)
+            await flood(rig, blocks_per_batch=96)
             check_exact_or_not_ready(rig)
             # No batch after the flood: only the replay socket can show what the shed's re-open lost.
             await rig.wait_state("ready")

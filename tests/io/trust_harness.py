@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
+import trio.testing
 import zmq
 
 from kvagent import AttachmentConfig, SlotAgent, SlotAgentConfig, open_slot_agent
@@ -23,7 +24,7 @@ from kvagent.vllm.listener import ListenerCounters, ListenerOptions, ListenerSta
 from tests.support.agent import is_store_of, wait_for_event
 from tests.support.ids import OWNER
 
-__all__ = ["BLOCK", "ChurnWorkload", "TrustRig", "open_rig"]
+__all__ = ["BLOCK", "ChurnWorkload", "TrustRig", "flood", "open_rig", "wait_quiet"]
 
 BLOCK = 16
 WORKER_ID = 17
@@ -164,3 +165,35 @@ async def open_rig(
             nursery.cancel_scope.cancel()
     finally:
         context.destroy(linger=0)
+
+
+async def wait_quiet(rig: TrustRig, quiet: float = 0.5, *, cushion: float = 0.2) -> None:
+    """Until no live batch has arrived for ``quiet`` seconds and every task has been blocked ``cushion`` s.
+
+    No sentinel on purpose: a batch after the flood would show the gap a shed's re-open left, and the
+    case is the one where nothing comes after (the end of a flood).
+    """
+    reader = rig.listener_counters().reader
+    assert reader is not None
+    while True:
+        with trio.move_on_after(quiet) as quiet_scope:
+            await reader.wait_for_live()
+        if quiet_scope.cancelled_caught:
+            break
+    await trio.testing.wait_all_tasks_blocked(cushion=cushion)
+
+
+async def flood(rig: TrustRig, *, blocks_per_batch: int, batches: int = 600) -> None:
+    """Settle, publish ``batches`` batches of ``blocks_per_batch`` new blocks at once, then wait until quiet.
+
+    The flood tests' burst: every batch a new Stored chain (hashes from 1 up), its tokens
+    ``blocks_per_batch * BLOCK`` long, so ``blocks_per_batch`` sets the batch's size on the wire.
+    """
+    await rig.settle()
+    steps = []
+    for n in range(batches):
+        first = blocks_per_batch * n + 1
+        hashes = list(range(first, first + blocks_per_batch))
+        steps.append([block_stored(hashes, None, [7_000 + n % 40_000] * (blocks_per_batch * BLOCK), BLOCK)])
+    rig.engine.publish_burst(steps)
+    await wait_quiet(rig)

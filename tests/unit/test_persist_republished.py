@@ -15,8 +15,9 @@ import pytest
 
 from kvagent.model.events import CLEARED, Removed, ResidencyDomain, RouterEvent, StorageTier
 from kvagent.persist.records import MirrorRow
-from kvagent.persist.store import SCHEMA_VERSION, LoadedSlot, SlotStore
+from kvagent.persist.store import SCHEMA_VERSION, SlotStore
 from tests.support.ids import OWNER
+from tests.support.persist import load_state_file
 from tests.unit.test_persist_store import FIRST_LEASE, IDENTITY, PROGRESS, TOKENS, stored, worker_event
 
 
@@ -27,16 +28,6 @@ def open_store(path: Path, *, republished: bool) -> SlotStore:
     return store
 
 
-def load(path: Path) -> LoadedSlot:
-    store = SlotStore.open(path, create=False)
-    try:
-        loaded = store.load()
-    finally:
-        store.close()
-    assert loaded is not None
-    return loaded
-
-
 def owner_cleared(event_id: int) -> RouterEvent:
     return RouterEvent(17, StorageTier.DEVICE, ResidencyDomain.CACHE_OWNER, event_id, CLEARED, 0, OWNER)
 
@@ -45,7 +36,7 @@ def owner_cleared(event_id: int) -> RouterEvent:
 def test_a_new_state_records_whether_its_run_republishes(tmp_path: Path, republished: bool) -> None:
     path = tmp_path / "s.sqlite3"
     open_store(path, republished=republished).close()
-    assert load(path).republished is republished
+    assert load_state_file(path).republished is republished
 
 
 def test_appends_keep_it_events_without_tokens_end_it_a_worker_reset_with_tokens_starts_it(
@@ -55,23 +46,23 @@ def test_appends_keep_it_events_without_tokens_end_it_a_worker_reset_with_tokens
     store = open_store(path, republished=True)
     store.append([stored(1, 10, tokens=TOKENS)], PROGRESS)  # before any compaction: the mirror is empty
     store.close()
-    loaded = load(path)
+    loaded = load_state_file(path)
     assert loaded.republished and not loaded.mirror, "an empty mirror says nothing about the run"
 
     store = SlotStore.open(path, create=False)
     store.append([stored(2, 11)], PROGRESS, tokens=False)  # a run that does not republish
     store.close()
-    assert not load(path).republished
+    assert not load_state_file(path).republished
 
     store = SlotStore.open(path, create=False)
     store.append([stored(3, 12, tokens=TOKENS), owner_cleared(4)], PROGRESS)  # not the Worker's reset
     store.close()
-    assert not load(path).republished
+    assert not load_state_file(path).republished
 
     store = SlotStore.open(path, create=False)
     store.append([worker_event(5, CLEARED), stored(6, 13, tokens=TOKENS)], PROGRESS)
     store.close()
-    assert load(path).republished
+    assert load_state_file(path).republished
 
 
 def test_a_run_that_does_not_republish_ends_it_at_open_and_an_empty_state_can_be_marked(
@@ -81,15 +72,15 @@ def test_a_run_that_does_not_republish_ends_it_at_open_and_an_empty_state_can_be
     store = open_store(path, republished=True)
     store.extend_lease(FIRST_LEASE + 10, FIRST_LEASE + 10, republished=None)
     store.close()
-    assert load(path).republished, "a republishing run keeps the recorded fact"
+    assert load_state_file(path).republished, "a republishing run keeps the recorded fact"
     store = SlotStore.open(path, create=False)
     store.extend_lease(FIRST_LEASE + 20, FIRST_LEASE + 20, republished=False)
     store.close()
-    assert not load(path).republished
+    assert not load_state_file(path).republished
     store = SlotStore.open(path, create=False)
     store.mark_republished()
     store.close()
-    assert load(path).republished
+    assert load_state_file(path).republished
 
 
 def downgrade_to_v1(path: Path) -> None:
@@ -149,7 +140,7 @@ def test_a_version_1_file_is_migrated_and_the_fact_inferred_from_what_it_holds(
     store.close()
     downgrade_to_v1(path)
 
-    loaded = load(path)  # opening migrates
+    loaded = load_state_file(path)  # opening migrates
     assert loaded.republished is inferred
     assert loaded.identity == IDENTITY and loaded.attachment == PROGRESS
     with closing(sqlite3.connect(path)) as db:
@@ -159,4 +150,4 @@ def test_a_version_1_file_is_migrated_and_the_fact_inferred_from_what_it_holds(
     store = SlotStore.open(path, create=False)
     store.append([worker_event(100, CLEARED)], PROGRESS)
     store.close()
-    assert load(path).republished
+    assert load_state_file(path).republished

@@ -46,6 +46,7 @@ from kvagent.persist.store import (
     StoreWriteError,
 )
 from tests.support.ids import OWNER, OWNER_TEXT
+from tests.support.persist import load_state_file
 
 IDENTITY = SlotIdentityRecord("slot-a", 41, OWNER_TEXT)
 FIRST_LEASE = 1 + LEASE_BLOCK
@@ -102,13 +103,7 @@ def store(path: Path) -> Iterator[SlotStore]:
 
 def reopen(store: SlotStore) -> LoadedSlot:
     store.close()
-    again = SlotStore.open(store.path, create=False)
-    try:
-        loaded = again.load()
-    finally:
-        again.close()
-    assert loaded is not None
-    return loaded
+    return load_state_file(store.path)
 
 
 # --- round trips --------------------------------------------------------------------------------------
