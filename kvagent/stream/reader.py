@@ -190,55 +190,79 @@ def _poll_pages(
     return pages
 
 
-def _open_doorbells(client: RedisClient, *, channels: Sequence[str]) -> list[Any]:
-    """One sharded pub/sub connection per master, subscribed to the doorbells of the slots it serves (as the
-    client's slot map says), each ``SSUBSCRIBE`` confirmed before returning: a ring sent after this returns is
-    heard.  Raises what a command would (MOVED/ASK while the map is stale: the caller refreshes it)."""
+class _ShardDoorbells:
+    """One shard's connection, subscribed (``SSUBSCRIBE``) to the doorbells of the followed slots it serves.
+
+    A bare connection read by hand, not redis-py's ``PubSub``: that re-subscribes every channel with one
+    ``SSUBSCRIBE`` when it reconnects, which a cluster refuses (CROSSSLOT) for channels of several hash slots;
+    here a lost connection is an error, answered by subscribing anew on the slot map read anew.  RESP2: every
+    message is a reply on the socket (``smessage``, ``ssubscribe``, ``sunsubscribe``).
+    """
+
+    def __init__(self, client: redis.cluster.RedisCluster, node: Any) -> None:
+        settings: dict[str, Any] = {**client.get_connection_kwargs(), "protocol": 2}  # type: ignore[no-untyped-call]
+        # A connection of its own (not the client's pool): a slot-map refresh does not touch it.
+        self._server = client.nodes_manager.create_redis_node(node.host, node.port, **settings)  # type: ignore[no-untyped-call]
+        self._connection = self._server.connection_pool.get_connection()
+        self.name: str = node.name
+
+    def subscribe(self, channels: list[str]) -> None:
+        """Subscribe, one channel a command (SSUBSCRIBE's channels must share a hash slot), and wait for every
+        confirmation: a ring sent after this returns is heard."""
+        for channel in channels:
+            self._connection.send_command("SSUBSCRIBE", channel)
+        waiting = set(channels)
+        while waiting:
+            reply = self._connection.read_response()  # socket_timeout bounds the wait
+            kind, channel = _text(reply[0]), _text(reply[1])
+            if kind != "ssubscribe":
+                raise redis.ResponseError(f"unexpected reply to SSUBSCRIBE: {kind} {channel}")
+            waiting.discard(channel)
+
+    def wait(self, timeout: float) -> tuple[set[str], bool]:
+        """Block up to ``timeout`` for a ring, then take every ring already there: (rung channels, stale).
+
+        Stale: the server unsubscribed a channel (its hash slot moved to another shard).
+        """
+        rung: set[str] = set()
+        stale = False
+        ready = self._connection.can_read(timeout=timeout)
+        while ready:
+            reply = self._connection.read_response()
+            kind = _text(reply[0])
+            if kind == "smessage":
+                rung.add(_text(reply[1]))
+            elif kind == "sunsubscribe":
+                stale = True
+            ready = self._connection.can_read(timeout=0)
+        return rung, stale
+
+    def close(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            self._connection.disconnect()
+        with contextlib.suppress(*REDIS_ERRORS):
+            self._server.close()
+
+
+def _open_doorbells(client: RedisClient, *, channels: Sequence[str]) -> list[_ShardDoorbells]:
+    """One doorbell connection per master, for the channels whose hash slots it serves as the client's slot map
+    says.  Raises what a command would (MOVED/ASK while the map is stale: the caller refreshes it)."""
     assert isinstance(client, redis.cluster.RedisCluster)
     by_node: dict[str, tuple[Any, list[str]]] = {}
     for channel in channels:
         node = client.get_node_from_key(channel)  # type: ignore[no-untyped-call]  # the channel's master
         by_node.setdefault(node.name, (node, []))[1].append(channel)
-    settings: dict[str, Any] = client.get_connection_kwargs()  # type: ignore[no-untyped-call]
-    opened: list[Any] = []
+    opened: list[_ShardDoorbells] = []
     try:
         for node, subscribed in by_node.values():
-            # A connection of its own (not the client's pool): a slot-map refresh does not touch it.
-            server = client.nodes_manager.create_redis_node(node.host, node.port, **settings)  # type: ignore[no-untyped-call]
-            pubsub = server.pubsub()
-            opened.append(pubsub)
-            for channel in subscribed:
-                pubsub.ssubscribe(channel)  # one a call: SSUBSCRIBE's channels must share a hash slot
-            waiting = set(subscribed)
-            while waiting:
-                message = pubsub.get_message(timeout=settings.get("socket_timeout") or 5.0)
-                if message is None:
-                    raise redis.TimeoutError(f"no SSUBSCRIBE confirmation from {node.name}")
-                if message["type"] == "ssubscribe":
-                    waiting.discard(_text(message["channel"]))
+            doorbells = _ShardDoorbells(client, node)
+            opened.append(doorbells)
+            doorbells.subscribe(subscribed)
     except BaseException:
-        for pubsub in opened:
-            with contextlib.suppress(*REDIS_ERRORS):
-                pubsub.close()
+        for doorbells in opened:
+            doorbells.close()
         raise
     return opened
-
-
-def _wait_rings(pubsub: Any, *, timeout: float) -> tuple[set[str], bool]:
-    """Block up to ``timeout`` for a ring, then take every ring already there: (rung channels, stale).
-
-    Stale: the server unsubscribed a channel (its hash slot moved to another shard).
-    """
-    rung: set[str] = set()
-    stale = False
-    message = pubsub.get_message(timeout=timeout)
-    while message is not None:
-        if message["type"] == "smessage":
-            rung.add(_text(message["channel"]))
-        elif message["type"] == "sunsubscribe":
-            stale = True
-        message = pubsub.get_message(timeout=0.0)
-    return rung, stale
 
 
 def _head_keys(client: RedisClient, *, prefix: str) -> list[str]:
@@ -604,9 +628,9 @@ class StreamFollower:
             self._client.failed()  # a cluster client reads the slot map anew before subscribing
         self._close_doorbells()
         self._doorbells_stale = False
-        pubsubs = await self._call(partial(_open_doorbells, channels=sorted(channels)))
+        shards = await self._call(partial(_open_doorbells, channels=sorted(channels)))
         assert self._nursery is not None
-        self._doorbell_scope = await self._nursery.start(self._listen_all, pubsubs)
+        self._doorbell_scope = await self._nursery.start(self._listen_all, shards)
         self._doorbell_channels = channels
         self._doorbells_opened += 1
         return True
@@ -618,18 +642,21 @@ class StreamFollower:
         self._doorbell_channels = frozenset()
 
     async def _listen_all(
-        self, pubsubs: list[Any], *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED
+        self,
+        shards: list[_ShardDoorbells],
+        *,
+        task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         with trio.CancelScope() as scope:
             task_status.started(scope)
             async with trio.open_nursery() as nursery:
-                for pubsub in pubsubs:
-                    nursery.start_soon(self._listen, pubsub)
+                for shard in shards:
+                    nursery.start_soon(self._listen, shard)
 
-    async def _listen(self, pubsub: Any) -> None:
+    async def _listen(self, shard: _ShardDoorbells) -> None:
         """One shard's doorbells: a worker thread of its own blocks on the connection (``DOORBELL_WAIT_S`` at
         most, so a cancellation is noticed), and what it hears wakes the live reads."""
-        wait = partial(_wait_rings, pubsub, timeout=DOORBELL_WAIT_S)
+        wait = partial(shard.wait, DOORBELL_WAIT_S)
         limiter = trio.CapacityLimiter(1)
         try:
             while True:
@@ -646,8 +673,7 @@ class StreamFollower:
             self._doorbells_stale = True
             log.info("stream_doorbell_lost", error=describe_redis_error(exc, cluster=True))
         finally:
-            with contextlib.suppress(*REDIS_ERRORS):
-                pubsub.close()
+            shard.close()
 
     async def _read_round(self, replicas: list[SlotReplica]) -> tuple[list[SlotReplica], bool]:
         """One page of each replica's stream (one pipelined round trip per shard), applied and acknowledged:

@@ -12,8 +12,8 @@ import pytest
 import redis
 import trio
 
-from kvagent._util.redis_target import StreamTarget
-from kvagent.stream.format import StreamKeys, cursor_of_id, slots_key
+from kvagent._util.redis_target import StreamTarget, doorbell_channel
+from kvagent.stream.format import StreamKeys, cursor_of_id, encode_heartbeat_entry, slots_key
 from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig, StreamWriter, StreamWriterStatistics
 from tests.support.redis_cluster import RedisClusterServer, private_redis_cluster, redis_cluster
@@ -152,6 +152,85 @@ async def test_consumer_group_members_on_a_cluster(redis_cluster: RedisClusterSe
                     # Delivered through the group (heartbeats may follow the last event: "700-N").
                     assert [g["name"] for g in groups] == [b"routers"]
                     assert cursor_of_id(groups[0]["last-delivered-id"]) == 700
+            nursery.cancel_scope.cancel()
+
+
+def _shard_subscribers(cluster: RedisClusterServer) -> dict[int, int]:
+    """Per master: how many of its client connections hold sharded subscriptions (CLIENT LIST's ``ssub``)."""
+    counts: dict[int, int] = {}
+    for port in cluster.masters():
+        with redis.Redis(port=port, socket_timeout=5) as client:
+            clients: Any = client.client_list()
+            counts[port] = sum(1 for c in clients if int(c.get("ssub", 0)) > 0)
+    return counts
+
+
+async def test_a_live_reader_is_woken_by_its_shards_doorbells(redis_cluster: RedisClusterServer) -> None:
+    """New entries reach a live reader through the doorbells (one subscribed connection per shard): its safety
+    poll is an hour away, so only a ring can have made it read them."""
+    prefix = _prefix()
+    config = _config(redis_cluster.target(), prefix)
+    slots = [SimulatedSlot.create(n, config) for n in range(30, 38)]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await run_writers(slots, nursery)
+            for slot in slots:
+                slot.set_ready(1, ready=True)
+                slot.step(10)
+            for slot in slots:
+                await slot.flushed()
+            channels = [doorbell_channel(_writer(s).keys.tag) for s in slots]
+            shards = {redis_cluster.master_of(channel) for channel in channels}
+            assert len(shards) >= 2
+            before = _shard_subscribers(redis_cluster)
+            follower = StreamFollower(redis_cluster.target(), prefix=prefix, block_ms=3_600_000)
+            await nursery.start(follower.run)
+            await follower.wait_until(lambda f: f.statistics().doorbells_opened == 1)
+            after = _shard_subscribers(redis_cluster)
+            # Exactly one new subscribed connection on each shard that holds a followed slot, none elsewhere.
+            assert {p: after[p] - before.get(p, 0) for p in after} == {p: int(p in shards) for p in after}
+            opened = follower.statistics()
+            for slot in slots:
+                slot.step(40)
+            await follower.wait_until(_caught_up(slots))
+            _assert_exact(follower, slots)
+            stats = follower.statistics()
+            assert stats.doorbell_reads > opened.doorbell_reads
+            assert stats.safety_polls == 0
+            assert stats.doorbells_opened == 1
+            assert stats.failures == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_lost_doorbell_is_covered_by_the_safety_poll(redis_cluster: RedisClusterServer) -> None:
+    """An entry appended without its ring (pub/sub is at most once: a ring lost to a failover) is still read,
+    by the safety poll every ``block_ms``, and not through a doorbell."""
+    prefix = _prefix()
+    config = StreamConfig(
+        redis_cluster.target(), prefix=prefix, heartbeat_interval=3600, backoff_initial=0.05
+    )
+    slot = SimulatedSlot.create(40, config)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as writers:
+                await run_writers([slot], writers)
+                slot.step(10)
+                await slot.flushed()
+                writers.cancel_scope.cancel()  # nothing rings from here on
+            follower = StreamFollower(redis_cluster.target(), prefix=prefix, block_ms=300)
+            await nursery.start(follower.run)
+            await follower.wait_until(lambda f: f.statistics().doorbells_opened == 1)
+            opened = follower.statistics()
+            keys = _writer(slot).keys
+            with redis_cluster.client() as client:
+                client.xadd(
+                    keys.events, encode_heartbeat_entry(123_456_789), id=f"{slot.index.current_event_id()}-*"
+                )
+            await follower.wait_until(lambda f: f.replicas[slot.name].heartbeat_unix_ms == 123_456_789)
+            stats = follower.statistics()
+            assert stats.doorbell_reads == opened.doorbell_reads
+            assert stats.safety_polls > opened.safety_polls
+            assert stats.failures == 0
             nursery.cancel_scope.cancel()
 
 
