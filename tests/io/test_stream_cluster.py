@@ -303,6 +303,12 @@ async def test_resharding_mid_stream(private_redis_cluster: RedisClusterServer) 
             _assert_exact(follower, slots)
             with redis.Redis(port=target) as client:  # the stream lives on the new master now
                 assert client.exists(moved.events, moved.snapshot, moved.head) == 3
+            # The source unsubscribed the moved slot's doorbell (sunsubscribe): the reader subscribed anew,
+            # now on the new master.
+            await follower.wait_until(lambda f: f.statistics().doorbells_opened >= 2)
+            with redis.Redis(port=target) as client:
+                counts: Any = client.execute_command("PUBSUB", "SHARDNUMSUB", doorbell_channel(moved.tag))
+                assert int(counts[1]) == 1
             assert _writer(slots[0]).statistics().failures == 0
             assert follower.statistics().failures == 0
             nursery.cancel_scope.cancel()
