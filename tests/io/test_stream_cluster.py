@@ -266,6 +266,13 @@ async def test_a_master_killed_mid_stream(private_redis_cluster: RedisClusterSer
             _assert_exact(live, slots)
             await restarted.wait_until(_caught_up(slots))
             _assert_exact(restarted, slots)
+            # Both readers' doorbells for the victim's slots are on the replica that took over now.
+            await live.wait_until(lambda f: f.statistics().doorbells_opened >= 2)
+            await restarted.wait_until(lambda f: f.statistics().doorbells_opened >= 1)
+            channel = doorbell_channel(_writer(on_victim[0]).keys.tag)
+            with redis.Redis(port=cluster.master_of(channel)) as client:
+                counts: Any = client.execute_command("PUBSUB", "SHARDNUMSUB", channel)
+                assert int(counts[1]) == 2
             # A cold reader given every node, the killed one first: any node that answers will do.
             nodes = ",".join(f"127.0.0.1:{p}" for p in [victim, *(p for p in cluster.ports if p != victim)])
             cold = _follower(StreamTarget(f"redis+cluster://{nodes}"), prefix)
