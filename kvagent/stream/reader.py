@@ -662,10 +662,8 @@ class StreamFollower:
             while True:
                 # Not abandoned on cancel: the connection is closed below, once no thread reads it.
                 rung, stale = await trio.to_thread.run_sync(wait, limiter=limiter)
-                if stale:
-                    self._doorbells_stale = (
-                        True  # subscribed anew at the next round; until then, the safety poll
-                    )
+                if stale:  # subscribed anew at the next round; until then, the safety poll covers it
+                    self._doorbells_stale = True
                 if rung:
                     self._rung |= rung
                     self._rang.set()
