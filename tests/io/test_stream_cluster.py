@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from kvagent.stream.format import StreamKeys, cursor_of_id, encode_heartbeat_ent
 from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig, StreamWriter, StreamWriterStatistics
 from tests.support.redis_cluster import RedisClusterServer, private_redis_cluster, redis_cluster
-from tests.support.redis_server import _free_port
+from tests.support.redis_server import _free_port, redis_binary
 from tests.support.stream_sim import SimulatedSlot, canonical_state, run_writers
 
 __all__ = ["private_redis_cluster", "redis_cluster"]  # the fixtures, used by name below
@@ -232,6 +233,35 @@ async def test_a_lost_doorbell_is_covered_by_the_safety_poll(redis_cluster: Redi
             assert stats.safety_polls > opened.safety_polls
             assert stats.failures == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_a_cluster_without_sharded_pubsub_is_polled(tmp_path: Path) -> None:
+    """A cluster whose nodes refuse SSUBSCRIBE (as before Redis 7) is followed by the pipelined polls: the
+    reader says so once and keeps up, with no doorbell."""
+    cluster = RedisClusterServer(
+        redis_binary(), tmp_path / "redis-cluster", extra_args=("--rename-command", "SSUBSCRIBE", "")
+    )
+    prefix = _prefix()
+    slots = [SimulatedSlot.create(n, _config(cluster.target(), prefix)) for n in range(4)]
+    try:
+        await cluster.start()
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await run_writers(slots, nursery)
+                for slot in slots:
+                    slot.set_ready(1, ready=True)
+                    slot.step(30)
+                follower = _follower(cluster.target(), prefix)
+                await nursery.start(follower.run)
+                for slot in slots:
+                    slot.step(60)
+                await follower.wait_until(_caught_up(slots))
+                _assert_exact(follower, slots)
+                stats = follower.statistics()
+                assert (stats.doorbells_opened, stats.doorbell_reads, stats.failures) == (0, 0, 0)
+                nursery.cancel_scope.cancel()
+    finally:
+        await cluster.stop()
 
 
 async def test_a_master_killed_mid_stream(private_redis_cluster: RedisClusterServer) -> None:
