@@ -159,6 +159,7 @@ class FollowerStatistics:
     doorbell_reads: int = 0  # rounds of reads a ring started (a cluster's live path)
     safety_polls: int = 0  # catch-ups of every stream because no ring came for block_ms (a cluster)
     doorbells_opened: int = 0  # times the per-shard doorbell connections were (re)subscribed
+    doorbells_subscribed: int = 0  # followed slots whose doorbell is subscribed now (0 while any is stale)
 
 
 def _read_pages(client: RedisClient, *, requests: list[tuple[str, str]]) -> list[Any]:
@@ -380,6 +381,7 @@ class StreamFollower:
             doorbell_reads=self._doorbell_reads,
             safety_polls=self._safety_polls,
             doorbells_opened=self._doorbells_opened,
+            doorbells_subscribed=0 if self._doorbells_stale else len(self._doorbell_channels),
         )
 
     async def _call(self, fn: Callable[[RedisClient], _T]) -> _T:
