@@ -30,6 +30,7 @@ __all__ = [
     "RedisClient",
     "StreamTarget",
     "describe_redis_error",
+    "doorbell_channel",
     "parse_stream_url",
 ]
 
@@ -105,6 +106,12 @@ def describe_redis_error(exc: BaseException, *, cluster: bool) -> str:
     ):
         return f"{type(exc).__name__}: the server refused the credentials (--stream-password-file, username): {text}"
     return f"{type(exc).__name__}: {text}"
+
+
+def doorbell_channel(tag: str) -> str:
+    """The sharded pub/sub channel (``SPUBLISH``/``SSUBSCRIBE``) that a slot's writer rings after appending to
+    its stream on a cluster: ``tag`` is the slot's hash tag, so the channel lives on the stream's shard."""
+    return f"{tag}:ring"
 
 
 def _cluster_url(url: str) -> str:

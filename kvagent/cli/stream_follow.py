@@ -54,7 +54,10 @@ def add_stream_follow_parser(sub: Any) -> None:
     follow.add_argument("--dump", action="store_true", help="with --once: print every slot's tree dump")
     follow.add_argument("--interval", type=float, default=1.0, help="seconds between a slot's lines")
     follow.add_argument(
-        "--poll-ms", type=int, default=20, help="a cluster's live reads: milliseconds between idle polls"
+        "--poll-ms",
+        type=int,
+        default=20,
+        help="a cluster without sharded pub/sub (before Redis 7): milliseconds between idle polls",
     )
     follow.add_argument("--group", help="read live entries through this consumer group (with --consumer)")
     follow.add_argument("--consumer", help="this reader's name in --group")

@@ -10,14 +10,20 @@ that share the entries of a group).
 
 Against a Redis Cluster (``StreamTarget.is_cluster``) the client is redis-py's cluster client, which follows
 MOVED/ASK and reads the slot map anew after resharding or a failover.  A cluster refuses a multi-key ``XREAD``
-whose keys are not in one hash slot (CROSSSLOT), and every slot has its own hash tag, so there the live reads
-are one pipelined round trip per shard (a non-blocking ``XRANGE``, or ``XREADGROUP``, of each of the shard's
-streams), again at once while entries come, else after ``poll_ms``.  The directory is found by ``SCAN`` of
-each master for the slots' heads: no global key.
+whose keys are not in one hash slot (CROSSSLOT), and every slot has its own hash tag, so there the follower
+blocks on doorbells instead: the writer rings its slot's sharded pub/sub channel (``SPUBLISH``, same hash tag,
+same shard) in the pipeline of each append, and the follower holds one ``SSUBSCRIBE``d connection per shard,
+each blocked on in its own worker thread.  A ring makes it read just the rung streams (a non-blocking
+``XRANGE``, or ``XREADGROUP``, pipelined: one round trip per shard).  Pub/sub is at most once (a ring is lost
+to a failover, a resharding, a dropped connection), so every ``block_ms`` the follower also catches up every
+stream and looks at the heads again (the safety poll): a lost ring makes it late, never wrong.  A cluster
+without sharded pub/sub (before Redis 7) is polled every ``poll_ms`` instead.  The directory is found by
+``SCAN`` of each master for the slots' heads: no global key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -35,6 +41,7 @@ from kvagent._util.redis_target import (
     RedisClient,
     StreamTarget,
     describe_redis_error,
+    doorbell_channel,
 )
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError, IndexApplyError
@@ -63,6 +70,9 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 PAGE_ENTRIES = 64  # entries per XRANGE/XREAD page, per stream (an entry holds up to 256 events)
 MAX_RELOADS = 8  # snapshot reloads in a row before a slot waits for the next round
+# The longest a doorbell listener's worker thread blocks on its shard's connection: how soon it notices that it
+# was cancelled (a new set of doorbells, or the follower stopping); a ring ends the wait at once.
+DOORBELL_WAIT_S = 0.25
 
 
 class SlotReplica:
@@ -146,6 +156,10 @@ class FollowerStatistics:
     malformed: int
     failures: int
     last_error: str | None
+    doorbell_reads: int = 0  # rounds of reads a ring started (a cluster's live path)
+    safety_polls: int = 0  # catch-ups of every stream because no ring came for block_ms (a cluster)
+    doorbells_opened: int = 0  # times the per-shard doorbell connections were (re)subscribed
+    doorbells_subscribed: int = 0  # followed slots whose doorbell is subscribed now (0 while any is stale)
 
 
 def _read_pages(client: RedisClient, *, requests: list[tuple[str, str]]) -> list[Any]:
@@ -175,6 +189,81 @@ def _poll_pages(
         else:
             pages.append(answer[0][1])
     return pages
+
+
+class _ShardDoorbells:
+    """One shard's connection, subscribed (``SSUBSCRIBE``) to the doorbells of the followed slots it serves.
+
+    A bare connection read by hand, not redis-py's ``PubSub``: that re-subscribes every channel with one
+    ``SSUBSCRIBE`` when it reconnects, which a cluster refuses (CROSSSLOT) for channels of several hash slots;
+    here a lost connection is an error, answered by subscribing anew on the slot map read anew.  RESP2: every
+    message is a reply on the socket (``smessage``, ``ssubscribe``, ``sunsubscribe``).
+    """
+
+    def __init__(self, client: redis.cluster.RedisCluster, node: Any) -> None:
+        settings: dict[str, Any] = {**client.get_connection_kwargs(), "protocol": 2}  # type: ignore[no-untyped-call]
+        # A connection of its own (not the client's pool): a slot-map refresh does not touch it.
+        self._server = client.nodes_manager.create_redis_node(node.host, node.port, **settings)  # type: ignore[no-untyped-call]
+        self._connection = self._server.connection_pool.get_connection()
+        self.name: str = node.name
+
+    def subscribe(self, channels: list[str]) -> None:
+        """Subscribe, one channel a command (SSUBSCRIBE's channels must share a hash slot), and wait for every
+        confirmation: a ring sent after this returns is heard."""
+        for channel in channels:
+            self._connection.send_command("SSUBSCRIBE", channel)
+        waiting = set(channels)
+        while waiting:
+            reply = self._connection.read_response()  # socket_timeout bounds the wait
+            kind, channel = _text(reply[0]), _text(reply[1])
+            if kind != "ssubscribe":
+                raise redis.ResponseError(f"unexpected reply to SSUBSCRIBE: {kind} {channel}")
+            waiting.discard(channel)
+
+    def wait(self, timeout: float) -> tuple[set[str], bool]:
+        """Block up to ``timeout`` for a ring, then take every ring already there: (rung channels, stale).
+
+        Stale: the server unsubscribed a channel (its hash slot moved to another shard).
+        """
+        rung: set[str] = set()
+        stale = False
+        ready = self._connection.can_read(timeout=timeout)
+        while ready:
+            reply = self._connection.read_response()
+            kind = _text(reply[0])
+            if kind == "smessage":
+                rung.add(_text(reply[1]))
+            elif kind == "sunsubscribe":
+                stale = True
+            ready = self._connection.can_read(timeout=0)
+        return rung, stale
+
+    def close(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            self._connection.disconnect()
+        with contextlib.suppress(*REDIS_ERRORS):
+            self._server.close()
+
+
+def _open_doorbells(client: RedisClient, *, channels: Sequence[str]) -> list[_ShardDoorbells]:
+    """One doorbell connection per master, for the channels whose hash slots it serves as the client's slot map
+    says.  Raises what a command would (MOVED/ASK while the map is stale: the caller refreshes it)."""
+    assert isinstance(client, redis.cluster.RedisCluster)
+    by_node: dict[str, tuple[Any, list[str]]] = {}
+    for channel in channels:
+        node = client.get_node_from_key(channel)  # type: ignore[no-untyped-call]  # the channel's master
+        by_node.setdefault(node.name, (node, []))[1].append(channel)
+    opened: list[_ShardDoorbells] = []
+    try:
+        for node, subscribed in by_node.values():
+            doorbells = _ShardDoorbells(client, node)
+            opened.append(doorbells)
+            doorbells.subscribe(subscribed)
+    except BaseException:
+        for doorbells in opened:
+            doorbells.close()
+        raise
+    return opened
 
 
 def _head_keys(client: RedisClient, *, prefix: str) -> list[str]:
@@ -266,6 +355,17 @@ class StreamFollower:
         self._progress = trio.Event()
         # Inside a round of live reads: entries applied whose acknowledgments (XACK) are not all sent yet.
         self._acknowledging = False
+        # A cluster's doorbells: the channels subscribed, the listeners' cancel scope, what they heard.
+        self._nursery: trio.Nursery | None = None
+        self._doorbell_channels: frozenset[str] = frozenset()
+        self._doorbell_scope: trio.CancelScope | None = None
+        self._doorbells_stale = False  # a listener failed, or a channel's hash slot moved: subscribe anew
+        self._doorbells_unsupported = False  # the cluster has no sharded pub/sub: poll instead
+        self._rung: set[str] = set()
+        self._rang = trio.Event()
+        self._doorbell_reads = 0
+        self._safety_polls = 0
+        self._doorbells_opened = 0
 
     def statistics(self) -> FollowerStatistics:
         replicas = list(self.replicas.values())
@@ -278,6 +378,10 @@ class StreamFollower:
             malformed=self._malformed,
             failures=self._failures,
             last_error=self._last_error,
+            doorbell_reads=self._doorbell_reads,
+            safety_polls=self._safety_polls,
+            doorbells_opened=self._doorbells_opened,
+            doorbells_subscribed=0 if self._doorbells_stale else len(self._doorbell_channels),
         )
 
     async def _call(self, fn: Callable[[RedisClient], _T]) -> _T:
@@ -403,37 +507,48 @@ class StreamFollower:
         Started once caught up and, with a ``group``, a member of it on every stream found: an entry written
         after that is delivered through the group.
         """
+        try:
+            async with trio.open_nursery() as nursery:  # a cluster's doorbell listeners
+                self._nursery = nursery
+                await self._follow(task_status)
+        finally:
+            self._close_doorbells()
+            self._nursery = None
+            await self.aclose()
+
+    async def _follow(self, task_status: trio.TaskStatus[None]) -> None:
         started = False
         backoff = 0.1
-        try:
-            while True:
-                try:
-                    await self.catch_up()
-                    await self._join_groups()
-                    if not started:
-                        task_status.started()
-                        started = True
-                    backoff = 0.1
-                    await self._read_live()
-                except REDIS_ERRORS as exc:
-                    self._failures += 1
-                    self._last_error = describe_redis_error(exc, cluster=self._cluster)
-                    log.warning("stream_read_failed", error=self._last_error)
-                    # A fresh client after the outage: fresh connections and group reads, and a cluster's
-                    # slot map read anew (the replica that took over from a killed master is the master now).
-                    self._client.failed()
-                    # A Redis restarted without its data lost the groups with the streams (XREADGROUP then
-                    # answers NOGROUP): join every group again, at each replica's position (BUSYGROUP: kept).
-                    self._grouped.clear()
-                    await trio.sleep(backoff)
-                    backoff = min(2 * backoff, 5.0)
-        finally:
-            await self.aclose()
+        while True:
+            try:
+                await self.catch_up()
+                await self._join_groups()
+                if not started:
+                    task_status.started()
+                    started = True
+                backoff = 0.1
+                await self._read_live()
+            except REDIS_ERRORS as exc:
+                self._failures += 1
+                self._last_error = describe_redis_error(exc, cluster=self._cluster)
+                log.warning("stream_read_failed", error=self._last_error)
+                # A fresh client after the outage: fresh connections and group reads, and a cluster's
+                # slot map read anew (the replica that took over from a killed master is the master now).
+                self._client.failed()
+                # A Redis restarted without its data lost the groups with the streams (XREADGROUP then
+                # answers NOGROUP): join every group again, at each replica's position (BUSYGROUP: kept).
+                self._grouped.clear()
+                self._doorbells_stale = True  # subscribe anew, on the masters of the map read anew
+                await trio.sleep(backoff)
+                backoff = min(2 * backoff, 5.0)
 
     async def _read_live(self) -> None:
         """Blocking reads of every replica's stream, until a replica needs its snapshot or heads may move."""
         if self._cluster:
-            await self._poll_live()
+            if self._doorbells_unsupported:
+                await self._poll_live()
+            else:
+                await self._ring_live()
             return
         while True:
             replicas = [r for r in self.replicas.values() if r.loaded]
@@ -466,9 +581,135 @@ class StreamFollower:
             if needs_snapshot:
                 return
 
+    async def _ring_live(self) -> None:
+        """A cluster's live reads: wait for a ring on any shard's doorbells, then read the rung streams (one
+        pipelined round trip per shard), until a replica needs its snapshot or ``block_ms`` is up (then the
+        caller catches up every stream and looks at the heads: the safety poll for a lost ring)."""
+        replicas = [r for r in self.replicas.values() if r.loaded]
+        if not replicas:
+            await self._sleep_ms(self._block_ms)
+            return
+        deadline = trio.current_time() + (self._block_ms / 1000 if math.isfinite(self._block_ms) else 1.0)
+        try:
+            subscribed = await self._sync_doorbells(replicas)
+        except redis.ResponseError as exc:
+            if "unknown command" not in str(exc).lower():
+                raise
+            self._doorbells_unsupported = True
+            log.warning("stream_doorbells_unsupported", error=str(exc).splitlines()[0], poll_ms=self._poll_ms)
+            return
+        by_channel = {doorbell_channel(r.keys.tag): r for r in replicas}
+        # Just subscribed: an entry may have come between the last read and the subscription.
+        pending = replicas if subscribed else []
+        while True:
+            while pending:
+                pending, needs_snapshot = await self._read_round(pending)
+                if needs_snapshot:
+                    return
+            if trio.current_time() >= deadline:  # due even while rings keep coming: a lost one is not starved
+                self._safety_polls += 1
+                return
+            with trio.move_on_at(deadline):
+                await self._rang.wait()
+            if not self._rang.is_set():
+                continue
+            self._rang = trio.Event()
+            rung, self._rung = self._rung, set()
+            pending = [by_channel[c] for c in sorted(rung) if c in by_channel and by_channel[c].loaded]
+            if pending:
+                self._doorbell_reads += 1
+
+    async def _sync_doorbells(self, replicas: list[SlotReplica]) -> bool:
+        """Subscribe to every followed slot's doorbell, one connection per shard, unless already (True: just
+        subscribed anew).  Any change (a new slot, a listener that failed, a hash slot that moved) subscribes
+        every channel anew: rare, and simpler than mending one shard's subscriptions."""
+        channels = frozenset(doorbell_channel(r.keys.tag) for r in replicas)
+        if channels == self._doorbell_channels and not self._doorbells_stale:
+            return False
+        if self._doorbells_stale:
+            self._client.failed()  # a cluster client reads the slot map anew before subscribing
+        self._close_doorbells()
+        self._doorbells_stale = False
+        shards = await self._call(partial(_open_doorbells, channels=sorted(channels)))
+        assert self._nursery is not None
+        self._doorbell_scope = await self._nursery.start(self._listen_all, shards)
+        self._doorbell_channels = channels
+        self._doorbells_opened += 1
+        return True
+
+    def _close_doorbells(self) -> None:
+        if self._doorbell_scope is not None:
+            self._doorbell_scope.cancel()  # each listener closes its connection once its thread is back
+            self._doorbell_scope = None
+        self._doorbell_channels = frozenset()
+
+    async def _listen_all(
+        self,
+        shards: list[_ShardDoorbells],
+        *,
+        task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            async with trio.open_nursery() as nursery:
+                for shard in shards:
+                    nursery.start_soon(self._listen, shard)
+
+    async def _listen(self, shard: _ShardDoorbells) -> None:
+        """One shard's doorbells: a worker thread of its own blocks on the connection (``DOORBELL_WAIT_S`` at
+        most, so a cancellation is noticed), and what it hears wakes the live reads."""
+        wait = partial(shard.wait, DOORBELL_WAIT_S)
+        limiter = trio.CapacityLimiter(1)
+        try:
+            while True:
+                # Not abandoned on cancel: the connection is closed below, once no thread reads it.
+                rung, stale = await trio.to_thread.run_sync(wait, limiter=limiter)
+                if stale:  # subscribed anew at the next round; until then, the safety poll covers it
+                    self._doorbells_stale = True
+                if rung:
+                    self._rung |= rung
+                    self._rang.set()
+        except REDIS_ERRORS as exc:
+            self._doorbells_stale = True
+            log.info("stream_doorbell_lost", error=describe_redis_error(exc, cluster=True))
+        finally:
+            shard.close()
+
+    async def _read_round(self, replicas: list[SlotReplica]) -> tuple[list[SlotReplica], bool]:
+        """One page of each replica's stream (one pipelined round trip per shard), applied and acknowledged:
+        (the replicas whose page was full, so more may follow; whether a replica needs its snapshot)."""
+        requests = [(r.keys.events, r.position) for r in replicas]
+        read = partial(_poll_pages, requests=requests, group=self._group, consumer=self._consumer)
+        pages = await self._call(read)
+        needs_snapshot = False
+        more: list[SlotReplica] = []
+        acks: list[tuple[str, list[Any]]] = []
+        self._acknowledging = self._group is not None
+        try:
+            for replica, entries in zip(replicas, pages, strict=True):
+                if not entries:
+                    continue
+                ok = self._apply_entries(replica, entries)
+                if self._group is not None:
+                    acks.append((replica.keys.events, [raw_id for raw_id, _ in entries]))
+                if not ok:
+                    replica.loaded = False
+                    needs_snapshot = True
+                    continue
+                if self._on_update is not None:
+                    self._on_update(replica)
+                if len(entries) == PAGE_ENTRIES:
+                    more.append(replica)
+            if acks and self._group is not None:
+                await self._call(partial(_ack_all, group=self._group, acks=acks))
+        finally:
+            self._acknowledging = False
+        self._note_progress()
+        return more, needs_snapshot
+
     async def _poll_live(self) -> None:
-        """A cluster's live reads: every stream's next page, one pipelined round trip per shard, until a
-        replica needs its snapshot or nothing came for ``block_ms`` (then the heads may have moved)."""
+        """A cluster without sharded pub/sub: every stream's next page, one pipelined round trip per shard,
+        until a replica needs its snapshot or nothing came for ``block_ms`` (then the heads may have moved)."""
         idle_since = trio.current_time()
         while True:
             replicas = [r for r in self.replicas.values() if r.loaded]

@@ -21,6 +21,10 @@ then below what it had written.  The loss is counted (``lost_entries``) and answ
 snapshot and a ``snap`` marker above every cursor written), so a reader that read the lost entries, or the
 status among them, reloads the snapshot rather than missing what they said.  Every append also reads the top
 it continues, in the same pipeline: a stream found elsewhere than where the writer left it is the same loss.
+
+On a cluster every pipeline that appends also rings the slot's doorbell (``SPUBLISH`` on the slot's sharded
+channel, same hash tag, so the same shard and the same round trip): readers block on the doorbells of a shard
+instead of polling its streams (kvagent/stream/reader.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kvagent._util.redis_target import (
     RedisClient,
     StreamTarget,
     describe_redis_error,
+    doorbell_channel,
 )
 from kvagent.model.events import RouterEvent
 from kvagent.model.options import option, option_validator, positive
@@ -176,6 +181,14 @@ class StreamTopMoved(redis.RedisError):
 
 def _is_refused_id(exc: BaseException) -> bool:
     return isinstance(exc, redis.ResponseError) and "equal or smaller" in str(exc)
+
+
+def _raise_first_failure(results: list[Any], *, rung: bool) -> None:
+    """A pipeline's first failed command raised, except the doorbell's (the last, when ``rung``): a ring is
+    at most once by nature, and a server without sharded pub/sub (before Redis 7) refuses it."""
+    for result in results[:-1] if rung else results:
+        if isinstance(result, Exception):
+            raise result
 
 
 async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -379,6 +392,7 @@ class StreamWriter:
         if complete and start <= current:
             entries.append((start, current, ()))  # ids the agent skipped (a restart): covered, no events
         keys, maxlen, expected = self.keys, self.config.maxlen, self._written
+        cluster, ring = self._cluster, doorbell_channel(self.keys.tag)
 
         def append(client: RedisClient) -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -392,8 +406,10 @@ class StreamWriter:
                     maxlen=maxlen,
                     approximate=True,
                 )
+            if cluster and entries:
+                pipe.spublish(ring, str(entries[-1][1]))  # the doorbell: readers block on it, not poll
             results: list[Any] = pipe.execute(raise_on_error=False)
-            return results
+            return results[: 1 + len(entries)]  # the ring's answer is not needed (at most once anyway)
 
         top, *results = await self._call(append)
         if isinstance(top, Exception):
@@ -429,7 +445,9 @@ class StreamWriter:
                 "stream_ahead_of_agent", stream=self.keys.events, stream_cursor=self._written, cursor=cursor
             )
         keys, maxlen = self.keys, self.config.maxlen
-        marker_id = f"{max(cursor, self._written)}-*"
+        marker_cursor = max(cursor, self._written)
+        marker_id = f"{marker_cursor}-*"
+        cluster, ring = self._cluster, doorbell_channel(self.keys.tag)
 
         def write(client: RedisClient) -> None:
             payload = encode_snapshot(snapshot, status)
@@ -443,7 +461,9 @@ class StreamWriter:
                     maxlen=maxlen,
                     approximate=True,
                 )
-            pipe.execute()
+                if cluster:
+                    pipe.spublish(ring, str(marker_cursor))
+            _raise_first_failure(pipe.execute(raise_on_error=False), rung=cluster and marker)
 
         await self._call(write)
         self._snapshots += 1
@@ -460,9 +480,16 @@ class StreamWriter:
 
     async def _xadd(self, entry_id: str, fields: dict[str, bytes]) -> None:
         keys, maxlen = self.keys, self.config.maxlen
+        cluster, ring = self._cluster, doorbell_channel(self.keys.tag)
 
         def xadd(client: RedisClient) -> None:
-            client.xadd(keys.events, _redis_fields(fields), id=entry_id, maxlen=maxlen, approximate=True)
+            if not cluster:
+                client.xadd(keys.events, _redis_fields(fields), id=entry_id, maxlen=maxlen, approximate=True)
+                return
+            pipe = client.pipeline(transaction=False)
+            pipe.xadd(keys.events, _redis_fields(fields), id=entry_id, maxlen=maxlen, approximate=True)
+            pipe.spublish(ring, entry_id)
+            _raise_first_failure(pipe.execute(raise_on_error=False), rung=True)
 
         await self._call(xadd)
         self._last_write = trio.current_time()

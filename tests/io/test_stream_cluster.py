@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import trio
 
-from kvagent._util.redis_target import StreamTarget
-from kvagent.stream.format import StreamKeys, cursor_of_id, slots_key
+from kvagent._util.redis_target import StreamTarget, doorbell_channel
+from kvagent.stream.format import StreamKeys, cursor_of_id, encode_heartbeat_entry, slots_key
 from kvagent.stream.reader import StreamFollower
 from kvagent.stream.writer import StreamConfig, StreamWriter, StreamWriterStatistics
 from tests.support.redis_cluster import RedisClusterServer, private_redis_cluster, redis_cluster
-from tests.support.redis_server import _free_port
+from tests.support.redis_server import _free_port, redis_binary
 from tests.support.stream_sim import SimulatedSlot, canonical_state, run_writers
 
 __all__ = ["private_redis_cluster", "redis_cluster"]  # the fixtures, used by name below
@@ -155,6 +156,114 @@ async def test_consumer_group_members_on_a_cluster(redis_cluster: RedisClusterSe
             nursery.cancel_scope.cancel()
 
 
+def _shard_subscribers(cluster: RedisClusterServer) -> dict[int, int]:
+    """Per master: how many of its client connections hold sharded subscriptions (CLIENT LIST's ``ssub``)."""
+    counts: dict[int, int] = {}
+    for port in cluster.masters():
+        with redis.Redis(port=port, socket_timeout=5) as client:
+            clients: Any = client.client_list()
+            counts[port] = sum(1 for c in clients if int(c.get("ssub", 0)) > 0)
+    return counts
+
+
+async def test_a_live_reader_is_woken_by_its_shards_doorbells(redis_cluster: RedisClusterServer) -> None:
+    """New entries reach a live reader through the doorbells (one subscribed connection per shard): its safety
+    poll is an hour away, so only a ring can have made it read them."""
+    prefix = _prefix()
+    config = _config(redis_cluster.target(), prefix)
+    slots = [SimulatedSlot.create(n, config) for n in range(30, 38)]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await run_writers(slots, nursery)
+            for slot in slots:
+                slot.set_ready(1, ready=True)
+                slot.step(10)
+            for slot in slots:
+                await slot.flushed()
+            channels = [doorbell_channel(_writer(s).keys.tag) for s in slots]
+            shards = {redis_cluster.master_of(channel) for channel in channels}
+            assert len(shards) >= 2
+            before = _shard_subscribers(redis_cluster)
+            follower = StreamFollower(redis_cluster.target(), prefix=prefix, block_ms=3_600_000)
+            await nursery.start(follower.run)
+            await follower.wait_until(lambda f: f.statistics().doorbells_opened == 1)
+            after = _shard_subscribers(redis_cluster)
+            # Exactly one new subscribed connection on each shard that holds a followed slot, none elsewhere.
+            assert {p: after[p] - before.get(p, 0) for p in after} == {p: int(p in shards) for p in after}
+            opened = follower.statistics()
+            for slot in slots:
+                slot.step(40)
+            await follower.wait_until(_caught_up(slots))
+            _assert_exact(follower, slots)
+            stats = follower.statistics()
+            assert stats.doorbell_reads > opened.doorbell_reads
+            assert stats.safety_polls == 0
+            assert stats.doorbells_opened == 1
+            assert stats.failures == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_lost_doorbell_is_covered_by_the_safety_poll(redis_cluster: RedisClusterServer) -> None:
+    """An entry appended without its ring (pub/sub is at most once: a ring lost to a failover) is still read,
+    by the safety poll every ``block_ms``, and not through a doorbell."""
+    prefix = _prefix()
+    config = StreamConfig(
+        redis_cluster.target(), prefix=prefix, heartbeat_interval=3600, backoff_initial=0.05
+    )
+    slot = SimulatedSlot.create(40, config)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as writers:
+                await run_writers([slot], writers)
+                slot.step(10)
+                await slot.flushed()
+                writers.cancel_scope.cancel()  # nothing rings from here on
+            follower = StreamFollower(redis_cluster.target(), prefix=prefix, block_ms=300)
+            await nursery.start(follower.run)
+            await follower.wait_until(lambda f: f.statistics().doorbells_opened == 1)
+            opened = follower.statistics()
+            keys = _writer(slot).keys
+            with redis_cluster.client() as client:
+                client.xadd(
+                    keys.events, encode_heartbeat_entry(123_456_789), id=f"{slot.index.current_event_id()}-*"
+                )
+            await follower.wait_until(lambda f: f.replicas[slot.name].heartbeat_unix_ms == 123_456_789)
+            stats = follower.statistics()
+            assert stats.doorbell_reads == opened.doorbell_reads
+            assert stats.safety_polls > opened.safety_polls
+            assert stats.failures == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_cluster_without_sharded_pubsub_is_polled(tmp_path: Path) -> None:
+    """A cluster whose nodes refuse SSUBSCRIBE (as before Redis 7) is followed by the pipelined polls: the
+    reader says so once and keeps up, with no doorbell."""
+    cluster = RedisClusterServer(
+        redis_binary(), tmp_path / "redis-cluster", extra_args=("--rename-command", "SSUBSCRIBE", "")
+    )
+    prefix = _prefix()
+    slots = [SimulatedSlot.create(n, _config(cluster.target(), prefix)) for n in range(4)]
+    try:
+        await cluster.start()
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await run_writers(slots, nursery)
+                for slot in slots:
+                    slot.set_ready(1, ready=True)
+                    slot.step(30)
+                follower = _follower(cluster.target(), prefix)
+                await nursery.start(follower.run)
+                for slot in slots:
+                    slot.step(60)
+                await follower.wait_until(_caught_up(slots))
+                _assert_exact(follower, slots)
+                stats = follower.statistics()
+                assert (stats.doorbells_opened, stats.doorbell_reads, stats.failures) == (0, 0, 0)
+                nursery.cancel_scope.cancel()
+    finally:
+        await cluster.stop()
+
+
 async def test_a_master_killed_mid_stream(private_redis_cluster: RedisClusterServer) -> None:
     cluster, prefix = private_redis_cluster, _prefix()
     config = _config(cluster.target(), prefix, maxlen=2000)
@@ -187,6 +296,14 @@ async def test_a_master_killed_mid_stream(private_redis_cluster: RedisClusterSer
             _assert_exact(live, slots)
             await restarted.wait_until(_caught_up(slots))
             _assert_exact(restarted, slots)
+            # Both readers' doorbells for the victim's slots are on the replica that took over now (the live
+            # one's listener on the victim failed, so it subscribed anew).
+            for reader in (live, restarted):
+                await reader.wait_until(lambda f: f.statistics().doorbells_subscribed == len(slots))
+            channel = doorbell_channel(_writer(on_victim[0]).keys.tag)
+            with redis.Redis(port=cluster.master_of(channel)) as client:
+                counts: Any = client.execute_command("PUBSUB", "SHARDNUMSUB", channel)
+                assert int(counts[1]) == 2
             # A cold reader given every node, the killed one first: any node that answers will do.
             nodes = ",".join(f"127.0.0.1:{p}" for p in [victim, *(p for p in cluster.ports if p != victim)])
             cold = _follower(StreamTarget(f"redis+cluster://{nodes}"), prefix)
@@ -224,6 +341,12 @@ async def test_resharding_mid_stream(private_redis_cluster: RedisClusterServer) 
             _assert_exact(follower, slots)
             with redis.Redis(port=target) as client:  # the stream lives on the new master now
                 assert client.exists(moved.events, moved.snapshot, moved.head) == 3
+            # The source unsubscribed the moved slot's doorbell (sunsubscribe): the reader subscribed anew,
+            # now on the new master.
+            await follower.wait_until(lambda f: f.statistics().doorbells_opened >= 2)
+            with redis.Redis(port=target) as client:
+                counts: Any = client.execute_command("PUBSUB", "SHARDNUMSUB", doorbell_channel(moved.tag))
+                assert int(counts[1]) == 1
             assert _writer(slots[0]).statistics().failures == 0
             assert follower.statistics().failures == 0
             nursery.cancel_scope.cancel()

@@ -74,8 +74,9 @@ def _role(port: int) -> str | None:
 class RedisClusterServer:
     """Six cluster-enabled redis-servers on their own ports: 3 masters, each with one replica."""
 
-    def __init__(self, binary: str, directory: Path) -> None:
+    def __init__(self, binary: str, directory: Path, extra_args: tuple[str, ...] = ()) -> None:
         self._binary = binary
+        self._extra_args = extra_args  # further redis-server options of every node
         self._cli = shutil.which("redis-cli") or str(Path(binary).with_name("redis-cli"))
         self.directory = directory
         taken: set[int] = set()
@@ -111,7 +112,7 @@ class RedisClusterServer:
             self._binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
-            "--loglevel", "warning",
+            "--loglevel", "warning", *self._extra_args,
         ]  # fmt: skip
         with (node_dir / "redis.log").open("ab") as log_file:
             self._processes[port] = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
