@@ -45,6 +45,12 @@ class TrioSocket:
         """Return once a receive would not block (EVENTS re-read before every wait)."""
         await self._wait(zmq.POLLIN)
 
+    async def wait_signalled(self) -> None:
+        """Return at libzmq's next signal on ``zmq.FD``: any change of ``zmq.EVENTS`` (a blocked outbound pipe
+        turning writable as well as a message arriving), not only a readable message. The caller re-reads
+        ``zmq.EVENTS`` / retries its sends afterwards; the signal is an edge, so it may also have been spent."""
+        await trio.lowlevel.wait_readable(self._fd)
+
     async def recv_multipart(self) -> list[bytes]:
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:

@@ -28,7 +28,7 @@ import collections
 import errno
 import math
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import structlog
@@ -449,7 +449,6 @@ class VllmRepublisher:
         )
 
     async def _serve_replay(self, router: TrioSocket) -> None:
-        fd = cast(int, router.socket.getsockopt(zmq.FD))
         while True:
             self._take_requests(router)
             self._abandon_stalled()
@@ -467,9 +466,9 @@ class VllmRepublisher:
                 continue
             wait = min(BLOCKED_RETRY, max(0.0, self._nearest_deadline() - trio.current_time()))
             with trio.move_on_after(wait):
-                # The raw FD, not router.wait_readable(): libzmq signals it for any change of EVENTS (a blocked
-                # pipe turning writable, too), and that wait returns only once a request is readable.
-                await trio.lowlevel.wait_readable(fd)
+                # Not router.wait_readable(): libzmq signals for any change of EVENTS (a blocked pipe turning
+                # writable, too), and that wait returns only once a request is readable.
+                await router.wait_signalled()
 
     # --- requests --------------------------------------------------------------------------------
     def _take_requests(self, router: TrioSocket) -> None:

@@ -47,6 +47,7 @@ from kvagent._util.redis_target import (
     describe_redis_error,
     doorbell_channel,
 )
+from kvagent._util.sync import checkpoint
 from kvagent.model.events import RouterEvent
 from kvagent.model.options import option, option_validator, positive
 from kvagent.model.status import AgentStatus, AttachmentStatus
@@ -503,7 +504,7 @@ class StreamWriter:
             or self._ring.current_event_id() != self._written
             or _status_key(self._status.get()) != self._written_status
         ):
-            await trio.lowlevel.checkpoint()
+            await checkpoint()
             return
         wake = self._wake
         due = self._last_write + self.config.heartbeat_interval
