@@ -26,6 +26,8 @@ from typing import TypeVar
 import structlog
 import trio
 
+from kvagent._util.sync import Changed, checkpoint
+
 __all__ = [
     "BACKOFF_MAX",
     "CAPACITY_ERRNOS",
@@ -84,7 +86,7 @@ class PendingHandshakes:
         self._on_evict = on_evict  # counts each connection dropped to make room or to free descriptors
         self._entries: OrderedDict[int, tuple[socket.socket, trio.CancelScope, float]] = OrderedDict()
         self._next_key = 0
-        self._left = trio.lowlevel.ParkingLot()  # a pending connection finished, failed or was dropped
+        self._left = Changed()  # a pending connection finished, failed or was dropped
         _TABLES.add(self)
 
     def __len__(self) -> int:
@@ -98,9 +100,10 @@ class PendingHandshakes:
             if wait <= 0:
                 self._evict_oldest()
                 break
+            left = self._left.version
             with trio.move_on_after(wait):
-                await self._left.park()
-        await trio.lowlevel.checkpoint()
+                await self._left.wait(left)
+        await checkpoint()
 
     @contextmanager
     def admit(self, sock: socket.socket, deadline: float) -> Iterator[trio.CancelScope]:
@@ -115,7 +118,7 @@ class PendingHandshakes:
                 yield scope
             finally:
                 if self._entries.pop(key, None) is not None:
-                    self._left.unpark_all()
+                    self._left.notify()
 
     def shed(self) -> int:
         """Drop the oldest eighth (at least one, if any) to free descriptors; how many were dropped."""

@@ -254,8 +254,9 @@ class AttachmentAdvertiser:
     async def _follow_status(self) -> None:
         """The wanted ad follows the attachment's readiness (the cell's change event is not set by cursor
         advances alone)."""
+        changes = self._status.attachment_changed
         while True:
-            await self._status.attachment_change().wait()
+            await changes.wait(changes.version)
             self._update(derive=True)
 
     async def _perform(self, action: Action) -> Outcome:

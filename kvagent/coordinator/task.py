@@ -135,9 +135,9 @@ class StatusCell:
     def __init__(self, initial: AgentStatus) -> None:
         self._status = initial
         self._changed = Changed()
-        # An event, not a Changed: callers outside the coordinator take it and wait (the advertiser, the
-        # stream writer's StatusSource protocol); the next attachment change sets it and makes a new one.
-        self._attachment_changed = trio.Event()
+        # Notified at each change of the attachment's status, not at mere cursor advances: the advertiser
+        # and the stream writer read its version, look at the status, then wait past that version.
+        self.attachment_changed = Changed()
 
     def get(self) -> AgentStatus:
         return self._status
@@ -146,15 +146,7 @@ class StatusCell:
         previous, self._status = self._status, status
         self._changed.notify()
         if status.attachment != previous.attachment:
-            self._attachment_changed.set()
-            self._attachment_changed = trio.Event()
-
-    def attachment_change(self) -> trio.Event:
-        """An event set at the next change of the attachment's status (not at mere cursor advances).
-
-        Take it before looking at the status, then wait on it: a change in between is never missed.
-        """
-        return self._attachment_changed
+            self.attachment_changed.notify()
 
     async def wait_for(self, predicate: Callable[[AgentStatus], bool]) -> AgentStatus:
         """Wait until ``predicate(status)`` is true and return that status."""

@@ -43,6 +43,7 @@ from kvagent._util.redis_target import (
     describe_redis_error,
     doorbell_channel,
 )
+from kvagent._util.sync import Changed
 from kvagent.index.recovery_index import RecoveryIndex
 from kvagent.model.errors import CodecError, IndexApplyError
 from kvagent.model.status import AgentStatus
@@ -352,7 +353,7 @@ class StreamFollower:
         self._malformed = 0
         self._failures = 0
         self._last_error: str | None = None
-        self._progress = trio.Event()
+        self._progress = Changed()
         # Inside a round of live reads: entries applied whose acknowledgments (XACK) are not all sent yet.
         self._acknowledging = False
         # A cluster's doorbells: the channels subscribed, the listeners' cancel scope, what they heard.
@@ -362,7 +363,7 @@ class StreamFollower:
         self._doorbells_stale = False  # a listener failed, or a channel's hash slot moved: subscribe anew
         self._doorbells_unsupported = False  # the cluster has no sharded pub/sub: poll instead
         self._rung: set[str] = set()
-        self._rang = trio.Event()
+        self._rang = Changed()  # notified when a doorbell adds to _rung
         self._doorbell_reads = 0
         self._safety_polls = 0
         self._doorbells_opened = 0
@@ -398,8 +399,7 @@ class StreamFollower:
 
         Never in the middle of a round: in a group, every entry applied so far is acknowledged by then.
         """
-        while self._acknowledging or not predicate(self):
-            await self._progress.wait()
+        await self._progress.wait_for(lambda: not self._acknowledging and predicate(self))
 
     # --- one pass ---------------------------------------------------------------------------------
     async def refresh_heads(self) -> None:
@@ -497,8 +497,7 @@ class StreamFollower:
         self._note_progress()
 
     def _note_progress(self) -> None:
-        self._progress.set()
-        self._progress = trio.Event()
+        self._progress.notify()
 
     # --- follow -----------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -610,10 +609,9 @@ class StreamFollower:
                 self._safety_polls += 1
                 return
             with trio.move_on_at(deadline):
-                await self._rang.wait()
-            if not self._rang.is_set():
+                await self._rang.wait_for(lambda: bool(self._rung))
+            if not self._rung:
                 continue
-            self._rang = trio.Event()
             rung, self._rung = self._rung, set()
             pending = [by_channel[c] for c in sorted(rung) if c in by_channel and by_channel[c].loaded]
             if pending:
@@ -668,7 +666,7 @@ class StreamFollower:
                     self._doorbells_stale = True
                 if rung:
                     self._rung |= rung
-                    self._rang.set()
+                    self._rang.notify()
         except REDIS_ERRORS as exc:
             self._doorbells_stale = True
             log.info("stream_doorbell_lost", error=describe_redis_error(exc, cluster=True))

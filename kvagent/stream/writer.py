@@ -47,7 +47,7 @@ from kvagent._util.redis_target import (
     describe_redis_error,
     doorbell_channel,
 )
-from kvagent._util.sync import checkpoint
+from kvagent._util.sync import Changed, checkpoint
 from kvagent.model.events import RouterEvent
 from kvagent.model.options import option, option_validator, positive
 from kvagent.model.status import AgentStatus, AttachmentStatus
@@ -130,7 +130,8 @@ class StatusSource(Protocol):
     """The slot's status (``StatusCell`` is one)."""
 
     def get(self) -> AgentStatus: ...
-    def attachment_change(self) -> trio.Event: ...
+    @property
+    def attachment_changed(self) -> Changed: ...
 
 
 @attrs.frozen(slots=True)
@@ -192,8 +193,8 @@ def _raise_first_failure(results: list[Any], *, rung: bool) -> None:
             raise result
 
 
-async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
+async def _cancel_after_change(changed: Changed, since: int, scope: trio.CancelScope) -> None:
+    await changed.wait(since)
     scope.cancel()
 
 
@@ -223,7 +224,8 @@ class StreamWriter:
         self._established = False  # once: from then on, a top found below ``_written`` is a loss
         self._lost = 0
         self._limiter = trio.CapacityLimiter(1)
-        self._wake = trio.Event()
+        self._wake = Changed()  # notified by publish
+        self._wake_seen = 0  # the wake's version when the last round began
         self._connected = False
         self._written = 0  # every event up to here is in the stream (valid while connected)
         self._written_status: tuple[AttachmentStatus | None, bool] | None = None
@@ -232,12 +234,12 @@ class StreamWriter:
         self._entries = self._events = self._snapshots = self._resets = 0
         self._status_entries = self._heartbeats = self._refused = self._failures = 0
         self._last_error: str | None = None
-        self._progress = trio.Event()
+        self._progress = Changed()
 
     # --- sink side (the coordinator's task) ---------------------------------------------------------
     def publish(self, events: Sequence[RouterEvent]) -> None:
         """Wake the writer: the events are in the ring already, the writer reads them from there."""
-        self._wake.set()
+        self._wake.notify()
 
     # --- read side ----------------------------------------------------------------------------------
     def statistics(self) -> StreamWriterStatistics:
@@ -261,17 +263,15 @@ class StreamWriter:
 
     async def wait_written(self, cursor: int) -> None:
         """Return once every event up to ``cursor`` (and the status of that moment) is in the stream."""
-        while not (
-            self._connected
+        await self._progress.wait_for(
+            lambda: self._connected
             and self._written >= cursor
             and self._written_status == _status_key(self._status.get())
-        ):
-            await self._progress.wait()
+        )
 
     async def wait_until(self, predicate: Callable[[StreamWriterStatistics], bool]) -> None:
         """Return once ``predicate(self.statistics())`` holds (checked at each write round and failure)."""
-        while not predicate(self.statistics()):
-            await self._progress.wait()
+        await self._progress.wait_for(lambda: predicate(self.statistics()))
 
     # --- the task -----------------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -316,8 +316,7 @@ class StreamWriter:
         )
 
     def _note_progress(self) -> None:
-        self._progress.set()
-        self._progress = trio.Event()
+        self._progress.notify()
 
     async def _establish(self) -> None:
         """Register the head, then learn how far the stream already is (after an outage or a restart)."""
@@ -497,18 +496,19 @@ class StreamWriter:
 
     async def _wait_for_work(self) -> None:
         """Sleep until events are published, the attachment changes, or a heartbeat is due."""
-        wake, self._wake = self._wake, trio.Event()
-        change = self._status.attachment_change()
+        woken = self._wake.version != self._wake_seen
+        self._wake_seen = self._wake.version
+        changes = self._status.attachment_changed
+        changes_seen = changes.version
         if (
-            wake.is_set()
+            woken
             or self._ring.current_event_id() != self._written
             or _status_key(self._status.get()) != self._written_status
         ):
             await checkpoint()
             return
-        wake = self._wake
         due = self._last_write + self.config.heartbeat_interval
         with trio.move_on_at(due):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_set_then_cancel, wake, nursery.cancel_scope)
-                nursery.start_soon(_set_then_cancel, change, nursery.cancel_scope)
+                nursery.start_soon(_cancel_after_change, self._wake, self._wake_seen, nursery.cancel_scope)
+                nursery.start_soon(_cancel_after_change, changes, changes_seen, nursery.cancel_scope)

@@ -335,15 +335,16 @@ async def test_complete_detach_and_a_stopped_coordinator_release_queued_bytes() 
 
 def test_status_cell_signals_attachment_changes_but_not_cursor_advances() -> None:
     slot = Slot()
-    change = slot.status.attachment_change()
+    changes = slot.status.attachment_changed
+    seen = changes.version
     generation = slot.core.attach(attachment_for(FIRST)).generation
-    assert change.is_set()
-    change = slot.status.attachment_change()
+    assert changes.version > seen
+    seen = changes.version
     slot.core.handle_ingress(chunk(generation, 1, [store(W, None, 5, 5)]))
     slot.core.handle_ingress(chunk(generation, 2, [store(W, 5, 6, 6)]))
-    assert slot.current().outbound_cursor == 3 and not change.is_set()
+    assert slot.current().outbound_cursor == 3 and changes.version == seen
     slot.core.handle_signal(SourceSignal(generation, state=SourceState.DISCONNECTED))
-    assert change.is_set()
+    assert changes.version > seen
 
 
 def test_handle_type_is_exported() -> None:
