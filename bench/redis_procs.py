@@ -88,8 +88,8 @@ def redis_server(prefix: str) -> Iterator[RedisServer]:
             server.wait(timeout=10)
 
 
-def _cluster_port(taken: set[int]) -> int:
-    """A free port P with P + 10000 (its cluster bus) free too."""
+def cluster_port(taken: set[int]) -> int:
+    """A free port P with P + 10000 (its cluster bus) free too, both added to ``taken``."""
     while True:
         port = free_port()
         if port > 55535 or port in taken or port + 10000 in taken:
@@ -108,7 +108,7 @@ def start_cluster(
 ) -> tuple[list[int], list[subprocess.Popen[bytes]]]:
     """``masters`` cluster-enabled servers joined by ``redis-cli --cluster create`` (no replicas)."""
     taken: set[int] = set()
-    ports = [_cluster_port(taken) for _ in range(masters)]
+    ports = [cluster_port(taken) for _ in range(masters)]
     processes = []
     for port in ports:
         node = directory / str(port)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import urllib.parse
 from collections.abc import Callable
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import redis
@@ -144,26 +144,22 @@ class StreamTarget:
         """A new sync client.  A plain one connects at its first command; a cluster one reads the cluster's
         slot map from the URL's node now (blocking: call it from a worker thread; raises what a command
         would)."""
+        # No retry of redis-py's own: the caller's failure path decides (and a cluster re-reads its map).
+        settings: dict[str, Any] = {
+            "password": self.password,
+            "username": self.username,
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_timeout,
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": 0,
+        }
         if self.is_cluster:
             return redis.cluster.RedisCluster.from_url(
                 _cluster_url(self.url),
                 startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in _split_nodes(self.url)[1]],  # type: ignore[no-untyped-call]
-                password=self.password,
-                username=self.username,
-                socket_timeout=self.socket_timeout,
-                socket_connect_timeout=self.socket_timeout,
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
+                **settings,
             )
-        return redis.Redis.from_url(
-            self.url,
-            password=self.password,
-            username=self.username,
-            socket_timeout=self.socket_timeout,
-            socket_connect_timeout=self.socket_timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
+        return redis.Redis.from_url(self.url, **settings)
 
 
 _T = TypeVar("_T")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +25,7 @@ import redis
 import redis.cluster
 import trio
 
+from bench.redis_procs import cluster_port
 from kvagent._util.redis_target import StreamTarget
 from tests.support.redis_server import _stop, redis_binary
 
@@ -34,22 +34,6 @@ __all__ = ["RedisClusterServer", "private_redis_cluster", "redis_cluster"]
 NODES = 6
 NODE_TIMEOUT_MS = 1000
 START_TIMEOUT = 30.0
-
-
-def _cluster_port(taken: set[int]) -> int:
-    """A free port P with P + 10000 free too (a cluster node's bus port), so P <= 55535."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-        if port > 55535 or port in taken or port + 10000 in taken:
-            continue
-        try:
-            with socket.socket() as bus:
-                bus.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
 
 
 def _info(port: int) -> dict[str, str]:
@@ -82,9 +66,7 @@ class RedisClusterServer:
         taken: set[int] = set()
         self.ports: list[int] = []
         for _ in range(NODES):
-            port = _cluster_port(taken)
-            taken.update((port, port + 10000))
-            self.ports.append(port)
+            self.ports.append(cluster_port(taken))
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
