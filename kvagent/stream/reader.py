@@ -602,7 +602,7 @@ class StreamFollower:
         pending = replicas if subscribed else []
         while True:
             while pending:
-                pending, needs_snapshot = await self._read_round(pending)
+                pending, needs_snapshot, _ = await self._read_round(pending)
                 if needs_snapshot:
                     return
             if trio.current_time() >= deadline:  # due even while rings keep coming: a lost one is not starved
@@ -673,13 +673,14 @@ class StreamFollower:
         finally:
             shard.close()
 
-    async def _read_round(self, replicas: list[SlotReplica]) -> tuple[list[SlotReplica], bool]:
+    async def _read_round(self, replicas: list[SlotReplica]) -> tuple[list[SlotReplica], bool, bool]:
         """One page of each replica's stream (one pipelined round trip per shard), applied and acknowledged:
-        (the replicas whose page was full, so more may follow; whether a replica needs its snapshot)."""
+        (the replicas whose page was full, so more may follow; whether a replica needs its snapshot; whether
+        any entry came)."""
         requests = [(r.keys.events, r.position) for r in replicas]
         read = partial(_poll_pages, requests=requests, group=self._group, consumer=self._consumer)
         pages = await self._call(read)
-        needs_snapshot = False
+        needs_snapshot = got = False
         more: list[SlotReplica] = []
         acks: list[tuple[str, list[Any]]] = []
         self._acknowledging = self._group is not None
@@ -687,6 +688,7 @@ class StreamFollower:
             for replica, entries in zip(replicas, pages, strict=True):
                 if not entries:
                     continue
+                got = True
                 ok = self._apply_entries(replica, entries)
                 if self._group is not None:
                     acks.append((replica.keys.events, [raw_id for raw_id, _ in entries]))
@@ -703,7 +705,7 @@ class StreamFollower:
         finally:
             self._acknowledging = False
         self._note_progress()
-        return more, needs_snapshot
+        return more, needs_snapshot, got
 
     async def _poll_live(self) -> None:
         """A cluster without sharded pub/sub: every stream's next page, one pipelined round trip per shard,
@@ -714,30 +716,7 @@ class StreamFollower:
             if not replicas:
                 await self._sleep_ms(self._block_ms)
                 return
-            requests = [(r.keys.events, r.position) for r in replicas]
-            read = partial(_poll_pages, requests=requests, group=self._group, consumer=self._consumer)
-            pages = await self._call(read)
-            needs_snapshot = got = False
-            acks: list[tuple[str, list[Any]]] = []
-            self._acknowledging = self._group is not None
-            try:
-                for replica, entries in zip(replicas, pages, strict=True):
-                    if not entries:
-                        continue
-                    got = True
-                    ok = self._apply_entries(replica, entries)
-                    if self._group is not None:
-                        acks.append((replica.keys.events, [raw_id for raw_id, _ in entries]))
-                    if not ok:
-                        replica.loaded = False
-                        needs_snapshot = True
-                    elif self._on_update is not None:
-                        self._on_update(replica)
-                if acks and self._group is not None:
-                    await self._call(partial(_ack_all, group=self._group, acks=acks))
-            finally:
-                self._acknowledging = False
-            self._note_progress()
+            _, needs_snapshot, got = await self._read_round(replicas)
             if needs_snapshot:
                 return
             now = trio.current_time()
